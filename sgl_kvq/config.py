@@ -1,0 +1,94 @@
+"""The one frozen config that flows from `--kv-cache-dtype` to the pool, the backends and the kernels.
+
+A dtype name is `<method><bits>` (kivi2, specache1, ...). Knobs that SGLang's command line has no room for come from
+environment variables with the `SGL_KVQ_` prefix (read in one place, `sgl_kvq.env`), so they reach SGLang's spawned
+scheduler processes unchanged. Defaults are the papers' (prior-art.md): G = 64, residual window R = 64, top-k 64.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+from sgl_kvq import env
+
+METHODS = ("kivi", "specache")
+BITS = (1, 2, 4)
+# The dtype names SGLang's --kv-cache-dtype gains. Every one is served by the same pool and backends.
+DTYPE_NAMES = tuple(f"{m}{b}" for m in METHODS for b in BITS)
+
+_NAME = re.compile(r"^(?P<method>[a-z]+)(?P<bits>\d+)$")
+
+
+class KVQConfigError(ValueError):
+    """Bad sgl_kvq input: raised before any model loads."""
+
+
+@dataclass(frozen=True)
+class KVQConfig:
+    method: str  # "kivi" | "specache"
+    bits: int  # 1, 2 or 4: code width of keys and values in the packed base
+    group_size: int = 64  # G: tokens per page = key quantization group (keys per-channel over a page)
+    value_group: int = 64  # channels per value quantization group (values per-token); clipped to head_dim
+    residual: int = 64  # R: most recent complete tokens kept fp16 in the overlay, a multiple of G
+    topk: int = 64  # SpeCache: fp16 tokens prefetched per (request, layer, KV head)
+    # 1-bit codes use SpeCache's zero-point (3 min + max)/4 and scale (max - min)/2 (eq. 3), which halves the
+    # reconstruction error of plain min/max 1-bit (tests/test_quant_uniform.py measures it).
+    specache_one_bit: bool = True
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise KVQConfigError(f"sgl_kvq: unknown method {self.method!r}; known: {', '.join(METHODS)}")
+        if self.bits not in BITS:
+            raise KVQConfigError(f"sgl_kvq: {self.method} supports {BITS}-bit codes, not {self.bits}")
+        g = self.group_size
+        if g < 8 or g & (g - 1):
+            raise KVQConfigError(f"sgl_kvq: group size G={g} must be a power of two >= 8 (it is the page size)")
+        if self.value_group < 8 or self.value_group & (self.value_group - 1):
+            raise KVQConfigError(f"sgl_kvq: value group {self.value_group} must be a power of two >= 8")
+        if self.residual < 0 or self.residual % g:
+            raise KVQConfigError(f"sgl_kvq: residual window R={self.residual} must be a multiple of G={g}")
+        if self.topk < 1:
+            raise KVQConfigError(f"sgl_kvq: top-k must be positive, got {self.topk}")
+
+    @property
+    def name(self) -> str:
+        return f"{self.method}{self.bits}"
+
+    @property
+    def page_size(self) -> int:
+        return self.group_size
+
+    @property
+    def ring_pages(self) -> int:
+        """fp16 overlay frames per running request: the open page plus R/G window pages."""
+        return 1 + self.residual // self.group_size
+
+    def value_group_for(self, head_dim: int) -> int:
+        return min(self.value_group, head_dim)
+
+    def check_head_dim(self, head_dim: int, v_head_dim: int | None = None) -> None:
+        for what, d in (("head_dim", head_dim), ("v_head_dim", v_head_dim or head_dim)):
+            if d % 8 or (d * self.bits) % 8:
+                raise KVQConfigError(f"sgl_kvq: {what}={d} cannot be packed at {self.bits} bit (needs a multiple of 8)")
+            if d % self.value_group_for(d):
+                raise KVQConfigError(
+                    f"sgl_kvq: {what}={d} is not a multiple of the value group {self.value_group_for(d)}")
+
+    def replace(self, **kw) -> "KVQConfig":
+        return dataclasses.replace(self, **kw)
+
+
+def is_kvq_dtype(name: object) -> bool:
+    return isinstance(name, str) and name in DTYPE_NAMES
+
+
+def parse_kv_cache_dtype(name: str, **overrides) -> KVQConfig:
+    """`kivi2` -> KVQConfig(method="kivi", bits=2, ...) with SGL_KVQ_* knobs, then explicit overrides, applied."""
+    m = _NAME.match(name or "")
+    if not m or name not in DTYPE_NAMES:
+        raise KVQConfigError(f"sgl_kvq: unknown kv cache dtype {name!r}; choose one of {', '.join(DTYPE_NAMES)}")
+    knobs = env.knobs()
+    knobs.update(overrides)
+    return KVQConfig(method=m["method"], bits=int(m["bits"]), **knobs)

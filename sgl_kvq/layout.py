@@ -1,0 +1,101 @@
+"""The packed paged KV layout, written down once. The pool allocates it, the kernels read it, tests assert it.
+
+A page is G = cfg.group_size consecutive token positions of ONE request (SGLang's paged allocator: position p sits at
+in-page offset p % G) and is also the key quantization group. Token slot s lives in page s // G at offset s % G.
+Page 0 (slots 0..G-1) is SGLang's dummy page for padded writes. L layers, H KV heads, D head dim, b bits,
+VG = value channel group, Dp = D * b // 8 packed bytes per token-head.
+
+Base (complete pages, immutable once quantized; shared by the radix tree):
+    k_codes  [L, S, H, Dp]      uint8   keys, b-bit codes packed along D (sgl_kvq.quant.pack)
+    k_scale  [L, P, H, D]       fp16    per-channel over the page's G tokens: k ~= k_zero + code * k_scale
+    k_zero   [L, P, H, D]       fp16
+    v_codes  [L, S, H, Dp]      uint8   values, b-bit codes packed along D
+    v_scale  [L, S, H, D // VG] fp16    per token, per group of VG channels
+    v_zero   [L, S, H, D // VG] fp16
+  with P = num_pages + 1 (page 0 included) and S = P * G token slots.
+
+Overlay (fp16 tokens that override the base: the open page and the recent window), per running request:
+    ov_k, ov_v [L, F, G, H, D]  model dtype; F = max_running_requests * cfg.ring_pages frames
+  request slot r (SGLang's req_pool_idx) owns frames r * ring .. r * ring + ring - 1; its logical page n (positions
+  n*G .. n*G+G-1) uses frame r * ring + n % ring.
+    ov_tag   [F]                int64   pool page whose tokens the frame holds (-1: empty)
+    ov_gen   [F]                int64   that page's generation when the frame was written
+    page_gen [P]                int64   bumped whenever offset 0 of a page is written, i.e. when a freed page is
+                                        reused: SGLang never tells the pool about frees, so a frame is valid only
+                                        while (ov_tag, ov_gen) still names the page's current contents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sgl_kvq.config import KVQConfig
+from sgl_kvq.quant.pack import packed_dim
+from sgl_kvq.quant.uniform import SCALE_DTYPE
+
+
+@dataclass(frozen=True)
+class PoolShape:
+    layers: int
+    heads: int  # KV heads
+    head_dim: int
+    num_pages: int  # usable pages, page 0 excluded
+    cfg: KVQConfig
+
+    @property
+    def G(self) -> int:
+        return self.cfg.group_size
+
+    @property
+    def P(self) -> int:
+        return self.num_pages + 1
+
+    @property
+    def S(self) -> int:
+        return self.P * self.G
+
+    @property
+    def Dp(self) -> int:
+        return packed_dim(self.head_dim, self.cfg.bits)
+
+    @property
+    def VG(self) -> int:
+        return self.cfg.value_group_for(self.head_dim)
+
+    def base_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        L, H, D, P, S = self.layers, self.heads, self.head_dim, self.P, self.S
+        return {
+            "k_codes": ((L, S, H, self.Dp), torch.uint8),
+            "k_scale": ((L, P, H, D), SCALE_DTYPE),
+            "k_zero": ((L, P, H, D), SCALE_DTYPE),
+            "v_codes": ((L, S, H, self.Dp), torch.uint8),
+            "v_scale": ((L, S, H, D // self.VG), SCALE_DTYPE),
+            "v_zero": ((L, S, H, D // self.VG), SCALE_DTYPE),
+        }
+
+    def base_bytes_per_token(self) -> float:
+        """Bytes the base stores per token over all layers (codes + scales/zeros), page 0 not counted."""
+        total = 0
+        for shape, dtype in self.base_shapes().values():
+            per = 1
+            for s in shape[2:]:
+                per *= s
+            per *= shape[0] * torch.empty((), dtype=dtype).element_size()
+            total += per / (self.G if shape[1] == self.P else 1)
+        return total
+
+    def overlay_bytes_per_frame(self, model_dtype: torch.dtype) -> int:
+        L, H, D = self.layers, self.heads, self.head_dim
+        return 2 * L * self.G * H * D * torch.empty((), dtype=model_dtype).element_size() + 16
+
+
+def check_base(buffers: dict[str, torch.Tensor], shape: PoolShape) -> None:
+    """Assert that tensors handed across a boundary (pool -> kernel) have exactly the layout above."""
+    for name, (want_shape, want_dtype) in shape.base_shapes().items():
+        t = buffers[name]
+        if tuple(t.shape) != want_shape or t.dtype != want_dtype:
+            raise AssertionError(f"{name}: got {tuple(t.shape)} {t.dtype}, layout says {want_shape} {want_dtype}")
+        if not t.is_contiguous():
+            raise AssertionError(f"{name} must be contiguous")
