@@ -1,0 +1,77 @@
+"""Launcher-side checks of one layer's pool view against sgl_kvq/layout.py (layer dim removed):
+
+    k_codes, v_codes  [S, H, Dp]        uint8, Dp = D * bits // 8, S = P * G
+    k_scale, k_zero   [P, H, D]         fp16
+    v_scale, v_zero   [S, H, D // VG]   fp16
+    ov_k, ov_v        [F, G, H, D]      model dtype
+Kernels index dims 0 and 1 through strides and assume the last dim is contiguous.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from sgl_kvq.attention_ref import LayerKV, PagedPlan
+from sgl_kvq.quant.pack import packed_dim
+from sgl_kvq.quant.uniform import SCALE_DTYPE
+
+MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"sgl_kvq kernels: {msg}")
+
+
+def is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def check_layer(kv: LayerKV) -> tuple[int, int, int, int]:
+    """Returns (H, D, G, VG) after checking every buffer of the layer view."""
+    F, G, H, D = kv.ov_k.shape
+    require(kv.bits in (1, 2, 4), f"bits must be 1, 2 or 4, got {kv.bits}")
+    require(is_pow2(D) and D >= 16, f"head_dim {D} must be a power of two >= 16")
+    require(is_pow2(G) and G >= 16, f"page size G={G} must be a power of two >= 16 (tl.dot tiles)")
+    S, Dp = kv.k_codes.shape[0], packed_dim(D, kv.bits)
+    require(S % G == 0, f"k_codes has {S} slots, not a multiple of G={G}")
+    P = S // G
+    NG = kv.v_scale.shape[-1]
+    require(NG > 0 and D % NG == 0 and is_pow2(D // NG), f"v_scale last dim {NG} does not divide head_dim {D}")
+    want = {
+        "k_codes": ((S, H, Dp), torch.uint8), "v_codes": ((S, H, Dp), torch.uint8),
+        "k_scale": ((P, H, D), SCALE_DTYPE), "k_zero": ((P, H, D), SCALE_DTYPE),
+        "v_scale": ((S, H, NG), SCALE_DTYPE), "v_zero": ((S, H, NG), SCALE_DTYPE),
+        "ov_v": ((F, G, H, D), kv.ov_k.dtype),
+    }
+    require(kv.ov_k.dtype in MODEL_DTYPES, f"ov_k dtype {kv.ov_k.dtype} is not a model dtype")
+    for name, (shape, dtype) in want.items():
+        t = getattr(kv, name)
+        require(tuple(t.shape) == shape and t.dtype == dtype,
+                f"{name}: got {tuple(t.shape)} {t.dtype}, layout says {shape} {dtype}")
+    for name in ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero", "ov_k", "ov_v"):
+        t = getattr(kv, name)
+        require(t.device == kv.ov_k.device, f"{name} is on {t.device}, ov_k on {kv.ov_k.device}")
+        require(t.stride(-1) == 1, f"{name} must be contiguous in its last dim")
+    require(kv.k_scale.stride() == kv.k_zero.stride(), "k_scale and k_zero strides differ")
+    require(kv.v_scale.stride() == kv.v_zero.stride(), "v_scale and v_zero strides differ")
+    require(kv.k_codes.stride() == kv.v_codes.stride(), "k_codes and v_codes strides differ")
+    require(kv.ov_k.stride() == kv.ov_v.stride(), "ov_k and ov_v strides differ")
+    return H, D, G, D // NG
+
+
+def check_paged(p: PagedPlan, device: torch.device) -> None:
+    B = p.batch_size
+    for name in ("kv_indptr", "kv_indices", "kv_last_page_len", "ov_indptr", "ov_indices", "ov_last_page_len"):
+        t = getattr(p, name)
+        require(t.dtype == torch.int32, f"{name} must be int32, got {t.dtype}")
+        require(t.device == device, f"{name} is on {t.device}, the pool on {device}")
+        require(t.dim() == 1 and t.is_contiguous(), f"{name} must be a contiguous 1-D tensor")
+    require(p.ov_indptr.numel() == B + 1, "ov_indptr and kv_indptr disagree on the batch size")
+    require(p.kv_last_page_len.numel() == B and p.ov_last_page_len.numel() == B, "last_page_len must be [B]")

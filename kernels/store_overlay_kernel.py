@@ -1,0 +1,25 @@
+"""Jitted code of the single-token overlay write (launcher: store_overlay.py)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_overlay_kernel(
+    K, V, frames, offsets, OVK, OVV,
+    stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+    stride_ov_frame, stride_ov_tok, stride_ov_head,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    # One program per token row: all its heads at once.
+    t = tl.program_id(0).to(tl.int64)
+    f = tl.load(frames + t).to(tl.int64)
+    o = tl.load(offsets + t).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, D)
+    mask = (offs_h < H)[:, None]
+    dst = f * stride_ov_frame + o * stride_ov_tok + offs_h[:, None] * stride_ov_head + offs_d[None, :]
+    k = tl.load(K + t * stride_k_tok + offs_h[:, None] * stride_k_head + offs_d[None, :], mask=mask)
+    tl.store(OVK + dst, k.to(OVK.dtype.element_ty), mask=mask)
+    v = tl.load(V + t * stride_v_tok + offs_h[:, None] * stride_v_head + offs_d[None, :], mask=mask)
+    tl.store(OVV + dst, v.to(OVV.dtype.element_ty), mask=mask)
