@@ -1,0 +1,83 @@
+"""Server-argument resolution for kvq dtypes: validate everything before a model loads, then pick the page size
+(= G), the attention backend and the CUDA-graph setting the quantized pool needs."""
+
+from __future__ import annotations
+
+import logging
+
+from sgl_kvq.config import KVQConfigError, is_kvq_dtype, parse_kv_cache_dtype
+from sgl_kvq.model_check import check_hf_config
+
+logger = logging.getLogger("sgl_kvq")
+
+_SOURCE = "sgl_kvq"
+DEFAULT_MAX_RUNNING_REQUESTS = 256
+
+
+def kvq_backend_for(device: str | None) -> str:
+    # kvq_triton reads packed pages in fused Triton kernels on CUDA; kvq_torch is the reference and the CPU path.
+    from sgl_kvq.patches.backends import triton_backend_available
+
+    return "kvq_triton" if (device in (None, "cuda") and triton_backend_available()) else "kvq_torch"
+
+
+def validate(server_args, view) -> None:
+    """Raise KVQConfigError for every combination the quantized pool cannot serve."""
+    cfg = parse_kv_cache_dtype(view.kv_cache_dtype)
+    page = server_args.page_size  # the user's own value (None when not given)
+    if page is not None and page != cfg.group_size:
+        raise KVQConfigError(f"sgl_kvq: --page-size {page} conflicts with {cfg.name}'s quantization group "
+                             f"G={cfg.group_size} (a page is one key group); drop --page-size or set "
+                             f"SGL_KVQ_GROUP_SIZE={page}")
+    backend = server_args.attention_backend
+    from sgl_kvq.patches.cli_args import BACKENDS
+
+    for what in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
+        chosen = getattr(server_args, what, None)
+        if chosen is not None and chosen not in BACKENDS:
+            raise KVQConfigError(f"sgl_kvq: --{what.replace('_', '-')} {chosen} cannot read {cfg.name} KV; use "
+                                 f"{' or '.join(BACKENDS)} (or leave it unset)")
+    unsupported = {
+        "speculative_algorithm": "speculative decoding",
+        "enable_mixed_chunk": "--enable-mixed-chunk",
+        "enable_hierarchical_cache": "--enable-hierarchical-cache (HiCache)",
+        "enable_lora": "LoRA",
+    }
+    for field, what in unsupported.items():
+        if getattr(view, field, None):
+            raise KVQConfigError(f"sgl_kvq: {what} is not supported with --kv-cache-dtype {cfg.name} yet")
+    if (getattr(view, "pp_size", 1) or 1) > 1:
+        raise KVQConfigError(f"sgl_kvq: pipeline parallelism is not supported with {cfg.name} yet")
+    if backend == "kvq_triton" and view.device == "cpu":
+        logger.warning("sgl_kvq: kvq_triton on CPU runs Triton's interpreter (TRITON_INTERPRET=1): slow")
+    from sglang.srt.arg_groups.overrides import model_config_of
+
+    model_config = model_config_of(server_args)
+    check_hf_config(model_config.hf_config, cfg)
+
+
+def resolve(server_args, previous) -> None:
+    from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
+
+    view = resolving_view(server_args)
+    if not is_kvq_dtype(view.kv_cache_dtype):
+        return previous(server_args)
+    validate(server_args, view)
+    cfg = parse_kv_cache_dtype(view.kv_cache_dtype)
+    decided = {"page_size": cfg.group_size}
+    if server_args.attention_backend is None:
+        decided["attention_backend"] = kvq_backend_for(view.device)
+    if server_args.max_running_requests is None:
+        # Each running request holds ring * G fp16 tokens of overlay; SGLang's default (2048+) would spend the KV
+        # budget on overlay frames. 256 is above SGLang's default CUDA-graph batch on an H100.
+        decided["max_running_requests"] = DEFAULT_MAX_RUNNING_REQUESTS
+    declare_resolution(server_args, _SOURCE, **decided)
+    logger.info("sgl_kvq: %s with %s", cfg, decided)
+    previous(server_args)
+    if resolving_view(server_args).attention_backend == "kvq_torch":
+        from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, with_phase
+
+        graphs = resolving_view(server_args).cuda_graph_config
+        for phase in (Phase.DECODE, Phase.PREFILL):
+            graphs = with_phase(graphs, phase, backend=Backend.DISABLED)
+        declare_resolution(server_args, _SOURCE, cuda_graph_config=graphs)

@@ -1,0 +1,63 @@
+"""Every SGLang 0.5.23 symbol sgl_kvq hooks or imports, checked when the plugin loads so a version change fails
+loudly instead of silently serving bf16 (or garbage)."""
+
+from __future__ import annotations
+
+import importlib
+
+from sgl_kvq import SGLANG_VERSION
+
+HOOK_TARGETS = (
+    "sglang.srt.server_args.ServerArgs.add_cli_args",
+    "sglang.srt.mem_cache.kv_cache_dtype.configure_kv_cache_dtype",
+    "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.__init__",
+    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_token_to_kv_pool",
+)
+IMPORTED = (
+    "sglang.srt.arg_groups.resolution_hooks.register_resolution_hook",
+    "sglang.srt.arg_groups.overrides.declare_resolution",
+    "sglang.srt.arg_groups.overrides.resolving_view",
+    "sglang.srt.arg_groups.overrides.model_config_of",
+    "sglang.srt.arg_groups.choices.add_attention_backend_choices",
+    "sglang.srt.layers.attention.attention_registry.register_attention_backend",
+    "sglang.srt.layers.attention.base_attn_backend.AttentionBackend",
+    "sglang.srt.mem_cache.memory_pool.KVCache",
+    "sglang.srt.model_executor.cuda_graph_config.with_phase",
+)
+RESOLUTION_STEP = "handle_attention_backend_compatibility"
+
+
+class SGLangVersionError(RuntimeError):
+    pass
+
+
+def resolve(path: str):
+    parts = path.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(path)
+
+
+def check() -> None:
+    import sglang
+
+    problems = []
+    if sglang.__version__ != SGLANG_VERSION:
+        problems.append(f"sglang {sglang.__version__} is installed, sgl_kvq is built for exactly {SGLANG_VERSION}")
+    for path in HOOK_TARGETS + IMPORTED:
+        try:
+            resolve(path)
+        except (ImportError, AttributeError) as e:
+            problems.append(f"{path} is missing ({type(e).__name__}: {e})")
+    from sglang.srt.arg_groups.resolution_hooks import _OVERRIDABLE_HOOKS
+
+    if RESOLUTION_STEP not in _OVERRIDABLE_HOOKS:
+        problems.append(f"resolution step {RESOLUTION_STEP} is not overridable")
+    if problems:
+        raise SGLangVersionError("sgl_kvq cannot hook this SGLang: " + "; ".join(problems))

@@ -1,0 +1,93 @@
+"""kvq_torch: the reference attention backend over the quantized pool; any device, the CPU default.
+
+It dequantizes per request, only the pages that request references (sgl_kvq/attention_ref.py), never the pool."""
+
+from __future__ import annotations
+
+import torch
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+
+from sgl_kvq import attention_ref
+from sgl_kvq.backends import metadata
+
+
+class KVQAttentionBackendBase(AttentionBackend):
+    name = "kvq"
+
+    def __init__(self, model_runner):
+        super().__init__()
+        from sgl_kvq.pool import KVQTokenToKVPool
+
+        pool = model_runner.token_to_kv_pool
+        if not isinstance(pool, KVQTokenToKVPool):
+            raise ValueError(f"sgl_kvq: the {self.name} attention backend needs a quantized KV cache "
+                             f"(--kv-cache-dtype kivi2 ...); this server's pool is {type(pool).__name__}")
+        self.pool = pool
+        self.store = pool.store
+        self.req_to_token = model_runner.req_to_token_pool.req_to_token
+        self.fp: metadata.ForwardPlan | None = None
+
+    def init_forward_metadata(self, forward_batch):
+        mode = forward_batch.forward_mode
+        if mode.is_idle():
+            self.fp = None
+            return
+        if mode.is_decode():
+            self.fp = metadata.build(self.store, self.req_to_token, forward_batch.req_pool_indices,
+                                     forward_batch.seq_lens, forward_batch.out_cache_loc, True)
+        elif mode.is_extend() and not mode.is_mixed() and not mode.is_target_verify():
+            self.fp = metadata.build(self.store, self.req_to_token, forward_batch.req_pool_indices,
+                                     forward_batch.seq_lens, forward_batch.out_cache_loc, False,
+                                     forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu)
+        else:
+            raise NotImplementedError(f"sgl_kvq: forward mode {mode.name} is not supported by {self.name}")
+
+    @staticmethod
+    def _check_layer(layer):
+        if layer.is_cross_attention or (layer.sliding_window_size is not None and layer.sliding_window_size > -1) \
+                or (layer.logit_cap or 0) > 0 or layer.qk_head_dim != layer.v_head_dim:
+            raise NotImplementedError("sgl_kvq: cross attention, sliding windows, logit caps and qk/v head dims "
+                                      "that differ are not supported")
+
+    def _views(self, q, k, v, layer):
+        self._check_layer(layer)
+        q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        if k is not None:
+            k = k.reshape(-1, layer.tp_k_head_num, layer.qk_head_dim)
+            v = v.reshape(-1, layer.tp_v_head_num, layer.v_head_dim)
+        return q, k, v, self.pool.layer_index(layer.layer_id)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        q, k, v, li = self._views(q, k, v, layer)
+        fp = self.fp
+        # Attend first: the prefix's fp16 frames may be reused by this batch's own tokens, so read them before
+        # this layer's write (sgl_kvq/kv_store.py).
+        o = self.extend(q, k, v, li, fp, layer.scaling)
+        if save_kv_cache:
+            self.store.write_layer(li, fp.write, k, v)
+        return o.reshape(q.shape[0], -1)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        q, k, v, li = self._views(q, k, v, layer)
+        if save_kv_cache:
+            self.store.write_layer(li, self.fp.write, k, v)
+        return self.decode(q, li, self.fp, layer.scaling).reshape(q.shape[0], -1)
+
+    def extend(self, q, k, v, li, fp, sm_scale):
+        raise NotImplementedError
+
+    def decode(self, q, li, fp, sm_scale):
+        raise NotImplementedError
+
+
+class KVQTorchBackend(KVQAttentionBackendBase):
+    name = "kvq_torch"
+
+    def extend(self, q, k, v, li, fp, sm_scale):
+        return attention_ref.ref_extend(q, k, v, fp.qo_indptr, self.store.layer_view(li), fp.plan, sm_scale)
+
+    def decode(self, q, li, fp, sm_scale):
+        return attention_ref.ref_decode(q, self.store.layer_view(li), fp.plan, sm_scale)
+
+    def support_triton(self):
+        return False

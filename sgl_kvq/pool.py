@@ -1,0 +1,86 @@
+"""SGLang's KVCache interface over the quantized store (sgl_kvq/kv_store.py).
+
+The pool owns every write: the kvq backends call `begin_batch` / `write_layer` with the batch's request slots and
+positions. The stock entry points that would hand out or accept plain bf16 rows raise, so no SGLang path can write
+unquantized KV around us (the fused-write trap) or dequantize the whole pool on a read (the int4 PRs' trap).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from sglang.srt.mem_cache.memory_pool import KVCache
+
+from sgl_kvq.config import KVQConfig
+from sgl_kvq.kv_store import QuantizedKVStore
+from sgl_kvq.layout import PoolShape
+
+logger = logging.getLogger(__name__)
+
+
+class KVQPoolError(RuntimeError):
+    pass
+
+
+class KVQTokenToKVPool(KVCache):
+    def __init__(self, size: int, page_size: int, cfg: KVQConfig, head_num: int, head_dim: int, layer_num: int,
+                 device: str, model_dtype: torch.dtype, num_req_slots: int, start_layer: int | None = None,
+                 end_layer: int | None = None, enable_memory_saver: bool = False):
+        if page_size != cfg.group_size:
+            raise KVQPoolError(f"sgl_kvq: page size {page_size} != quantization group G={cfg.group_size}")
+        # dtype is the packed storage type, never bf16: SGLang enables fused bf16 writes into get_key_buffer()
+        # views when pool.dtype == bfloat16 (models/utils.py: enable_fused_set_kv_buffer).
+        super().__init__(size, page_size, torch.uint8, layer_num, device, enable_memory_saver, start_layer, end_layer)
+        self.cfg = cfg
+        self.head_num, self.head_dim, self.v_head_dim = head_num, head_dim, head_dim
+        num_pages = -(-size // page_size)
+        self.shape = PoolShape(layers=layer_num, heads=head_num, head_dim=head_dim, num_pages=num_pages, cfg=cfg)
+        self.store = QuantizedKVStore(cfg, self.shape, num_req_slots, model_dtype, device)
+        self._finalize_allocation_log(size)
+        logger.info("sgl_kvq %s pool: %d tokens, base %.1f B/token, overlay %.1f MB (%d request slots x %d frames)",
+                    cfg.name, size, self.shape.base_bytes_per_token(), self.store.overlay_bytes() / 2**20,
+                    num_req_slots, cfg.ring_pages)
+
+    # ---- what SGLang reads for sizing and logs ----
+    def get_kv_size_bytes(self):
+        s = self.store
+        k = sum(t.numel() * t.element_size() for t in (s.k_codes, s.k_scale, s.k_zero, s.ov_k))
+        v = sum(t.numel() * t.element_size() for t in (s.v_codes, s.v_scale, s.v_zero, s.ov_v))
+        return k, v
+
+    def bytes_per_token(self) -> float:
+        """Allocated KV bytes (base + overlay) per token of capacity: the number a capacity comparison needs."""
+        return (self.store.base_bytes() + self.store.overlay_bytes()) / max(self.size, 1)
+
+    def get_v_head_dim(self):
+        return self.v_head_dim
+
+    def layer_index(self, layer_id: int) -> int:
+        return layer_id - self.start_layer
+
+    # ---- stock accessors: refused, they would expose or accept unquantized rows ----
+    def _refuse(self, what: str):
+        raise KVQPoolError(f"sgl_kvq: {what} is not available on a {self.cfg.name} pool (packed codes); only the "
+                           "kvq_torch / kvq_triton attention backends read and write it")
+
+    def get_key_buffer(self, layer_id: int):
+        self._refuse("get_key_buffer")
+
+    def get_value_buffer(self, layer_id: int):
+        self._refuse("get_value_buffer")
+
+    def get_kv_buffer(self, layer_id: int):
+        self._refuse("get_kv_buffer")
+
+    def set_kv_buffer(self, layer, loc, cache_k, cache_v, *args, **kwargs):
+        self._refuse("set_kv_buffer")
+
+    def move_kv_cache(self, tgt_loc, src_loc):
+        self._refuse("move_kv_cache (speculative decoding)")
+
+    def get_cpu_copy(self, indices, mamba_indices=None, req_pool_index=None):
+        self._refuse("get_cpu_copy (KV offload on retraction)")
+
+    def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None, req_pool_index=None):
+        self._refuse("load_cpu_copy (KV offload on retraction)")
