@@ -1,0 +1,111 @@
+"""Decode attention over the packed base plus the fp16 overlay: plan once per batch, run once per layer.
+
+    p = plan(paged, num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=G)   # per batch
+    o = decode_attention(q, layer_kv, p, sm_scale)                                # per layer (alias: run)
+
+`paged` is sgl_kvq.attention_ref.PagedPlan (FlashInfer paged metadata split into base pages and overlay frames).
+plan() only launches device ops (no host sync), and max_splits depends on the batch size and the device alone,
+so the launch grid (B, num_kv_heads, max_splits) is static for a CUDA graph of a given batch size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from sgl_kvq.attention_ref import LayerKV, PagedPlan
+
+from .checks import MODEL_DTYPES, check_layer, check_paged, interpreting, require
+from .decode_attention_kernel import _decode_attention_kernel
+from .merge_state import merge_state
+
+LOG2E = 1.4426950408889634
+# Target programs per SM for the split count: two resident programs hide the latency of the next page's loads.
+_PROGRAMS_PER_SM = 2
+_MAX_SPLITS_CAP = 64
+# A split reads at least this many tokens: below it the partial write + merge costs more than the parallelism buys.
+_MIN_TOKENS_PER_SPLIT = 256
+
+
+@dataclass
+class DecodePlan:
+    paged: PagedPlan  # the six int32 page-list tensors, on the pool's device
+    num_splits: torch.Tensor  # [B] int32, 1..max_splits: request b's pages are cut into this many contiguous runs
+    max_splits: int  # static grid extent along splits
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    o_partial: torch.Tensor  # [B, Hq, max_splits, D] fp32 workspace (reused by every layer)
+    lse_partial: torch.Tensor  # [B, Hq, max_splits] fp32 workspace
+
+    @property
+    def batch_size(self) -> int:
+        return self.num_splits.numel()
+
+
+def default_max_splits(device: torch.device, batch_size: int, num_kv_heads: int) -> int:
+    if device.type != "cuda":
+        return 2  # the interpreter's cost grows with programs: enough to exercise the merge
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = triton.cdiv(_PROGRAMS_PER_SM * sms, max(1, batch_size * num_kv_heads))
+    return max(1, min(_MAX_SPLITS_CAP, want))
+
+
+def plan(paged: PagedPlan, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+         max_splits: int | None = None, min_pages_per_split: int | None = None) -> DecodePlan:
+    dev = paged.kv_indptr.device
+    check_paged(paged, dev)
+    require(num_qo_heads % num_kv_heads == 0, f"{num_qo_heads} query heads over {num_kv_heads} KV heads")
+    B = paged.batch_size
+    if max_splits is None:
+        max_splits = default_max_splits(dev, B, num_kv_heads)
+    if min_pages_per_split is None:
+        min_pages_per_split = max(1, _MIN_TOKENS_PER_SPLIT // page_size)
+    require(max_splits >= 1 and min_pages_per_split >= 1, "max_splits and min_pages_per_split must be >= 1")
+    n_pages = paged.kv_indptr.diff() + paged.ov_indptr.diff()
+    num_splits = ((n_pages + min_pages_per_split - 1) // min_pages_per_split).clamp(1, max_splits).to(torch.int32)
+    return DecodePlan(
+        paged=paged, num_splits=num_splits, max_splits=max_splits, num_qo_heads=num_qo_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
+        o_partial=torch.empty(B, num_qo_heads, max_splits, head_dim, dtype=torch.float32, device=dev),
+        lse_partial=torch.empty(B, num_qo_heads, max_splits, dtype=torch.float32, device=dev),
+    )
+
+
+def decode_attention(q: torch.Tensor, kv: LayerKV, p: DecodePlan, sm_scale: float,
+                     out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, Hq, D] (one new token per request) -> out [B, Hq, D] in q's dtype; lse_out [B, Hq] fp32 if given."""
+    H, D, G, VG = check_layer(kv)
+    require(q.dim() == 3 and tuple(q.shape) == (p.batch_size, p.num_qo_heads, D),
+            f"q must be [B={p.batch_size}, Hq={p.num_qo_heads}, D={D}], got {tuple(q.shape)}")
+    require(q.dtype in MODEL_DTYPES and q.stride(-1) == 1, f"q must be a contiguous-last-dim model dtype, {q.dtype}")
+    require(q.device == kv.ov_k.device == p.num_splits.device, "q, the pool and the plan are on different devices")
+    require((H, D, G) == (p.num_kv_heads, p.head_dim, p.page_size),
+            f"plan was made for (H, D, G) = {(p.num_kv_heads, p.head_dim, p.page_size)}, pool has {(H, D, G)}")
+    if out is None:
+        out = torch.empty_like(q)
+    group = p.num_qo_heads // H
+    pg = p.paged
+    # bf16 tl.dot returns garbage in the Triton interpreter (cpu-dev-env.md): multiply in fp32 there.
+    dot_fp32 = q.dtype == torch.float32 or (interpreting() and q.dtype == torch.bfloat16)
+    if p.batch_size:
+        _decode_attention_kernel[(p.batch_size, H, p.max_splits)](
+            q, kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes, kv.v_scale, kv.v_zero, kv.ov_k, kv.ov_v,
+            pg.kv_indptr, pg.kv_indices, pg.kv_last_page_len, pg.ov_indptr, pg.ov_indices, pg.ov_last_page_len,
+            p.num_splits, p.o_partial, p.lse_partial, sm_scale * LOG2E,
+            q.stride(0), q.stride(1),
+            kv.k_codes.stride(0), kv.k_codes.stride(1), kv.k_scale.stride(0), kv.k_scale.stride(1),
+            kv.v_scale.stride(0), kv.v_scale.stride(1),
+            kv.ov_k.stride(0), kv.ov_k.stride(1), kv.ov_k.stride(2),
+            p.o_partial.stride(0), p.o_partial.stride(1), p.o_partial.stride(2),
+            p.lse_partial.stride(0), p.lse_partial.stride(1),
+            GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=D, G=G, BITS=kv.bits, VG=VG,
+            DOT_FP32=dot_fp32,
+        )
+    return merge_state(p.o_partial, p.lse_partial, p.num_splits, out=out, lse_out=lse_out)
+
+
+run = decode_attention

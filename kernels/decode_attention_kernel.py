@@ -1,0 +1,80 @@
+"""Jitted code of split-KV decode over packed base pages plus fp16 overlay frames (launcher: decode_attention.py).
+
+Program (b, kv_head, split): the query heads of one KV head ([BLOCK_H, D], GQA group padded to a tl.dot tile)
+walk a contiguous run of the request's logical pages (base pages, then overlay frames), one page of G tokens per
+iteration, so each packed page is read once per KV head. It writes a normalized partial output and its
+log-sum-exp; merge_state_kernel.py combines the splits.
+"""
+
+import triton
+import triton.language as tl
+
+from .paged_kv_kernel import _base_page_kt, _base_page_v, _dot, _softmax_step
+
+
+@triton.jit
+def _decode_attention_kernel(
+    Q, KC, KS, KZ, VC, VS, VZ, OVK, OVV,
+    kv_indptr, kv_indices, kv_last_page_len, ov_indptr, ov_indices, ov_last_page_len, num_splits,
+    O_part, LSE_part, sm_scale_log2,
+    stride_qb, stride_qh,
+    stride_kc_slot, stride_kc_head, stride_ks_page, stride_ks_head, stride_vs_slot, stride_vs_head,
+    stride_ov_frame, stride_ov_tok, stride_ov_head,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
+    VG: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ns = tl.load(num_splits + b)
+    if split < ns:
+        kv_lo = tl.load(kv_indptr + b)
+        n_base = tl.load(kv_indptr + b + 1) - kv_lo
+        ov_lo = tl.load(ov_indptr + b)
+        n_pages = n_base + tl.load(ov_indptr + b + 1) - ov_lo
+        per_split = tl.cdiv(n_pages, ns)
+        p_start = split * per_split
+        p_end = tl.minimum(p_start + per_split, n_pages)
+        last_base = tl.load(kv_last_page_len + b)
+        last_ov = tl.load(ov_last_page_len + b)
+
+        offs_h = tl.arange(0, BLOCK_H)
+        heads = kvh * GROUP + offs_h
+        mask_h = offs_h < GROUP
+        offs_d = tl.arange(0, D)
+        offs_t = tl.arange(0, G)
+        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_h[:, None], other=0.0)
+        dot_dtype = tl.float32 if DOT_FP32 else Q.dtype.element_ty
+        q = q.to(dot_dtype)
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, D], tl.float32)
+
+        for j in range(p_start, tl.minimum(p_end, n_base)):
+            page = tl.load(kv_indices + kv_lo + j).to(tl.int64)
+            n_valid = tl.where(j == n_base - 1, last_base, G)
+            kt = _base_page_kt(KC, KS, KZ, page, kvh, offs_t, offs_d, stride_kc_slot, stride_kc_head,
+                               stride_ks_page, stride_ks_head, G, BITS)
+            qk = _dot(q, kt.to(dot_dtype), DOT_FP32) * sm_scale_log2
+            v = _base_page_v(VC, VS, VZ, page, kvh, offs_t, offs_d, stride_kc_slot, stride_kc_head,
+                             stride_vs_slot, stride_vs_head, G, BITS, VG)
+            m, l, acc = _softmax_step(qk, (offs_t < n_valid)[None, :], m, l, acc, v.to(dot_dtype), DOT_FP32)
+
+        for j in range(tl.maximum(p_start, n_base), p_end):
+            frame = tl.load(ov_indices + ov_lo + j - n_base).to(tl.int64)
+            n_valid = tl.where(j == n_pages - 1, last_ov, G)
+            base = frame * stride_ov_frame + kvh * stride_ov_head
+            kt = tl.load(OVK + base + offs_t[None, :] * stride_ov_tok + offs_d[:, None])
+            qk = _dot(q, kt.to(dot_dtype), DOT_FP32) * sm_scale_log2
+            v = tl.load(OVV + base + offs_t[:, None] * stride_ov_tok + offs_d[None, :])
+            m, l, acc = _softmax_step(qk, (offs_t < n_valid)[None, :], m, l, acc, v.to(dot_dtype), DOT_FP32)
+
+        # An empty split (possible when pages do not divide evenly) leaves l == 0: it stores o = 0, lse = -inf,
+        # which the merge weighs by exp(-inf) = 0.
+        has = l > 0.0
+        o = acc / tl.where(has, l, 1.0)[:, None]
+        lse = tl.where(has, (m + tl.log2(tl.where(has, l, 1.0))) * 0.6931471805599453, float("-inf"))
+        o_off = b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
+        tl.store(O_part + o_off, o, mask=mask_h[:, None])
+        tl.store(LSE_part + b * stride_lb + heads * stride_lh + split, lse, mask=mask_h)

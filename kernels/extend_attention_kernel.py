@@ -1,0 +1,88 @@
+"""Jitted code of extend (prefill / continuation) attention (launcher: extend_attention.py).
+
+Program (b, m_block, kv_head): BLOCK_M new tokens of request b times the GQA group of kv_head, flattened to
+ROWS = BLOCK_M * GP query rows (row r = token r // GP, head r % GP), so every packed page is read once per KV head
+and token block. It attends to all of b's cached prefix (base pages dequantized in registers, then overlay frames)
+and causally to b's fresh k/v, in one online softmax.
+"""
+
+import triton
+import triton.language as tl
+
+from .paged_kv_kernel import _base_page_kt, _base_page_v, _dot, _softmax_step
+
+
+@triton.jit
+def _extend_attention_kernel(
+    Q, K_new, V_new, O, qo_indptr,
+    KC, KS, KZ, VC, VS, VZ, OVK, OVV,
+    kv_indptr, kv_indices, kv_last_page_len, ov_indptr, ov_indices, ov_last_page_len,
+    sm_scale_log2,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_kc_slot, stride_kc_head, stride_ks_page, stride_ks_head, stride_vs_slot, stride_vs_head,
+    stride_ov_frame, stride_ov_tok, stride_ov_head,
+    GROUP: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, VG: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    m_start = tl.program_id(1) * BLOCK_M
+    kvh = tl.program_id(2)
+    q_lo = tl.load(qo_indptr + b).to(tl.int64)
+    n_new = tl.load(qo_indptr + b + 1) - q_lo
+    if m_start < n_new:
+        ROWS: tl.constexpr = BLOCK_M * GP
+        rows = tl.arange(0, ROWS)
+        tok = m_start + rows // GP
+        heads = kvh * GROUP + rows % GP
+        mask_r = (tok < n_new) & (rows % GP < GROUP)
+        offs_d = tl.arange(0, D)
+        offs_t = tl.arange(0, G)
+        q = tl.load(Q + (q_lo + tok)[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=mask_r[:, None], other=0.0)
+        dot_dtype = tl.float32 if DOT_FP32 else Q.dtype.element_ty
+        q = q.to(dot_dtype)
+        m = tl.full([ROWS], float("-inf"), tl.float32)
+        l = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, D], tl.float32)
+
+        kv_lo = tl.load(kv_indptr + b)
+        n_base = tl.load(kv_indptr + b + 1) - kv_lo
+        last_base = tl.load(kv_last_page_len + b)
+        for j in range(0, n_base):
+            page = tl.load(kv_indices + kv_lo + j).to(tl.int64)
+            n_valid = tl.where(j == n_base - 1, last_base, G)
+            kt = _base_page_kt(KC, KS, KZ, page, kvh, offs_t, offs_d, stride_kc_slot, stride_kc_head,
+                               stride_ks_page, stride_ks_head, G, BITS)
+            qk = _dot(q, kt.to(dot_dtype), DOT_FP32) * sm_scale_log2
+            v = _base_page_v(VC, VS, VZ, page, kvh, offs_t, offs_d, stride_kc_slot, stride_kc_head,
+                             stride_vs_slot, stride_vs_head, G, BITS, VG)
+            m, l, acc = _softmax_step(qk, (offs_t < n_valid)[None, :], m, l, acc, v.to(dot_dtype), DOT_FP32)
+
+        ov_lo = tl.load(ov_indptr + b)
+        n_ov = tl.load(ov_indptr + b + 1) - ov_lo
+        last_ov = tl.load(ov_last_page_len + b)
+        for j in range(0, n_ov):
+            frame = tl.load(ov_indices + ov_lo + j).to(tl.int64)
+            n_valid = tl.where(j == n_ov - 1, last_ov, G)
+            base = frame * stride_ov_frame + kvh * stride_ov_head
+            kt = tl.load(OVK + base + offs_t[None, :] * stride_ov_tok + offs_d[:, None])
+            qk = _dot(q, kt.to(dot_dtype), DOT_FP32) * sm_scale_log2
+            v = tl.load(OVV + base + offs_t[:, None] * stride_ov_tok + offs_d[None, :])
+            m, l, acc = _softmax_step(qk, (offs_t < n_valid)[None, :], m, l, acc, v.to(dot_dtype), DOT_FP32)
+
+        # the new tokens, causally; keys past this block's last token are invisible to all of its rows
+        offs_n = tl.arange(0, BLOCK_N)
+        for start in range(0, tl.minimum(n_new, m_start + BLOCK_M), BLOCK_N):
+            kn = start + offs_n
+            in_range = kn < n_new
+            kt = tl.load(K_new + (q_lo + kn)[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
+                         mask=in_range[None, :], other=0.0)
+            qk = _dot(q, kt.to(dot_dtype), DOT_FP32) * sm_scale_log2
+            v = tl.load(V_new + (q_lo + kn)[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+                        mask=in_range[:, None], other=0.0)
+            valid = (kn[None, :] <= tok[:, None]) & in_range[None, :]
+            m, l, acc = _softmax_step(qk, valid, m, l, acc, v.to(dot_dtype), DOT_FP32)
+
+        o = acc / l[:, None]
+        tl.store(O + (q_lo + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(O.dtype.element_ty), mask=mask_r[:, None])

@@ -1,0 +1,63 @@
+"""Jitted helpers shared by the decode and extend kernels: read one page of K/V (packed base page dequantized in
+registers, or an fp16 overlay frame) and fold a tile of scores into an online softmax.
+
+Packed codes: element d of a token-head row sits in byte d // (8 // BITS) at bit (d % (8 // BITS)) * BITS
+(sgl_kvq.quant.pack). Keys dequantize per channel with the page's scale/zero, values per token and VG-channel group.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dot(a, b, DOT_FP32: tl.constexpr):
+    # fp32 operands are multiplied exactly ("ieee"), not in tf32: the fp32 path is the tight-tolerance oracle.
+    if DOT_FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _unpack(codes, offs_d, BITS: tl.constexpr):
+    PB: tl.constexpr = 8 // BITS
+    return ((codes.to(tl.int32) >> ((offs_d % PB) * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+
+
+@triton.jit
+def _base_page_kt(KC, KS, KZ, page, kvh, offs_t, offs_d, stride_kc_slot, stride_kc_head, stride_ks_page,
+                  stride_ks_head, G: tl.constexpr, BITS: tl.constexpr):
+    # -> K^T [D, G] fp32 of base page `page`, head kvh
+    PB: tl.constexpr = 8 // BITS
+    slots = page * G + offs_t
+    codes = tl.load(KC + slots[None, :] * stride_kc_slot + kvh * stride_kc_head + (offs_d // PB)[:, None])
+    ks = tl.load(KS + page * stride_ks_page + kvh * stride_ks_head + offs_d).to(tl.float32)
+    kz = tl.load(KZ + page * stride_ks_page + kvh * stride_ks_head + offs_d).to(tl.float32)
+    return _unpack(codes, offs_d[:, None], BITS) * ks[:, None] + kz[:, None]
+
+
+@triton.jit
+def _base_page_v(VC, VS, VZ, page, kvh, offs_t, offs_d, stride_vc_slot, stride_vc_head, stride_vs_slot,
+                 stride_vs_head, G: tl.constexpr, BITS: tl.constexpr, VG: tl.constexpr):
+    # -> V [G, D] fp32 of base page `page`, head kvh
+    PB: tl.constexpr = 8 // BITS
+    slots = page * G + offs_t
+    codes = tl.load(VC + slots[:, None] * stride_vc_slot + kvh * stride_vc_head + (offs_d // PB)[None, :])
+    sz_off = slots[:, None] * stride_vs_slot + kvh * stride_vs_head + (offs_d // VG)[None, :]
+    vs = tl.load(VS + sz_off).to(tl.float32)
+    vz = tl.load(VZ + sz_off).to(tl.float32)
+    return _unpack(codes, offs_d[None, :], BITS) * vs + vz
+
+
+@triton.jit
+def _softmax_step(qk, valid, m, l, acc, v, DOT_FP32: tl.constexpr):
+    # qk [M, N] scores already in log2 units, valid [M, N] bool; v [N, D] -> updated (m, l, acc).
+    # Every caller's first tile has a valid key in every row, so m is finite after it and alpha never sees
+    # (-inf) - (-inf).
+    qk = tl.where(valid, qk, float("-inf"))
+    m_new = tl.maximum(m, tl.max(qk, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_FP32)
+    return m_new, l, acc

@@ -1,0 +1,194 @@
+"""Decode / extend attention kernels and the split merge vs the torch references, on the SAME quantized pool.
+
+Tolerances are the kernels' own arithmetic error only (quantization error is the reference's too):
+fp32 ~1e-5, fp16 ~1e-3, bf16 (CUDA only: bf16 tl.dot is broken in the Triton interpreter) ~1e-2.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any triton import (tests/conftest.py does the same)
+
+import pytest  # noqa: E402
+
+from sgl_kvq import attention_ref  # noqa: E402
+from sgl_kvq.attention_ref import LayerKV, PagedPlan, ref_decode, ref_extend  # noqa: E402
+from sgl_kvq.kernels import decode_attention as dec  # noqa: E402
+from sgl_kvq.kernels.extend_attention import extend_attention  # noqa: E402
+from sgl_kvq.kernels.merge_state import merge_state  # noqa: E402
+from sgl_kvq.quant import kivi_page  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 1e-3), torch.bfloat16: (1e-2, 1e-2)}
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+# (G, H, group, D, VG, requests as (base tokens, overlay tokens)); base tokens are whole pages whenever the request
+# has overlay frames (only a context's last page may be partial).
+CASES = {
+    "G16-mha-odd": (16, 2, 1, 64, 64, [(0, 5), (48, 13), (160, 16), (37, 0)]),
+    "G32-gqa3-d128": (32, 1, 3, 128, 32, [(0, 40), (64, 1), (95, 0)]),
+    "G64-gqa4-short": (64, 2, 4, 64, 16, [(128, 73), (0, 3), (61, 0)]),
+    "G16-gqa4-d256": (16, 1, 4, 256, 64, [(32, 10), (17, 0)]),
+}
+
+
+_gather_context = attention_ref.gather_context
+
+
+def _gather_context_no_base_ok(kv, plan, b):
+    # attention_ref.gather_context raises for a request with no base pages (`.view(0, G, H, -1)` is ambiguous
+    # for 0 elements; reported). Until it is fixed there, only that request's context comes from its overlay here.
+    try:
+        return _gather_context(kv, plan, b)
+    except RuntimeError:
+        if int(plan.kv_indptr[b + 1] - plan.kv_indptr[b]) != 0:
+            raise
+    frames = plan.ov_indices[plan.ov_indptr[b]:plan.ov_indptr[b + 1]].long()
+    H, D, no = kv.ov_k.shape[2], kv.ov_k.shape[3], plan.overlay_len(b, kv.G)
+    return kv.ov_k[frames].float().reshape(-1, H, D)[:no], kv.ov_v[frames].float().reshape(-1, H, D)[:no]
+
+
+@pytest.fixture(autouse=True)
+def _reference_handles_requests_without_base_pages(monkeypatch):
+    monkeypatch.setattr(attention_ref, "gather_context", _gather_context_no_base_ok)
+
+
+def make_pool(G, H, D, VG, bits, reqs, dtype, seed):
+    """A layer whose pages hold quantized random K/V, and a PagedPlan giving each request shuffled pages/frames."""
+    gen = torch.Generator().manual_seed(seed)
+    n_base = [math.ceil(b / G) for b, _ in reqs]
+    n_ov = [math.ceil(o / G) for _, o in reqs]
+    P, F = sum(n_base) + 2, sum(n_ov) + 2  # spare page 0 and a page/frame nobody references
+    pages = kivi_page.quantize_pages(torch.randn(P, G, H, D, generator=gen) * 1.5,
+                                     torch.randn(P, G, H, D, generator=gen), bits, VG)
+    kv = LayerKV(
+        k_codes=pages.k_codes.reshape(P * G, H, -1), k_scale=pages.k_scale, k_zero=pages.k_zero,
+        v_codes=pages.v_codes.reshape(P * G, H, -1), v_scale=pages.v_scale.reshape(P * G, H, -1),
+        v_zero=pages.v_zero.reshape(P * G, H, -1),
+        ov_k=(torch.randn(F, G, H, D, generator=gen) * 1.5).to(dtype), ov_v=torch.randn(F, G, H, D, generator=gen).to(dtype),
+        bits=bits,
+    )
+    page_ids = (torch.randperm(P - 1, generator=gen) + 1)[: sum(n_base)]
+    frame_ids = torch.randperm(F, generator=gen)[: sum(n_ov)]
+
+    def lists(counts, lens, ids):
+        indptr = torch.tensor([0] + counts).cumsum(0)
+        last = [0 if c == 0 else n - (c - 1) * G for c, n in zip(counts, lens)]
+        return indptr.int(), ids.int(), torch.tensor(last, dtype=torch.int32)
+
+    kvi, kvx, kvl = lists(n_base, [b for b, _ in reqs], page_ids)
+    ovi, ovx, ovl = lists(n_ov, [o for _, o in reqs], frame_ids)
+    return kv, PagedPlan(kvi, kvx, kvl, ovi, ovx, ovl)
+
+
+def to_device(obj):
+    fields = obj.__dataclass_fields__
+    return type(obj)(**{f: getattr(obj, f).to(DEVICE) if torch.is_tensor(getattr(obj, f)) else getattr(obj, f)
+                        for f in fields})
+
+
+def assert_close_written(out, ref, dtype):
+    assert not out.isnan().any(), "some output elements were never written (NaN poison survived)"
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(out.cpu().float(), ref.float(), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_matches_reference(case, bits, dtype):
+    G, H, group, D, VG, reqs = CASES[case]
+    kv, paged = make_pool(G, H, D, VG, bits, reqs, dtype, seed=bits)
+    q = torch.randn(len(reqs), H * group, D, generator=torch.Generator().manual_seed(1)).to(dtype)
+    sm_scale = D ** -0.5
+    ref = ref_decode(q, kv, paged, sm_scale)
+    # min_pages_per_split=1 and 3 splits: requests get 1..3 splits, some with an empty last split
+    p = dec.plan(to_device(paged), num_qo_heads=H * group, num_kv_heads=H, head_dim=D, page_size=G,
+                 max_splits=3, min_pages_per_split=1)
+    p.o_partial.fill_(float("nan"))
+    p.lse_partial.fill_(float("nan"))
+    out = torch.full_like(q, float("nan"), device=DEVICE)
+    dec.decode_attention(q.to(DEVICE), to_device(kv), p, sm_scale, out=out)
+    assert_close_written(out, ref, dtype)
+
+
+def test_decode_one_split_equals_many():
+    G, H, group, D, VG, reqs = CASES["G16-mha-odd"]
+    kv, paged = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=5)
+    kv, paged = to_device(kv), to_device(paged)
+    q = torch.randn(len(reqs), H * group, D, device=DEVICE)
+    outs = []
+    for splits in (1, 4):
+        p = dec.plan(paged, num_qo_heads=H, num_kv_heads=H, head_dim=D, page_size=G, max_splits=splits,
+                     min_pages_per_split=1)
+        assert int(p.num_splits.max()) == min(splits, 10)
+        lse = torch.full((len(reqs), H), float("nan"), device=DEVICE)
+        outs.append((dec.run(q, kv, p, 0.125, lse_out=lse), lse))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-5, atol=1e-5)
+
+
+def test_decode_rejects_plan_for_other_pool():
+    G, H, group, D, VG, reqs = CASES["G16-mha-odd"]
+    kv, paged = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=5)
+    p = dec.plan(to_device(paged), num_qo_heads=2 * H, num_kv_heads=H, head_dim=D, page_size=G)
+    with pytest.raises(ValueError, match="q must be"):
+        dec.run(torch.zeros(len(reqs), H, D, device=DEVICE), to_device(kv), p, 0.125)
+
+
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_merge_state_matches_logsumexp(splits):
+    gen = torch.Generator().manual_seed(splits)
+    B, H, D = 3, 2, 64
+    o = torch.randn(B, H, splits, D, generator=gen)
+    lse = torch.randn(B, H, splits, generator=gen) * 3
+    ns = torch.tensor([splits, max(1, splits - 1), 1], dtype=torch.int32)
+    if splits > 1:
+        lse[0, :, -1] = float("-inf")  # an empty split inside num_splits (what decode writes for one)
+        o[0, :, -1] = 0.0
+    want_o = torch.empty(B, H, D)
+    want_lse = torch.empty(B, H)
+    for b in range(B):
+        s = int(ns[b])
+        want_lse[b] = torch.logsumexp(lse[b, :, :s], dim=-1)
+        w = torch.softmax(lse[b, :, :s], dim=-1)
+        want_o[b] = (w[..., None] * o[b, :, :s]).sum(1)
+        o[b, :, s:] = float("nan")  # splits past num_splits must never be read
+        lse[b, :, s:] = float("nan")
+    got_lse = torch.full((B, H), float("nan"), device=DEVICE)
+    got = merge_state(o.to(DEVICE), lse.to(DEVICE), ns.to(DEVICE), lse_out=got_lse)
+    torch.testing.assert_close(got.cpu(), want_o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_lse.cpu(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+# (G, H, group, D, VG, requests as (base tokens, overlay tokens, new tokens))
+EXTEND_CASES = {
+    "G16-mha": (16, 2, 1, 64, 64, [(48, 13, 7), (0, 0, 20), (64, 0, 1), (0, 5, 70)]),
+    "G32-gqa3-d128": (32, 1, 3, 128, 32, [(32, 0, 9), (0, 33, 25)]),
+    "G64-gqa4": (64, 2, 4, 64, 16, [(64, 70, 17), (0, 0, 3), (0, 0, 0), (45, 0, 18)]),
+}
+
+
+@pytest.mark.parametrize("case", list(EXTEND_CASES))
+@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_extend_matches_reference(case, bits, dtype):
+    G, H, group, D, VG, reqs = EXTEND_CASES[case]
+    kv, paged = make_pool(G, H, D, VG, bits, [(b, o) for b, o, _ in reqs], dtype, seed=10 + bits)
+    gen = torch.Generator().manual_seed(2)
+    qo_indptr = torch.tensor([0] + [n for _, _, n in reqs]).cumsum(0).int()
+    N = int(qo_indptr[-1])
+    q = torch.randn(N, H * group, D, generator=gen).to(dtype)
+    k_new = (torch.randn(N, H, D, generator=gen) * 1.5).to(dtype)
+    v_new = torch.randn(N, H, D, generator=gen).to(dtype)
+    sm_scale = D ** -0.5
+    ref = ref_extend(q, k_new, v_new, qo_indptr, kv, paged, sm_scale)
+    out = torch.full_like(q, float("nan"), device=DEVICE)
+    extend_attention(q.to(DEVICE), k_new.to(DEVICE), v_new.to(DEVICE), qo_indptr.to(DEVICE), to_device(kv),
+                     to_device(paged), sm_scale, out=out)
+    assert_close_written(out, ref, dtype)
