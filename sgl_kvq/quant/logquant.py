@@ -5,9 +5,10 @@ Selection rule (the official code's prefill rule, LogQuantKV `LogQuantizedCache.
     while len(kept) >= 3W:
         kept = kept[0:2W:2] + kept[2W:]      # the oldest 2W kept positions are thinned to every 2nd one
 Each pass removes W positions, so the result is all T positions while T < 3W and 2W..3W-1 positions after; the
-newest len(kept) - 2W >= W positions are never thinned (the most recent W are always kept); a position that
-survived k passes sits 2^k apart from its neighbours, so density halves with each step back in time (log-spaced);
-position 0 is never thinned (kept[0] leads every slice), which keeps the attention sink in fp16.
+newest len(kept) - 2W >= W positions are never thinned (the most recent W are always kept); older positions have
+been through more passes, each halving their density, so the gaps between kept positions never shrink going back in
+time (roughly doubling per W kept: log-spaced; tests/test_quant_logquant.py checks it); position 0 is never thinned
+(kept[0] leads every slice), which keeps the attention sink in fp16.
 
 As the pool stores it (architecture.md): every complete page is quantized 2-bit KIVI-style (selected positions
 included, as the official code also quantizes them and overwrites them on read); the selected positions and the
