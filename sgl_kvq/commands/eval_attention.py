@@ -1,0 +1,108 @@
+"""`sgl-kvq eval attention`: attention fidelity of every KV format on real Q/K/V (sgl_kvq.eval.attention).
+
+Standalone: python -m sgl_kvq.commands.eval_attention [--tokens N] [--layers 0,5,10-12] [--json [PATH]] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from sgl_kvq.config import KVQConfig
+
+_DEFAULTS = {f.name: f.default for f in KVQConfig.__dataclass_fields__.values()}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="smollm2", help="smollm2 | tiny | a model folder (default smollm2)")
+    p.add_argument("--text", type=Path, help="text file to run on (default: the Paul Graham essays)")
+    p.add_argument("--tokens", type=int, default=1536, help="sequence length T (default 1536)")
+    p.add_argument("--layers", help="layer subset, e.g. 0,5,10-12 (default: all)")
+    p.add_argument("--group-size", type=int, default=_DEFAULTS["group_size"], help="G: page / key group")
+    p.add_argument("--value-group", type=int, default=_DEFAULTS["value_group"], help="VG: value channel group")
+    p.add_argument("--residual", type=int, default=_DEFAULTS["residual"], help="R: fp16 window, multiple of G")
+    p.add_argument("--window", type=int, help="LogQuant W (default R // 3: the same fp16 budget as R)")
+    p.add_argument("--tail", type=int, default=64, help="last queries used for the tail metrics (default 64)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", nargs="?", const="-", help="write the JSON result to PATH (stdout without PATH)")
+    p.add_argument("--markdown", type=Path, help="write the markdown table (with the command) to PATH")
+
+
+def parse_layers(spec: str | None, n: int) -> list[int]:
+    if not spec:
+        return list(range(n))
+    out = []
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    bad = [i for i in out if not 0 <= i < n]
+    if bad:
+        raise SystemExit(f"sgl-kvq eval attention: layers {bad} out of range 0..{n - 1}")
+    return out
+
+
+def _text(path: Path | None, tokens: int) -> str:
+    if path is not None:
+        return path.read_text(encoding="utf-8", errors="replace")
+    from sgl_kvq.data import essay_text
+
+    return essay_text(min_chars=8 * tokens)
+
+
+def run(args) -> int:
+    import torch
+
+    from sgl_kvq.eval import attention
+
+    t0 = time.time()
+    log = (lambda msg: print(msg, file=sys.stderr)) if args.json == "-" else print
+    model, tok, path = attention.load_model(args.model)
+    ids = tok(_text(args.text, args.tokens), return_tensors="pt").input_ids[:, :args.tokens]
+    if ids.shape[1] < args.tokens:
+        log(f"note: the text has only {ids.shape[1]} tokens")
+    layers = parse_layers(args.layers, model.config.num_hidden_layers)
+    torch.manual_seed(args.seed)
+    captured = attention.capture(model, ids, layers)
+    del model
+    table = attention.methods(args.group_size, args.value_group, args.residual, args.window, args.seed)
+    result = attention.evaluate(captured, table, tail=args.tail, log=log)
+    first = captured[layers[0]]
+    result.update({
+        "command": "python -m sgl_kvq.commands.eval_attention " + shlex.join(getattr(args, "_argv", [])),
+        "model": path, "tokens": int(ids.shape[1]), "layers": layers,
+        "shape": {"q_heads": first.q.shape[1], "kv_heads": first.k.shape[1], "head_dim": first.k.shape[2]},
+        "settings": {"group_size": args.group_size, "value_group": args.value_group, "residual": args.residual,
+                     "window": args.residual // 3 if args.window is None else args.window, "tail": args.tail,
+                     "seed": args.seed},
+        "seconds": round(time.time() - t0, 1),
+    })
+    check = result["capture_check"]["max_rel_err"]
+    table_md = attention.markdown(result)
+    log(table_md)
+    log(f"capture check (captured q/k/v reproduce the model's attention output): max rel err {check:.2e}")
+    if args.json:
+        text = json.dumps(result, indent=1)
+        if args.json == "-":
+            print(text)
+        else:
+            Path(args.json).write_text(text + "\n")
+    if args.markdown:
+        args.markdown.write_text(f"Command: `{result['command']}`\n\n{table_md}\n")
+    return 0 if check < 1e-3 else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog="python -m sgl_kvq.commands.eval_attention", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    args._argv = argv
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""Attention fidelity of every KV format on real Q/K/V captured from a model.
+
+Capture: forward hooks on each attention layer recompute q/k/v with the layer's own q_proj/k_proj/v_proj and its
+module's apply_rotary_pos_emb (post-RoPE, what a KV cache holds), and record the input of o_proj (the model's own
+attention output). `capture_check` is the relative error of causal_attention(q, k, v) against that output: it proves
+the captured tensors are the ones the model attends with.
+
+Metrics per method, averaged over layers (per-layer values are in the JSON):
+    bits          bits per element actually stored (sgl_kvq.quant.accounting), keys / values / both
+    k_err, v_err  ||X_hat - X|| / ||X|| over the whole [T, H, D] tensor
+    attn_err      ||O_hat - O_fp16|| / ||O_fp16||, causal attention of ALL real queries over the compressed cache
+                  as it stands at length T (the state a shared prefix is reused in: the window sits at the end,
+                  so early queries see only quantized tokens)
+    attn_err_tail the same over the last `tail` queries only (decode-like: they see the fp16 window)
+    kept_mass     share of the fp16 attention mass of the last `tail` queries that lands on the tokens the method
+                  holds above base precision (fp16 window/selection, or ZipCache's 4-bit salient tokens)
+    kept_share    share of (token, head) pairs held above base precision
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from sgl_kvq.quant.accounting import bits_per_element
+from sgl_kvq.quant.gear import gear, gear_l
+from sgl_kvq.quant.kivi import fp16_baseline, kivi
+from sgl_kvq.quant.logquant import logquant
+from sgl_kvq.quant.per_token import per_token
+from sgl_kvq.quant.zipcache import zipcache
+
+REFERENCE = "fp16"
+
+
+@dataclass
+class LayerQKV:
+    q: torch.Tensor  # [T, Hq, D] fp32, post-RoPE
+    k: torch.Tensor  # [T, H, D]
+    v: torch.Tensor  # [T, H, D]
+    out: torch.Tensor | None  # [T, Hq, D]: the model's own attention output (input of o_proj)
+    sm_scale: float
+
+
+def methods(group_size: int = 64, value_group: int = 64, residual: int = 64, window: int | None = None,
+            seed: int = 0) -> dict:
+    """name -> fn(k, v, q, sm_scale) -> CompressedKV. Every method shares G, VG and the fp16 window R."""
+    page = dict(group_size=group_size, value_group=value_group)
+    kv = dict(page, residual=residual)
+    w = residual // 3 if window is None else window
+    return {
+        "fp16": lambda k, v, q, s: fp16_baseline(k, v),
+        "per-token-2": lambda k, v, q, s: per_token(k, v, bits=2, **kv),
+        "kivi4": lambda k, v, q, s: kivi(k, v, bits=4, **kv),
+        "kivi2": lambda k, v, q, s: kivi(k, v, bits=2, **kv),
+        "kivi1": lambda k, v, q, s: kivi(k, v, bits=1, **kv),
+        "kivi1-plain": lambda k, v, q, s: kivi(k, v, bits=1, specache_one_bit=False, **kv),
+        "gear-l-2": lambda k, v, q, s: gear_l(k, v, bits=2, seed=seed, **kv),
+        "gear-2": lambda k, v, q, s: gear(k, v, bits=2, seed=seed, **kv),
+        "zipcache": lambda k, v, q, s: zipcache(k, v, q, s, seed=seed, **kv),
+        "logquant-2": lambda k, v, q, s: logquant(k, v, bits=2, window=w, **page),
+    }
+
+
+def _expand(x: torch.Tensor, hq: int) -> torch.Tensor:
+    """[T, H, ...] -> [T, Hq, ...]: each KV head serves hq // H query heads (GQA)."""
+    return x.repeat_interleave(hq // x.shape[1], dim=1)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
+                     kept: list[torch.Tensor] | None = None, tail: int = 0, chunk: int = 512):
+    """q [T, Hq, D], k/v [T, H, D] -> O [T, Hq, D] fp32 (query i sees keys 0..i).
+
+    With `kept` ([T, H] bool masks), also returns each mask's share of the attention mass of the last `tail`
+    queries (mean over those queries and the query heads)."""
+    T, hq, _ = q.shape
+    k, v = _expand(k.float(), hq), _expand(v.float(), hq)
+    masks = torch.stack([_expand(m, hq) for m in kept]).float() if kept else None  # [M, T, Hq]
+    out, mass = torch.empty(T, hq, v.shape[-1]), torch.zeros(len(kept or []))
+    for lo in range(0, T, chunk):
+        hi = min(T, lo + chunk)
+        s = torch.einsum("rhd,thd->hrt", q[lo:hi].float(), k) * sm_scale
+        causal = torch.arange(T)[None, :] <= torch.arange(lo, hi)[:, None]
+        p = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1)  # [Hq, rows, T]
+        out[lo:hi] = torch.einsum("hrt,thd->rhd", p, v)
+        first = max(lo, T - tail) - lo
+        if masks is not None and first < hi - lo:
+            mass += torch.einsum("hrt,mth->m", p[:, first:], masks)
+    return (out, mass / (max(1, min(tail, T)) * hq)) if kept is not None else out
+
+
+def rel_err(x_hat: torch.Tensor, x: torch.Tensor) -> float:
+    return float((x_hat.float() - x.float()).norm() / x.float().norm().clamp(min=1e-30))
+
+
+def load_model(name: str):
+    """'smollm2' | 'tiny' | a model folder -> (float32 model in eval mode, tokenizer, folder)."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sgl_kvq.models import BUILDERS
+
+    path = BUILDERS[name]() if name in BUILDERS else name
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model.eval(), AutoTokenizer.from_pretrained(path), str(path)
+
+
+def capture(model, input_ids: torch.Tensor, layers: list[int]) -> dict[int, LayerQKV]:
+    """One forward pass over input_ids [1, T]; returns the post-RoPE q/k/v and attention output of `layers`."""
+    store, hooks = {}, []
+    for i in layers:
+        attn = model.model.layers[i].self_attn
+        rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+
+        def before(module, args, kwargs, i=i, rope=rope):
+            h = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            cos, sin = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
+            shape = (*h.shape[:-1], -1, module.head_dim)
+            q = module.q_proj(h).view(shape).transpose(1, 2)
+            k = module.k_proj(h).view(shape).transpose(1, 2)
+            v = module.v_proj(h).view(shape).transpose(1, 2)
+            q, k = rope(q, k, cos, sin)
+            store[i] = LayerQKV(q[0].transpose(0, 1).contiguous(), k[0].transpose(0, 1).contiguous(),
+                                v[0].transpose(0, 1).contiguous(), None, float(module.scaling))
+
+        def attn_out(module, args, i=i):
+            store[i].out = args[0][0].reshape(store[i].q.shape).clone()
+
+        hooks.append(attn.register_forward_pre_hook(before, with_kwargs=True))
+        hooks.append(attn.o_proj.register_forward_pre_hook(attn_out))
+    try:
+        with torch.no_grad():
+            model(input_ids=input_ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return store
+
+
+def evaluate_layer(layer: LayerQKV, table: dict, tail: int) -> dict:
+    """Every method on one layer -> {name: metrics}."""
+    q, k, v, s = layer.q, layer.k, layer.v, layer.sm_scale
+    comp = {name: fn(k, v, q, s) for name, fn in table.items()}
+    ref = comp[REFERENCE]
+    o_ref, mass = causal_attention(q, ref.k_hat, ref.v_hat, s, kept=[c.kept for c in comp.values()], tail=tail)
+    res = {}
+    for (name, c), m in zip(comp.items(), mass):
+        o = o_ref if name == REFERENCE else causal_attention(q, c.k_hat, c.v_hat, s)
+        b = bits_per_element(c)
+        res[name] = {"bits_k": b.keys, "bits_v": b.values, "bits": b.total,
+                     "k_err": rel_err(c.k_hat, k), "v_err": rel_err(c.v_hat, v),
+                     "attn_err": rel_err(o, o_ref), "attn_err_tail": rel_err(o[-tail:], o_ref[-tail:]),
+                     "kept_mass": float(m), "kept_share": float(c.kept.float().mean())}
+    return res
+
+
+def evaluate(captured: dict[int, LayerQKV], table: dict, tail: int = 64, log=None) -> dict:
+    """-> {"capture_check": ..., "methods": {name: {metric: mean over layers, "per_layer": {metric: [..]}}}}."""
+    per_layer, check = [], []
+    for i, layer in captured.items():
+        t0 = time.time()
+        if layer.out is not None:
+            check.append(rel_err(causal_attention(layer.q, layer.k, layer.v, layer.sm_scale), layer.out))
+        per_layer.append(evaluate_layer(layer, table, tail))
+        if log:
+            log(f"layer {i}: {time.time() - t0:.1f}s")
+    out = {}
+    for name in table:
+        rows = [r[name] for r in per_layer]
+        out[name] = {m: sum(r[m] for r in rows) / len(rows) for m in rows[0]}
+        out[name]["per_layer"] = {m: [r[m] for r in rows] for m in rows[0]}
+    return {"capture_check": {"max_rel_err": max(check, default=0.0), "per_layer": check}, "methods": out}
+
+
+COLUMNS = [("bits_k", "bits K", "{:.2f}"), ("bits_v", "bits V", "{:.2f}"), ("bits", "bits K+V", "{:.2f}"),
+           ("k_err", "K rel err", "{:.4f}"), ("v_err", "V rel err", "{:.4f}"),
+           ("attn_err", "attn err (all q)", "{:.4f}"), ("attn_err_tail", "attn err (tail q)", "{:.4f}"),
+           ("kept_mass", "mass on kept (tail q)", "{:.3f}"), ("kept_share", "kept share", "{:.3f}")]
+
+
+def markdown(result: dict) -> str:
+    head = "| method | " + " | ".join(c[1] for c in COLUMNS) + " |"
+    lines = [head, "|" + "---|" * (len(COLUMNS) + 1)]
+    for name, m in result["methods"].items():
+        lines.append(f"| {name} | " + " | ".join(fmt.format(m[key]) for key, _, fmt in COLUMNS) + " |")
+    return "\n".join(lines)
