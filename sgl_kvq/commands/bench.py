@@ -1,0 +1,18 @@
+"""`sgl-kvq bench <what>`: `multiturn` (sgl_kvq/commands/bench_multiturn.py) and `kernels` (bench/kernels.py)."""
+
+from __future__ import annotations
+
+from sgl_kvq.commands import _subcommands
+
+BENCHMARKS = {
+    "multiturn": ("sgl_kvq.commands.bench_multiturn", "multi-turn ShareGPT clients against a server"),
+    "kernels": ("sgl_kvq.commands.bench_kernels", "Triton kernel microbenchmarks (bench/kernels.py, from a checkout)"),
+}
+
+
+def add_arguments(p) -> None:
+    _subcommands.add_subparsers(p, BENCHMARKS, dest="benchmark")
+
+
+def run(args) -> int:
+    return _subcommands.run(args)
