@@ -1,0 +1,140 @@
+"""Starting SGLang the same way on a laptop and on a GPU box: Engine kwargs, launch_server argv, a server process.
+
+Without a GPU the CPU engine settings (sgl_kvq/cpu_engine.py) are added; with one, nothing is added. A kvq dtype
+picks its own attention backend and page size (patches/resolution.py); a bf16 baseline gets the same page size so
+both report prefix hits in the same whole pages.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from sgl_kvq.config import is_kvq_dtype, parse_kv_cache_dtype
+
+
+def has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def baseline_page_size() -> int:
+    """The page size a bf16 run uses to be comparable with kvq runs (the kvq group size G)."""
+    return parse_kv_cache_dtype("kivi2").group_size
+
+
+def engine_kwargs(model_path, kv_cache_dtype: str = "auto", **overrides) -> dict:
+    kw: dict = {"model_path": str(model_path), "log_level": "warning"}
+    if is_kvq_dtype(kv_cache_dtype):
+        kw["kv_cache_dtype"] = kv_cache_dtype
+    else:
+        kw["page_size"] = baseline_page_size()
+        if kv_cache_dtype not in (None, "auto"):
+            kw["kv_cache_dtype"] = kv_cache_dtype
+    if not has_gpu():
+        from sgl_kvq.cpu_engine import cpu_engine_env, engine_kwargs as cpu_kwargs
+
+        cpu_engine_env()
+        cpu = cpu_kwargs(model_path)
+        if is_kvq_dtype(kv_cache_dtype):
+            cpu.pop("attention_backend")  # the kvq dtype picks kvq_torch
+        cpu.update(kw)
+        kw = cpu
+    kw.update(overrides)
+    return kw
+
+
+def server_argv(args: list[str]) -> list[str]:
+    """launch_server ARGS plus what the CPU engine needs when there is no GPU (unless ARGS already say)."""
+    args = list(args)
+    if has_gpu():
+        return args
+    from sgl_kvq.cpu_engine import cpu_engine_env
+
+    cpu_engine_env()
+    given = {a.split("=")[0] for a in args if a.startswith("--")}
+    if "--device" not in given:
+        args += ["--device", "cpu"]
+    dtype = _arg_value(args, "--kv-cache-dtype")
+    if "--attention-backend" not in given and not is_kvq_dtype(dtype):
+        args += ["--attention-backend", "torch_native"]
+    return args
+
+
+def _arg_value(args: list[str], flag: str):
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`sgl-kvq serve ARGS` in a child process on 127.0.0.1, with a tiny HTTP client. Use as a context manager."""
+
+    def __init__(self, args: list[str], log_path: str | os.PathLike | None = None, startup_timeout: float = 600):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.args = list(args) + ["--host", "127.0.0.1", "--port", str(self.port)]
+        self.log_path = Path(log_path) if log_path else None
+        self.startup_timeout = startup_timeout
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "ServerProcess":
+        log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen([sys.executable, "-m", "sgl_kvq.cli", "serve", *self.args], stdout=log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + self.startup_timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} during startup{self._log_tail()}")
+            try:
+                if self.get("/health_generate", timeout=30) is not None:
+                    return self
+            except OSError:
+                time.sleep(1.0)
+        self.__exit__(None, None, None)
+        raise TimeoutError(f"server not healthy after {self.startup_timeout}s{self._log_tail()}")
+
+    def _log_tail(self) -> str:
+        if self.log_path and self.log_path.exists():
+            return ":\n" + "\n".join(self.log_path.read_text(errors="replace").splitlines()[-30:])
+        return ""
+
+    def __exit__(self, *exc) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+    def get(self, path: str, timeout: float = 60):
+        with urllib.request.urlopen(self.base + path, timeout=timeout) as r:
+            body = r.read()
+            return json.loads(body) if body.strip().startswith((b"{", b"[")) else body.decode()
+
+    def post(self, path: str, payload: dict, timeout: float = 1800):
+        req = urllib.request.Request(self.base + path, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def kv_pool_stats(self) -> dict:
+        return self.get("/get_server_info")["internal_states"][0]["kv_pool"]
