@@ -1,0 +1,19 @@
+# make demo: the main job (CPU server, kivi2 vs bf16 on multi-turn ShareGPT). make test: the whole suite.
+# Both build the CPU venv first (scripts/setup_env.sh; ~5 min once, then a stamp check of ~0.1 s).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CI runs the slow end-to-end tests too; narrow locally with e.g. make test PYTEST_ARGS='-m "not slow"'.
+PYTEST_ARGS ?=
+
+.PHONY: setup test demo
+
+setup:
+	SGL_KVQ_VENV=$(abspath $(VENV)) bash scripts/setup_env.sh
+
+# pytest exits 5 when it collected no tests: say so, and fail.
+test: setup
+	@rc=0; $(PY) -m pytest -q -ra $(PYTEST_ARGS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
+
+demo: setup
+	$(VENV)/bin/sgl-kvq demo
