@@ -1,0 +1,39 @@
+"""Shared test setup. Imported before any test module, so the Triton switch below precedes every triton import."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def _use_triton_interpreter_without_cuda() -> bool:
+    """Without a GPU every Triton launch fails ("0 active drivers") unless TRITON_INTERPRET=1; then kernels run on
+    CPU tensors. A value the caller set is kept."""
+    if not torch.cuda.is_available():
+        assert "triton" not in sys.modules, "triton was imported before tests/conftest.py could set TRITON_INTERPRET"
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+TRITON_INTERPRET = _use_triton_interpreter_without_cuda()
+
+
+@pytest.fixture(scope="session")
+def triton_interpret() -> bool:
+    """True when Triton kernels run in the interpreter (CPU): keep shapes small and blocks large there."""
+    return TRITON_INTERPRET
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def venv_bin() -> Path:
+    """The bin/ folder of the interpreter running the tests (the project venv under `make test`)."""
+    return Path(sys.executable).parent
