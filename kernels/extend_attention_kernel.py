@@ -54,8 +54,8 @@ def _extend_attention_kernel(
             kt = _base_page_kt(KC, KS, KZ, page, kvh, offs_t, offs_d, stride_kc_slot, stride_kc_head,
                                stride_ks_page, stride_ks_head, G, BITS)
             qk = _dot(q, kt.to(dot_dtype), DOT_FP32) * sm_scale_log2
-            v = _base_page_v(VC, VS, VZ, page, kvh, offs_t, offs_d, stride_kc_slot, stride_kc_head,
-                             stride_vs_slot, stride_vs_head, G, BITS, VG)
+            v = _base_page_v(VC, VS, VZ, page, kvh, offs_t, offs_d, n_valid, stride_kc_slot,
+                             stride_kc_head, stride_vs_slot, stride_vs_head, G, BITS, VG)
             m, l, acc = _softmax_step(qk, (offs_t < n_valid)[None, :], m, l, acc, v.to(dot_dtype), DOT_FP32)
 
         ov_lo = tl.load(ov_indptr + b)
@@ -67,7 +67,9 @@ def _extend_attention_kernel(
             base = frame * stride_ov_frame + kvh * stride_ov_head
             kt = tl.load(OVK + base + offs_t[None, :] * stride_ov_tok + offs_d[:, None])
             qk = _dot(q, kt.to(dot_dtype), DOT_FP32) * sm_scale_log2
-            v = tl.load(OVV + base + offs_t[:, None] * stride_ov_tok + offs_d[None, :])
+            # rows past the frame's last token are never loaded: they may hold NaN (see _base_page_v)
+            v = tl.load(OVV + base + offs_t[:, None] * stride_ov_tok + offs_d[None, :],
+                        mask=(offs_t < n_valid)[:, None], other=0.0)
             m, l, acc = _softmax_step(qk, (offs_t < n_valid)[None, :], m, l, acc, v.to(dot_dtype), DOT_FP32)
 
         # the new tokens, causally; keys past this block's last token are invisible to all of its rows

@@ -37,15 +37,18 @@ def _base_page_kt(KC, KS, KZ, page, kvh, offs_t, offs_d, stride_kc_slot, stride_
 
 
 @triton.jit
-def _base_page_v(VC, VS, VZ, page, kvh, offs_t, offs_d, stride_vc_slot, stride_vc_head, stride_vs_slot,
-                 stride_vs_head, G: tl.constexpr, BITS: tl.constexpr, VG: tl.constexpr):
-    # -> V [G, D] fp32 of base page `page`, head kvh
+def _base_page_v(VC, VS, VZ, page, kvh, offs_t, offs_d, n_valid, stride_vc_slot, stride_vc_head,
+                 stride_vs_slot, stride_vs_head, G: tl.constexpr, BITS: tl.constexpr, VG: tl.constexpr):
+    # -> V [G, D] fp32 of base page `page`, head kvh; rows >= n_valid are 0, never loaded: a slot past the
+    # context may hold garbage scales (NaN/inf), and p = 0 times NaN would still poison p @ V.
     PB: tl.constexpr = 8 // BITS
     slots = page * G + offs_t
-    codes = tl.load(VC + slots[:, None] * stride_vc_slot + kvh * stride_vc_head + (offs_d // PB)[None, :])
+    rows = (offs_t < n_valid)[:, None]
+    codes = tl.load(VC + slots[:, None] * stride_vc_slot + kvh * stride_vc_head + (offs_d // PB)[None, :],
+                    mask=rows, other=0)
     sz_off = slots[:, None] * stride_vs_slot + kvh * stride_vs_head + (offs_d // VG)[None, :]
-    vs = tl.load(VS + sz_off).to(tl.float32)
-    vz = tl.load(VZ + sz_off).to(tl.float32)
+    vs = tl.load(VS + sz_off, mask=rows, other=0.0).to(tl.float32)
+    vz = tl.load(VZ + sz_off, mask=rows, other=0.0).to(tl.float32)
     return _unpack(codes, offs_d[None, :], BITS) * vs + vz
 
 

@@ -70,7 +70,8 @@ def make_pool(G, H, D, VG, bits, reqs, dtype, seed):
         k_codes=pages.k_codes.reshape(P * G, H, -1), k_scale=pages.k_scale, k_zero=pages.k_zero,
         v_codes=pages.v_codes.reshape(P * G, H, -1), v_scale=pages.v_scale.reshape(P * G, H, -1),
         v_zero=pages.v_zero.reshape(P * G, H, -1),
-        ov_k=(torch.randn(F, G, H, D, generator=gen) * 1.5).to(dtype), ov_v=torch.randn(F, G, H, D, generator=gen).to(dtype),
+        ov_k=(torch.randn(F, G, H, D, generator=gen) * 1.5).to(dtype),
+        ov_v=torch.randn(F, G, H, D, generator=gen).to(dtype),
         bits=bits,
     )
     page_ids = (torch.randperm(P - 1, generator=gen) + 1)[: sum(n_base)]
@@ -83,6 +84,16 @@ def make_pool(G, H, D, VG, bits, reqs, dtype, seed):
 
     kvi, kvx, kvl = lists(n_base, [b for b, _ in reqs], page_ids)
     ovi, ovx, ovl = lists(n_ov, [o for _, o in reqs], frame_ids)
+    # Past each context's end, a pool holds whatever was there: NaN here, which kernels must never let through.
+    for b in range(len(reqs)):
+        if n_ov[b]:
+            f = int(ovx[ovi[b + 1] - 1])
+            kv.ov_k[f, int(ovl[b]):] = float("nan")
+            kv.ov_v[f, int(ovl[b]):] = float("nan")
+        elif n_base[b]:
+            tail = slice(int(kvx[kvi[b + 1] - 1]) * G + int(kvl[b]), (int(kvx[kvi[b + 1] - 1]) + 1) * G)
+            kv.v_scale[tail] = float("nan")
+            kv.v_zero[tail] = float("nan")
     return kv, PagedPlan(kvi, kvx, kvl, ovi, ovx, ovl)
 
 
