@@ -10,9 +10,10 @@ PYTEST_ARGS ?=
 setup:
 	SGL_KVQ_VENV=$(abspath $(VENV)) bash scripts/setup_env.sh
 
+# --timeout: a hung engine test fails after 20 min instead of eating the CI budget (later PYTEST_ARGS win).
 # pytest exits 5 when it collected no tests: say so, and fail.
 test: setup
-	@rc=0; $(PY) -m pytest -q -ra $(PYTEST_ARGS) || rc=$$?; \
+	@rc=0; $(PY) -m pytest -q -ra --timeout=1200 $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
 
 demo: setup
