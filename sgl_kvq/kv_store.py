@@ -103,8 +103,9 @@ class QuantizedKVStore:
         return BatchWrite(slots, frame_rows, kf, offs[frame_rows], done_pages, done_frames, done_tok_rows,
                           done_tok_page, offs[done_tok_rows])
 
-    def write_layer(self, layer: int, bw: BatchWrite, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [T, H, D] this batch's fresh keys/values for `layer`."""
+    def write_layer(self, layer: int, bw: BatchWrite, k: torch.Tensor, v: torch.Tensor, kernels: bool = False) -> None:
+        """k, v: [T, H, D] this batch's fresh keys/values for `layer`. kernels=True quantizes and scatters with the
+        Triton kernels (bit-exact with the torch path, tests/test_kernels_quantize.py)."""
         if bw.done_pages.numel():
             # Earlier batches' tokens of a completing page are in its frame (same request, and its frame is reused
             # only by a later page); this batch's tokens come from k/v. A page begun in this batch writes every
@@ -113,10 +114,22 @@ class QuantizedKVStore:
             vp = self.ov_v[layer, bw.done_frames].clone()
             kp[bw.done_tok_page, bw.done_tok_off] = k[bw.done_tok_rows].to(kp.dtype)
             vp[bw.done_tok_page, bw.done_tok_off] = v[bw.done_tok_rows].to(vp.dtype)
-            self.store_pages(layer, bw.done_pages, kp, vp)
+            if kernels:
+                from sgl_kvq.kernels.quantize_pages import quantize_pages
+
+                quantize_pages(kp, vp, bw.done_pages.to(torch.int32), self.layer_view(layer),
+                               specache_one_bit=self.cfg.specache_one_bit)
+            else:
+                self.store_pages(layer, bw.done_pages, kp, vp)
         if bw.frame_rows.numel():
-            self.ov_k[layer, bw.frame_ids, bw.frame_offs] = k[bw.frame_rows].to(self.model_dtype)
-            self.ov_v[layer, bw.frame_ids, bw.frame_offs] = v[bw.frame_rows].to(self.model_dtype)
+            if kernels:
+                from sgl_kvq.kernels.store_overlay import store_overlay
+
+                store_overlay(k[bw.frame_rows], v[bw.frame_rows], bw.frame_ids.to(torch.int32),
+                              bw.frame_offs.to(torch.int32), self.layer_view(layer))
+            else:
+                self.ov_k[layer, bw.frame_ids, bw.frame_offs] = k[bw.frame_rows].to(self.model_dtype)
+                self.ov_v[layer, bw.frame_ids, bw.frame_offs] = v[bw.frame_rows].to(self.model_dtype)
 
     def store_pages(self, layer: int, pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize complete pages k, v [N, G, H, D] into the base at pool pages `pages`."""

@@ -4,7 +4,8 @@ It dequantizes per request, only the pages that request references (sgl_kvq/atte
 
 from __future__ import annotations
 
-import torch
+import abc
+
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from sgl_kvq import attention_ref
@@ -12,7 +13,11 @@ from sgl_kvq.backends import metadata
 
 
 class KVQAttentionBackendBase(AttentionBackend):
+    """Shared by kvq_torch and kvq_triton: the forward plan, the write order, the layer checks. Subclasses
+    supply the attention compute (`extend`, `decode`) and whether writes use the Triton kernels."""
+
     name = "kvq"
+    write_kernels = False
 
     def __init__(self, model_runner):
         super().__init__()
@@ -64,20 +69,22 @@ class KVQAttentionBackendBase(AttentionBackend):
         # this layer's write (sgl_kvq/kv_store.py).
         o = self.extend(q, k, v, li, fp, layer.scaling)
         if save_kv_cache:
-            self.store.write_layer(li, fp.write, k, v)
+            self.store.write_layer(li, fp.write, k, v, kernels=self.write_kernels)
         return o.reshape(q.shape[0], -1)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         q, k, v, li = self._views(q, k, v, layer)
         if save_kv_cache:
-            self.store.write_layer(li, self.fp.write, k, v)
+            self.store.write_layer(li, self.fp.write, k, v, kernels=self.write_kernels)
         return self.decode(q, li, self.fp, layer.scaling).reshape(q.shape[0], -1)
 
+    @abc.abstractmethod
     def extend(self, q, k, v, li, fp, sm_scale):
-        raise NotImplementedError
+        """q [N, Hq, D], fresh k/v [N, H, D] -> [N, Hq, D]: the cached prefix (fp.plan) plus causal new tokens."""
 
+    @abc.abstractmethod
     def decode(self, q, li, fp, sm_scale):
-        raise NotImplementedError
+        """q [B, Hq, D] -> [B, Hq, D] over each request's whole context (fp.plan)."""
 
 
 class KVQTorchBackend(KVQAttentionBackendBase):

@@ -1,0 +1,211 @@
+"""The quantized pool against SGLang's real paged allocator and radix tree (CPU, no engine).
+
+Episodes of requests that share prefixes go through match_prefix -> alloc (chunked extends, then decodes) ->
+begin_batch/write_layer -> insert/free -> evict, under a pool small enough that pages are evicted and reused.
+Every position's K/V is a deterministic function of the token prefix, so the expected context of any request is
+known without the pool: after every batch, each request's context gathered through the plan must equal the exact
+fp16 values on its overlay pages and the reference quantization of the TRUE page contents on its base pages.
+A stale scale, a stale frame or a page of another request would show up as a mismatch.
+"""
+
+from __future__ import annotations
+
+import random
+from array import array
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("sglang")
+
+from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams  # noqa: E402
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey  # noqa: E402
+
+from sgl_kvq.attention_ref import gather_context  # noqa: E402
+from sgl_kvq.config import KVQConfig  # noqa: E402
+from sgl_kvq.pool import KVQTokenToKVPool  # noqa: E402
+from sgl_kvq.quant import kivi_page  # noqa: E402
+
+H, D, L = 2, 16, 2
+
+
+def true_kv(tokens: list[int], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, H, D] K/V where position p depends on tokens[:p+1] only (like a causal model's KV)."""
+    out_k, out_v, h = [], [], 17 + layer
+    for t in tokens:
+        h = (h * 1_000_003 + t) % (2**31 - 1)
+        g = torch.Generator().manual_seed(h)
+        out_k.append(torch.randn(H, D, generator=g) * 2 + torch.arange(D) * 0.1)  # per-channel offsets like real keys
+        out_v.append(torch.randn(H, D, generator=g))
+    return torch.stack(out_k), torch.stack(out_v)
+
+
+def expected_context(tokens, n, layer, plan, b, cfg):
+    """What request b must read: overlay pages exact, base pages = reference quantization of the true page."""
+    G = cfg.group_size
+    k, v = true_kv(tokens[:n], layer)
+    n_base_pages = int(plan.kv_indptr[b + 1] - plan.kv_indptr[b])
+    nb = min(n_base_pages * G, n)
+    full = n_base_pages * G
+    if n_base_pages:
+        kp = k[:full].reshape(n_base_pages, G, H, D)
+        vp = v[:full].reshape(n_base_pages, G, H, D)
+        kq, vq = kivi_page.dequantize_pages(kivi_page.quantize_pages(kp, vp, cfg.bits, min(cfg.value_group, D)),
+                                            cfg.bits)
+        k = torch.cat([kq.reshape(-1, H, D)[:nb], k[nb:]])
+        v = torch.cat([vq.reshape(-1, H, D)[:nb], v[nb:]])
+    return k, v
+
+
+class Episode:
+    def __init__(self, cfg: KVQConfig, num_pages: int, rng: random.Random):
+        G = cfg.group_size
+        self.cfg, self.G, self.rng = cfg, G, rng
+        self.pool = KVQTokenToKVPool(num_pages * G, G, cfg, H, D, L, "cpu", torch.float32, num_req_slots=5)
+        self.alloc = PagedTokenToKVPoolAllocator(size=num_pages * G, page_size=G, dtype=torch.uint8, device="cpu",
+                                                 kvcache=self.pool, need_sort=False)
+        self.r2t = ReqToTokenPool(size=4, max_context_len=4096, device="cpu", enable_memory_saver=False)
+        self.tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=self.r2t,
+                                               token_to_kv_pool_allocator=self.alloc, page_size=G))
+        self.checked = 0
+        self.prefix_hits = 0
+
+    def check(self, r: int, tokens: list[int], n: int):
+        store = self.pool.store
+        G = self.G
+        pages = self.r2t.req_to_token[r, : -(-n // G) * G: G].long() // G
+        plan = store.plan([pages], [r], [n])
+        for layer in range(L):
+            got_k, got_v = gather_context(store.layer_view(layer), plan, 0)
+            want_k, want_v = expected_context(tokens, n, layer, plan, 0, self.cfg)
+            torch.testing.assert_close(got_k, want_k, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(got_v, want_v, atol=1e-5, rtol=1e-5)
+        n_ov = int(plan.ov_indptr[1])
+        assert n_ov <= self.cfg.ring_pages
+        if n % G:
+            assert n_ov >= 1, "the open page must come from the fp16 overlay"
+        self.checked += 1
+
+    def write(self, r: int, tokens: list[int], start: int, locs: torch.Tensor):
+        end = start + locs.numel()
+        store = self.pool.store
+        bw = store.begin_batch(locs, torch.full((locs.numel(),), r), torch.arange(start, end),
+                               torch.full((locs.numel(),), end))
+        for layer in range(L):
+            k, v = true_kv(tokens[:end], layer)
+            store.write_layer(layer, bw, k[start:end], v[start:end])
+
+    def alloc_or_evict(self, fn):
+        out = fn()
+        if out is None:
+            self.tree.evict(EvictParams(num_tokens=self.alloc.size))
+            out = fn()
+        return out
+
+    def take_slot(self, slot: int | None) -> int:
+        if slot is None:
+            return self.r2t.alloc_rows(1)[0]
+        self.r2t.free_slots.remove(slot)
+        return slot
+
+    def run_request(self, tokens: list[int], decode_steps: int, chunk: int, slot: int | None = None) -> bool:
+        G = self.G
+        m = self.tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens))))
+        prefix = self.tree.path_device_indices(m.last_device_node)[: m.device_prefix_len].clone()
+        node = m.last_device_node
+        self.tree.inc_lock_ref(node)
+        self.prefix_hits += int(prefix.numel() > 0)
+        r = self.take_slot(slot)
+        self.r2t.req_to_token[r, : prefix.numel()] = prefix.to(torch.int32)
+        n = prefix.numel()
+        if n:
+            self.check(r, tokens, n)  # the shared prefix reads back right before this request writes anything
+        total = len(tokens) + decode_steps
+        seq = tokens + [self.rng.randrange(50) for _ in range(decode_steps)]
+        ok = True
+        while n < total:
+            step = 1 if n >= len(tokens) else min(chunk, len(tokens) - n)
+            last = self.r2t.req_to_token[r, n - 1].long().view(1) if n else torch.tensor([-1])
+            if step == 1 and n >= len(tokens):
+                locs = self.alloc_or_evict(lambda: self.alloc.alloc_decode(
+                    torch.tensor([n + 1]), torch.tensor([n + 1]), last))
+            else:
+                locs = self.alloc_or_evict(lambda: self.alloc.alloc_extend(
+                    torch.tensor([n]), torch.tensor([n]), torch.tensor([n + step]), torch.tensor([n + step]), last,
+                    step))
+            if locs is None:
+                ok = False
+                break
+            self.r2t.req_to_token[r, n: n + step] = locs.to(torch.int32)
+            self.write(r, seq, n, locs.long())
+            n += step
+            self.check(r, seq, n)
+        kv = self.r2t.req_to_token[r, :n].long()
+        aligned = n // G * G
+        if ok and aligned:
+            res = self.tree.insert(InsertParams(key=RadixKey(array("q", seq[:aligned])), value=kv[:aligned].clone()))
+            # Pages another request inserted first are duplicates: SGLang frees this request's copies.
+            if res.prefix_len > prefix.numel():
+                self.alloc.free(kv[prefix.numel(): res.prefix_len])
+            self.alloc.free(kv[aligned:n]) if n > aligned else None
+        else:
+            self.alloc.free(kv[prefix.numel():n])
+        self.tree.dec_lock_ref(node)
+        self.r2t.free_rows([r])
+        return ok
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31), bits=st.sampled_from([1, 2, 4]), G=st.sampled_from([8, 16]),
+       window_pages=st.sampled_from([0, 1, 2]))
+def test_pool_through_radix_tree(seed, bits, G, window_pages):
+    rng = random.Random(seed)
+    cfg = KVQConfig(method="kivi", bits=bits, group_size=G, value_group=8, residual=window_pages * G)
+    ep = Episode(cfg, num_pages=14, rng=rng)
+    trunks = [[rng.randrange(100) for _ in range(rng.randrange(G, 5 * G))] for _ in range(3)]
+    for _ in range(7):
+        trunk = rng.choice(trunks)
+        tokens = trunk[: rng.randrange(1, len(trunk) + 1)] + [rng.randrange(100) for _ in range(rng.randrange(0, 2 * G))]
+        ep.run_request(tokens, decode_steps=rng.randrange(0, G + 3), chunk=rng.choice([3, G - 1, G, 2 * G + 5]),
+                       slot=rng.randrange(1, 5))
+        if rng.random() < 0.3:
+            ep.tree.evict(EvictParams(num_tokens=rng.randrange(1, 6) * G))
+    assert ep.checked > 0
+
+
+def test_prefix_pages_are_shared_not_requantized():
+    """A second request on the same prefix reads the first one's quantized pages: the tree hands out the same
+    pool pages, and the pool's codes for them are not rewritten."""
+    rng = random.Random(1)
+    cfg = KVQConfig(method="kivi", bits=2, group_size=8, value_group=8, residual=0)
+    ep = Episode(cfg, num_pages=32, rng=rng)
+    tokens = [rng.randrange(100) for _ in range(40)]
+    ep.run_request(tokens, decode_steps=0, chunk=40)
+    codes_before = ep.pool.store.k_codes.clone()
+    scales_before = ep.pool.store.k_scale.clone()
+    ep.run_request(tokens[:32] + [7, 8, 9], decode_steps=2, chunk=3)
+    assert ep.prefix_hits == 1
+    m = ep.tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens))))
+    shared_pages = ep.tree.path_device_indices(m.last_device_node)[:32:8].long() // 8
+    for p in shared_pages.tolist():
+        assert torch.equal(ep.pool.store.k_codes[:, p * 8:(p + 1) * 8], codes_before[:, p * 8:(p + 1) * 8])
+        assert torch.equal(ep.pool.store.k_scale[:, p], scales_before[:, p])
+
+
+def test_frame_of_reused_page_is_not_read():
+    """A page freed and reallocated to another request must not be read through a frame still tagged with it."""
+    cfg = KVQConfig(method="kivi", bits=2, group_size=8, value_group=8, residual=8)
+    ep = Episode(cfg, num_pages=3, rng=random.Random(2))  # so few pages that every request reuses them
+    for i in range(8):
+        # Alternate request slots: slot 1's frames still name pages that slot 2 then rewrites, and the next
+        # request in slot 1 gets those pages back from the tree.
+        tokens = [(i * 31 + j) % 97 for j in range(13)] if i % 3 else [5] * 8 + [i] * 5
+        assert ep.run_request(tokens, decode_steps=3, chunk=5, slot=1 + i % 2)
+        if i % 3 == 2:
+            ep.tree.evict(EvictParams(num_tokens=64))
+    assert ep.checked >= 8 * 4
