@@ -21,7 +21,7 @@ def add_subparsers(p, modules: dict[str, tuple[str, str]], dest: str) -> None:
     missing = sorted(set(modules) - set(found))
     if missing:
         p.epilog = f"not installed in this version: {', '.join(missing)}"
-    sub = p.add_subparsers(dest=dest, required=True, metavar="{" + ",".join(found) + "}")
+    sub = p.add_subparsers(dest=dest, required=True)
     for name, (module, help_text) in found.items():
         q = sub.add_parser(name, help=help_text, description=help_text)
         q.set_defaults(_sub_module=module)
