@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 .PHONY: setup test demo
 
 setup:
-	SGL_KVQ_VENV=$(abspath $(VENV)) bash scripts/setup_env.sh
+	KVQ_VENV=$(abspath $(VENV)) bash scripts/setup_env.sh
 
 # --timeout: a hung engine test fails after 20 min instead of eating the CI budget (later PYTEST_ARGS win).
 # pytest exits 5 when it collected no tests: say so, and fail.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from sgl_kvq.config import KVQConfigError, is_kvq_dtype, parse_kv_cache_dtype
+from sgl_kvq.config import KVQConfigError, looks_like_kvq_dtype, parse_kv_cache_dtype
 from sgl_kvq.model_check import check_hf_config
 
 logger = logging.getLogger("sgl_kvq")
@@ -28,7 +28,7 @@ def validate(server_args, view) -> None:
     if page is not None and page != cfg.group_size:
         raise KVQConfigError(f"sgl_kvq: --page-size {page} conflicts with {cfg.name}'s quantization group "
                              f"G={cfg.group_size} (a page is one key group); drop --page-size or set "
-                             f"SGL_KVQ_GROUP_SIZE={page}")
+                             f"KVQ_GROUP_SIZE={page}")
     backend = server_args.attention_backend
     from sgl_kvq.patches.cli_args import BACKENDS
 
@@ -60,7 +60,7 @@ def resolve(server_args, previous) -> None:
     from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
 
     view = resolving_view(server_args)
-    if not is_kvq_dtype(view.kv_cache_dtype):
+    if not looks_like_kvq_dtype(view.kv_cache_dtype):
         return previous(server_args)
     validate(server_args, view)
     cfg = parse_kv_cache_dtype(view.kv_cache_dtype)

@@ -4,24 +4,24 @@
 # Every package version comes from requirements/lock-cpu.txt (used as constraints), so a fresh machine gets the
 # same set as the dev venv.
 # Idempotent: a stamp over the requirement files, this script, the checkout path and the interpreter skips the
-# work when nothing changed (about 0.1 s). Env: SGL_KVQ_VENV (default ./.venv), SGL_KVQ_PYTHON (default python3).
+# work when nothing changed (about 0.1 s). Env: KVQ_VENV (default ./.venv), KVQ_PYTHON (default python3).
 set -euo pipefail
 
 # Parsed whole before it runs (a function), so editing this file during a build cannot derail the build.
 main() {
   ROOT=$(cd "$(dirname "$0")/.." && pwd)
-  VENV=${SGL_KVQ_VENV:-$ROOT/.venv}
-  PY=${SGL_KVQ_PYTHON:-python3}
+  VENV=${KVQ_VENV:-$ROOT/.venv}
+  PY=${KVQ_PYTHON:-python3}
   REQ=$ROOT/requirements
   LOCK=$REQ/lock-cpu.txt
   STAMP=$VENV/.sgl_kvq_setup_stamp
   # SGLang rewrites every SGL_* variable to SGLANG_* with a warning when it is imported: keep ours out of its way.
-  unset SGL_KVQ_VENV SGL_KVQ_PYTHON
+  unset KVQ_VENV KVQ_PYTHON
 
   # The lock (torch 2.13.0+cpu, sglang's Rust extensions) was frozen for CPython 3.11.
   pyver=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
   if [[ $pyver != 3.11 ]]; then
-    echo "setup: $PY is Python $pyver; the locked CPU set needs 3.11 (set SGL_KVQ_PYTHON=/path/to/python3.11)" >&2
+    echo "setup: $PY is Python $pyver; the locked CPU set needs 3.11 (set KVQ_PYTHON=/path/to/python3.11)" >&2
     exit 1
   fi
   # The checkout path is part of the stamp: the editable install and the shim .pth point into it.

