@@ -41,6 +41,8 @@ def load() -> None:
                           dtype.configure_kv_cache_dtype, HookType.AROUND)
     HookRegistry.register("sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.__init__",
                           sizing.pool_configurator_init, HookType.AROUND)
+    HookRegistry.register("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes",
+                          sizing.profile_available_bytes, HookType.AROUND)
     HookRegistry.register("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_token_to_kv_pool",
                           pool_build.build_token_to_kv_pool, HookType.AROUND)
     HookRegistry.register("sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"

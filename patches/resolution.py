@@ -74,7 +74,8 @@ def resolve(server_args, previous) -> None:
     declare_resolution(server_args, _SOURCE, **decided)
     logger.info("sgl_kvq: %s with %s", cfg, decided)
     previous(server_args)
-    if resolving_view(server_args).attention_backend == "kvq_torch":
+    # Both kvq backends build their plan on the host each batch (no CUDA-graph hooks yet): run them eagerly.
+    if resolving_view(server_args).attention_backend in ("kvq_torch", "kvq_triton"):
         from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, with_phase
 
         graphs = resolving_view(server_args).cuda_graph_config

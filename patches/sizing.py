@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from sgl_kvq import env
 from sgl_kvq.config import is_kvq_dtype, parse_kv_cache_dtype
 from sgl_kvq.layout import PoolShape
 
@@ -34,3 +35,9 @@ def pool_configurator_init(orig, self, kvc, *args, **kwargs):
     slots = max_running_requests() + 1
     self._fixed_overhead_bytes += slots * cfg.ring_pages * shape.overlay_bytes_per_frame(kvc.model_dtype)
 
+
+
+def profile_available_bytes(orig, self, *args, **kwargs):
+    """KVQ_KV_CACHE_GB pins the KV budget (any dtype), so bf16 and kvq pools can be compared at equal memory."""
+    budget = env.kv_cache_budget_bytes()
+    return orig(self, *args, **kwargs) if budget is None else budget

@@ -7,7 +7,8 @@ variable as a deprecated spelling of SGLANG_* and warns about it in each of its 
 | KVQ_VALUE_GROUP      | value_group     | 64 |
 | KVQ_RESIDUAL         | residual (R)    | 64 |
 | KVQ_TOPK             | topk            | 64 |
-| KVQ_CACHE_DIR        | where embedded models are materialized | ~/.cache/sgl_kvq |
+| KVQ_CACHE_DIR            | where embedded models are materialized | ~/.cache/sgl_kvq |
+| KVQ_KV_CACHE_GB          | fixes SGLang's KV budget to this many GiB for ANY kv dtype (bf16 too), instead of profiling free memory: capacity comparisons at the same KV memory | unset |
 """
 
 from __future__ import annotations
@@ -36,6 +37,21 @@ def knobs() -> dict:
 
             raise KVQConfigError(f"sgl_kvq: {var}={raw!r} is not an integer") from None
     return out
+
+
+def kv_cache_budget_bytes() -> int | None:
+    raw = os.environ.get("KVQ_KV_CACHE_GB")
+    if not raw:
+        return None
+    try:
+        gb = float(raw)
+    except ValueError:
+        gb = -1.0
+    if gb <= 0:
+        from sgl_kvq.config import KVQConfigError
+
+        raise KVQConfigError(f"sgl_kvq: KVQ_KV_CACHE_GB={raw!r} must be a positive number of GiB")
+    return int(gb * 2**30)
 
 
 def cache_dir() -> Path:

@@ -1,4 +1,4 @@
-"""`sgl-kvq bench <what>`: `multiturn` (sgl_kvq/commands/bench_multiturn.py) and `kernels` (bench/kernels.py)."""
+"""`sgl-kvq bench <what>`: `multiturn`, `capacity` (sgl_kvq/commands/bench_*.py) and `kernels` (bench/kernels.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from sgl_kvq.commands import _subcommands
 BENCHMARKS = {
     "multiturn": ("sgl_kvq.commands.bench_multiturn", "multi-turn ShareGPT clients against a server"),
     "kernels": ("sgl_kvq.commands.bench_kernels", "Triton kernel microbenchmarks (bench/kernels.py, from a checkout)"),
+    "capacity": ("sgl_kvq.commands.bench_capacity", "KV token capacity per dtype at the same KV memory, from servers"),
 }
 
 

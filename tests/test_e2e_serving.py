@@ -1,0 +1,167 @@
+"""End to end through the real SGLang engine and HTTP server on CPU, with the tiny random Llama (float32, so greedy
+tokens are exact): the launch flag, radix hits across turns, the frontend language, kvq_triton == kvq_torch,
+eviction + retraction under a pool too small for the workload, and bad input refused before the model loads."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from sgl_kvq.launch import ServerProcess, engine_kwargs
+from sgl_kvq.models import tiny_llama
+
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
+
+GREEDY = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(0)
+    words = "def class return import from self lambda yield while for if else try except with as print".split()
+    return [" ".join(rng.choice(words) for _ in range(120)) for _ in range(6)]
+
+
+def run_engine(model, kv_cache_dtype, prompts, sampling=GREEDY, env=None, **kw):
+    import sglang
+
+    saved = dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        llm = sglang.Engine(**engine_kwargs(model, kv_cache_dtype, dtype="float32", mem_fraction_static=0.3, **kw))
+        try:
+            outs = llm.generate(prompts, sampling)
+            stats = llm.get_server_info()["internal_states"][0]["kv_pool"]
+        finally:
+            llm.shutdown()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return [o["output_ids"] for o in outs], stats
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Mean share of positions before the first differing token."""
+    total = 0.0
+    for x, y in zip(a, b):
+        n = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+        total += n / max(len(x), len(y))
+    return total / len(a)
+
+
+def test_kvq_triton_gives_the_same_tokens_as_kvq_torch(tiny, prompts):
+    torch_out, stats = run_engine(tiny, "kivi2", prompts[:3], attention_backend="kvq_torch", max_total_tokens=4096)
+    triton_out, _ = run_engine(tiny, "kivi2", prompts[:3], attention_backend="kvq_triton", max_total_tokens=4096,
+                               env={"TRITON_INTERPRET": "1"})
+    assert stats["pool_class"] == "KVQTokenToKVPool" and stats["kv_cache_dtype"] == "kivi2"
+    assert triton_out == torch_out
+
+
+def test_pool_too_small_completes_every_request_like_an_uncontended_run(tiny, prompts, capfd):
+    """6 requests x 180 tokens against an 8-page pool, with SGLang's retraction test mode on: pages are evicted
+    and requests retracted and re-run. Agreement with the uncontended run must be as good as bf16's own."""
+    force_retract = {"SGLANG_TEST_RETRACT": "1"}
+    result = {}
+    for dtype in ("auto", "kivi2"):
+        free, _ = run_engine(tiny, dtype, prompts, max_total_tokens=4096)
+        tight, stats = run_engine(tiny, dtype, prompts, max_total_tokens=512, env=force_retract)
+        assert stats["capacity_tokens"] == 512
+        assert all(len(o) == GREEDY["max_new_tokens"] for o in tight), "a request did not complete"
+        result[dtype] = agreement(free, tight)
+    log = capfd.readouterr().err
+    assert "Retract requests" in log or "Testing retraction" in log, "the contended runs never retracted"
+    assert result["kivi2"] >= result["auto"] - 1e-9, result
+
+
+def test_http_server_multiturn_radix_hits_and_frontend_language(tiny, tmp_path):
+    args = ["--model-path", str(tiny), "--kv-cache-dtype", "kivi2", "--dtype", "float32",
+            "--max-total-tokens", "4096", "--mem-fraction-static", "0.3"]
+    with ServerProcess(args, log_path=tmp_path / "server.log") as server:
+        history = "system: you are terse\n"
+        cached = []
+        for turn in range(4):
+            history += f"user: question {turn} " + "about the code below " * 30 + "\nassistant:"
+            out = server.post("/generate", {"text": history, "sampling_params": {"temperature": 0,
+                                                                                 "max_new_tokens": 16}})
+            cached.append(out["meta_info"]["cached_tokens"])
+            history += out["text"] + "\n"
+        assert cached[0] == 0 and all(c >= 64 for c in cached[1:]), cached
+        assert all(c % 64 == 0 for c in cached), "prefix hits come in whole quantized pages (G = 64)"
+
+        import sglang as sgl
+
+        @sgl.function
+        def two_branches(s, text):
+            s += text
+            forks = s.fork(2)
+            for i, f in enumerate(forks):
+                f += f" branch {i}:" + sgl.gen("answer", max_tokens=8, temperature=0)
+            s["answers"] = [f["answer"] for f in forks]
+
+        backend = sgl.RuntimeEndpoint(server.base)
+        state = two_branches.run(text="shared prefix for both branches " * 40, backend=backend)
+        assert len(state["answers"]) == 2 and all(isinstance(a, str) for a in state["answers"])
+        stats = server.kv_pool_stats()
+        assert stats["kv_cache_dtype"] == "kivi2"
+        # 2-bit codes plus fp16 scales/zeros: under a quarter of 16-bit KV (2 layers x 2 KV heads x D 16 x K,V x 2 B).
+        assert stats["base_bytes_per_token"] < 2 * 2 * 16 * 2 * 2 / 4
+
+
+BAD_ENGINE_ARGS = [
+    ({"kv_cache_dtype": "kivi3"}, "unknown kv cache dtype 'kivi3'"),
+    ({"kv_cache_dtype": "kivi2", "page_size": 16}, "conflicts with kivi2's quantization group G=64"),
+    ({"kv_cache_dtype": "kivi2", "speculative_algorithm": "NGRAM"}, "speculative decoding is not supported"),
+    ({"kv_cache_dtype": "kivi2", "attention_backend": "triton"}, "cannot read kivi2 KV"),
+]
+
+
+@pytest.mark.parametrize("kwargs,message", BAD_ENGINE_ARGS)
+def test_bad_engine_arguments_fail_before_the_model_loads(tiny, kwargs, message):
+    import sglang
+
+    from sgl_kvq.config import KVQConfigError
+
+    with pytest.raises(KVQConfigError, match=message):
+        sglang.Engine(model_path=str(tiny), device="cpu", log_level="error", **kwargs)
+
+
+def _config_only_model(tmp_path, name, config):
+    folder = tmp_path / name
+    config.save_pretrained(folder)
+    return folder
+
+
+def test_mla_and_unpackable_head_dim_are_refused(tiny, tmp_path):
+    import sglang
+    from transformers import DeepseekV2Config, LlamaConfig
+
+    from sgl_kvq.config import KVQConfigError
+
+    mla = _config_only_model(tmp_path, "mla", DeepseekV2Config(
+        vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+        moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1))
+    odd = LlamaConfig.from_pretrained(tiny)
+    odd.head_dim, odd.hidden_size = 12, 48
+    odd_dir = _config_only_model(tmp_path, "hd12", odd)
+    for folder, message in ((mla, "multi-head latent attention"), (odd_dir, "head_dim=12 cannot be packed")):
+        with pytest.raises(KVQConfigError, match=message):
+            sglang.Engine(model_path=str(folder), tokenizer_path=str(tiny), device="cpu", log_level="error",
+                          kv_cache_dtype="kivi2")
+
+
+def test_launch_server_cli_refuses_unknown_dtype_and_lists_choices(tiny):
+    proc = subprocess.run([sys.executable, "-m", "sgl_kvq.cli", "serve", "--model-path", str(tiny),
+                           "--kv-cache-dtype", "kivi3"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "invalid choice: 'kivi3'" in proc.stderr and "kivi2" in proc.stderr
+    assert "Load weight" not in proc.stderr + proc.stdout
