@@ -32,7 +32,7 @@ def load() -> None:
         return
     from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
 
-    from sgl_kvq.patches import backends, dtype, observability, pool_build, resolution, sizing
+    from sgl_kvq.patches import backends, dtype, observability, pool_build, resolution, retraction, sizing
 
     cli_args.register_backend_choices()
     backends.register()
@@ -45,6 +45,7 @@ def load() -> None:
                           sizing.profile_available_bytes, HookType.AROUND)
     HookRegistry.register("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_token_to_kv_pool",
                           pool_build.build_token_to_kv_pool, HookType.AROUND)
+    HookRegistry.register("sglang.srt.mem_cache.common.release_kv_cache", retraction.release_kv_cache, HookType.AROUND)
     HookRegistry.register("sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
                           "._add_memory_usage", observability.add_kv_pool_stats, HookType.AFTER)
 
