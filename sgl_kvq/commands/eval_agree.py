@@ -7,8 +7,10 @@ Prompts are several pages long (default 320 tokens = 5 pages of 64), so every de
 only the fp16 overlay (the running request's open page plus R/G window pages). Half are essay passages continued as
 plain text, half are ShareGPT first turns in the chat template.
 
-Per prompt: the fraction of positions whose token matches the reference, the common prefix length / N, and whether
-the whole continuation is identical; the table reports their means over the prompts.
+Per prompt: the fraction of positions whose token matches the reference, the common prefix length / N, whether the
+whole continuation is identical (the table reports their means over the prompts), and where decoding first left the
+reference together with the reference's top-1 minus top-2 logprob there: greedy decoding of a small model flips at
+near-ties (bf16 logits are coarse), so a flip at a ~0.1 nat margin is noise and one at several nats is an error.
 
 Standalone: python -m sgl_kvq.commands.eval_agree [--prompts 4] [--prompt-tokens 320] [--new-tokens 64] ...
 """
@@ -80,13 +82,25 @@ def prompts(tok, args) -> list[dict]:
         sharegpt_prompts(tok, args.prompts - n_essays, args.prompt_tokens)
 
 
-def decode(llm, ps: list[dict], n: int) -> list[list[int]]:
+def decode(llm, ps: list[dict], n: int, margins: bool = False) -> tuple[list[list[int]], list[list[float]] | None]:
+    """Greedy continuations; with margins, also the top-1 minus top-2 logprob at every generated position."""
     outs = llm.generate(input_ids=[p["input_ids"] for p in ps],
-                        sampling_params={"temperature": 0, "max_new_tokens": n, "ignore_eos": True})
+                        sampling_params={"temperature": 0, "max_new_tokens": n, "ignore_eos": True},
+                        return_logprob=margins, top_logprobs_num=2 if margins else 0)
     ids = [list(o["output_ids"]) for o in outs]
     if any(len(x) != n for x in ids):
         raise RuntimeError(f"expected {n} new tokens per prompt, got {[len(x) for x in ids]}")
-    return ids
+    if not margins:
+        return ids, None
+    tops = [o["meta_info"]["output_top_logprobs"] for o in outs]  # [n][2] of (logprob, token_id, text)
+    return ids, [[t[0][0] - t[1][0] for t in top] for top in tops]
+
+
+def first_divergence(ref: list[int], out: list[int], ref_margins: list[float]) -> dict | None:
+    """Where greedy decoding first left the reference, and how close the reference's top-2 were there: a flip at a
+    near-tie (margin ~ bf16 logit resolution) is numerical noise, a flip at a wide margin is a real error."""
+    k = next((i for i, (a, b) in enumerate(zip(ref, out)) if a != b), None)
+    return None if k is None else {"pos": k, "ref_margin": round(ref_margins[k], 4)}
 
 
 def agreement(ref: list[int], out: list[int]) -> dict:
@@ -112,23 +126,29 @@ def run(args) -> int:
 
     def evaluate(llm, dt):
         t1 = time.time()
-        ids = decode(llm, ps, args.new_tokens)
+        ids, margins = decode(llm, ps, args.new_tokens, margins="ids" not in reference)
         r = {"eval_s": round(time.time() - t1, 1), "output_ids": ids}
+        if margins is not None:
+            r["top2_margins"] = [[round(m, 4) for m in ms] for ms in margins]
         if "ids" in reference:
             per = [agreement(a, b) for a, b in zip(reference["ids"], ids)]
-            r.update(summarize(per), per_prompt=per)
+            r.update(summarize(per), per_prompt=per,
+                     first_divergence=[first_divergence(a, b, m)
+                                       for a, b, m in zip(reference["ids"], ids, reference["margins"])])
             log(f"[{dt}] match {r['match_frac']:.3f}, prefix {r['common_prefix_frac']:.3f}, "
                 f"identical {r['identical_share']:.2f}")
         return r
 
     ref_args = argparse.Namespace(**{**vars(args), "kv_cache_dtypes": ["auto"]})
     ref_row = ee.per_dtype(ref_args, evaluate, log)[0]
-    reference["ids"] = ref_row["output_ids"]
+    reference["ids"], reference["margins"] = ref_row["output_ids"], ref_row["top2_margins"]
     rows = ee.per_dtype(args, evaluate, log)
     table = ee.markdown_table(
-        ["kv dtype", "token match", "common prefix / N", "identical", *ee.POOL_HEADER, "wall s"],
+        ["kv dtype", "token match", "common prefix / N", "identical", "bf16 top-2 margin at first divergence",
+         *ee.POOL_HEADER, "wall s"],
         [[r["kv_cache_dtype"] + (" (2nd bf16 run)" if r["kv_cache_dtype"] == "auto" else ""), r["match_frac"],
           r["common_prefix_frac"], f"{sum(x['identical'] for x in r['per_prompt'])}/{len(ps)}",
+          " ".join("-" if d is None else f"{d['ref_margin']:.3g}@{d['pos']}" for d in r["first_divergence"]),
           *ee.pool_columns(r), r["wall_s"]] for r in rows])
     result = {"eval": "agree", "model": str(path),
               "settings": ee.settings(args, prompts=args.prompts, prompt_tokens=args.prompt_tokens,

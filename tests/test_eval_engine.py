@@ -1,0 +1,151 @@
+"""`sgl-kvq eval niah | ppl | agree` through the real engine on the tiny random Llama (float32), plus their pure parts.
+
+The engine tests run the CLI in a subprocess (SGLang spawns its scheduler processes) and read its --json output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from sgl_kvq.commands import eval_agree, eval_niah
+from sgl_kvq.eval import engine_eval as ee
+
+TINY = ["--model", "tiny", "--max-total-tokens", "4096", "--max-running-requests", "4"]
+
+
+def _eval(tmp_path, what: str, *args) -> tuple[dict, subprocess.CompletedProcess]:
+    out = tmp_path / f"{what}.json"
+    proc = subprocess.run([sys.executable, "-m", "sgl_kvq.cli", "eval", what, *TINY, *args, "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert out.exists(), f"sgl-kvq eval {what} wrote no JSON (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
+    return json.loads(out.read_text()), proc
+
+
+def _by_dtype(result: dict) -> dict:
+    return {r["kv_cache_dtype"]: r for r in result["results"]}
+
+
+def _check_pool(rows: dict) -> None:
+    for dt, r in rows.items():
+        p = r["kv_pool"]
+        assert p["capacity_tokens"] == 4096 and p["kv_bytes"] > 0 and p["kv_bytes_per_token"] > 0, dt
+        assert r["wall_s"] > 0 and r["startup_s"] > 0
+    auto, kivi2 = rows["auto"]["kv_pool"], rows["kivi2"]["kv_pool"]
+    assert "base_bytes_per_token" not in auto
+    # fp32 tiny model: 2 layers x (K, V) x 2 KV heads x 16 dims x 4 B = 512 B/token; kivi2 stores 2-bit codes
+    assert kivi2["base_bytes_per_token"] < kivi2["kv_bytes_per_token"] < auto["kv_bytes_per_token"]
+
+
+def test_dtype_list_parsing():
+    p = argparse.ArgumentParser()
+    ee.add_common_arguments(p)
+    assert ee.dtypes(p.parse_args([])) == ["auto", "kivi4", "kivi2", "kivi1"]
+    assert ee.dtypes(p.parse_args(["--kv-cache-dtype", "kivi2,auto", "--kv-cache-dtype", "kivi1"])) == \
+        ["kivi2", "auto", "kivi1"]
+    with pytest.raises(SystemExit):
+        ee.dtypes(p.parse_args(["--kv-cache-dtype", "kivi3"]))
+
+
+def test_first_divergence_reports_the_reference_margin():
+    assert eval_agree.first_divergence([1, 2, 3], [1, 2, 3], [0.5, 0.1, 2.0]) is None
+    assert eval_agree.first_divergence([1, 2, 3], [1, 5, 3], [0.5, 0.1, 2.0]) == {"pos": 1, "ref_margin": 0.1}
+
+
+def test_agreement_metrics():
+    assert eval_agree.agreement([1, 2, 3, 4], [1, 2, 3, 4]) == {"match": 1.0, "prefix": 1.0, "identical": True}
+    assert eval_agree.agreement([1, 2, 3, 4], [1, 9, 3, 4]) == {"match": 0.75, "prefix": 0.25, "identical": False}
+    s = eval_agree.summarize([eval_agree.agreement([1, 2], [1, 2]), eval_agree.agreement([1, 2], [5, 2])])
+    assert s == {"match_frac": 0.75, "common_prefix_frac": 0.5, "identical_share": 0.5}
+
+
+def test_flush_tail_covers_the_overlay_ring():
+    tail = ee.FlushTail(1000, True, seed=1)
+    a, b = tail(), tail()
+    assert len(a) == 2 * 64 + 1 and a != b and all(250 <= x < 999 for x in a)
+    assert ee.FlushTail(1000, False)() == []
+
+
+def _tiny_niah_prompts(length: int):
+    from sgl_kvq import models
+
+    p = argparse.ArgumentParser()
+    eval_niah.add_arguments(p)
+    tok = ee.tokenizer(models.tiny_llama())
+    return tok, eval_niah.Prompts(tok, p.parse_args(["--model", "tiny", "--lengths", str(length)]))
+
+
+def test_niah_haystack_is_a_prefix_with_the_needle_near_depth():
+    tok, prompts = _tiny_niah_prompts(512)
+    for depth in (0.0, 0.5, 1.0):
+        hay, at = prompts.haystack(512, depth)
+        assert len(hay) + len(prompts.tail) == 512
+        assert hay[at:at + len(prompts.needle)] == prompts.needle
+        body = 512 - len(prompts.head) - len(prompts.tail) - len(prompts.needle)
+        assert int(depth * body) - 200 <= at - len(prompts.head) <= int(depth * body)
+    assert "4817" in tok.decode(prompts.needle)
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_ppl_turns_read_the_cache(tmp_path):
+    res, proc = _eval(tmp_path, "ppl", "--kv-cache-dtype", "auto,kivi2", "--turns", "3", "--turn-tokens", "128")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _by_dtype(res)
+    _check_pool(rows)
+    for dt, r in rows.items():
+        # turn t's prefix (whole earlier turns, 2 pages each) came from the radix cache
+        assert r["cached_tokens"] == [0, 128, 256], dt
+        assert [t["scored"] for t in r["turns"]] == [128, 128, 128]
+        assert math.isfinite(r["ppl_cached_turns"]) and r["ppl_cached_turns"] > 1
+        assert r["flush_tail_tokens"] == 129
+    # random tiny model: near-uniform over its 1000-token vocabulary, and 2-bit KV must not wreck that
+    assert 300 < rows["auto"]["ppl_all"] < 3000
+    assert abs(rows["kivi2"]["ppl_cached_turns"] / rows["auto"]["ppl_cached_turns"] - 1) < 0.05
+    assert res["tokens"] == 3 * 128 + 1 and "sgl-kvq eval ppl" in res["command"]
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_niah_question_hits_the_cached_haystack(tmp_path):
+    res, proc = _eval(tmp_path, "niah", "--kv-cache-dtype", "kivi2", "--lengths", "320", "--depths", "0.2,0.8",
+                      "--max-new-tokens", "4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (r,) = res["results"]
+    assert r["kv_cache_dtype"] == "kivi2" and r["kv_pool"]["base_bytes_per_token"] > 0
+    assert len(r["trials"]) == 2 and 0 <= r["accuracy"] <= 1
+    prompts = _tiny_niah_prompts(320)[1]
+    for t in r["trials"]:
+        assert t["prompt_tokens"] == 320
+        # every complete page of request 1's haystack was cached: request 2 re-reads them from the pool
+        assert t["cached_tokens"] == (320 - len(prompts.tail)) // 64 * 64 > 0
+        assert t["needle_in_cache"] == (t["needle_token"] + len(prompts.needle) <= t["cached_tokens"])
+        assert isinstance(t["hit"], bool) and isinstance(t["answer"], str)
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_agree_bf16_reproduces_itself_and_kivi2_is_measured(tmp_path):
+    res, proc = _eval(tmp_path, "agree", "--kv-cache-dtype", "auto,kivi2", "--prompts", "2", "--prompt-tokens", "192",
+                      "--new-tokens", "12")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _by_dtype(res)
+    _check_pool(rows)
+    # a second, independent bf16 engine must decode exactly the reference's tokens
+    assert rows["auto"]["match_frac"] == 1.0 and rows["auto"]["identical_share"] == 1.0
+    assert rows["auto"]["output_ids"] == res["reference"]["output_ids"]
+    assert rows["auto"]["first_divergence"] == [None, None]
+    margins = res["reference"]["top2_margins"]
+    assert [len(m) for m in margins] == [12, 12] and all(m >= 0 for ms in margins for m in ms)
+    k = rows["kivi2"]
+    assert 0 <= k["match_frac"] <= 1 and 0 <= k["common_prefix_frac"] <= k["match_frac"]
+    assert [len(x) for x in k["output_ids"]] == [12, 12]
+    for i, d in enumerate(k["first_divergence"]):
+        assert (d is None) == k["per_prompt"][i]["identical"]
+        assert d is None or (d["pos"] == round(k["per_prompt"][i]["prefix"] * 12) and d["ref_margin"] >= 0)
+    assert [p["tokens"] for p in res["prompts"]] == [192, 192]
+    assert res["prompts"][0]["source"].startswith("essay") and res["prompts"][1]["source"].startswith("sharegpt")
