@@ -7,8 +7,10 @@ they keep heavy imports (torch, sglang) inside run().
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import importlib.util
+import sys
 
 
 def available(modules: dict[str, tuple[str, str]]) -> dict[str, tuple[str, str]]:
@@ -30,3 +32,15 @@ def add_subparsers(p, modules: dict[str, tuple[str, str]], dest: str) -> None:
 
 def run(args) -> int:
     return importlib.import_module(args._sub_module).run(args) or 0
+
+
+def standalone_main(module_name: str, argv: list[str] | None = None) -> int:
+    """`python -m sgl_kvq.commands.<name> ARGS`: one evaluation's parser and run, without the sgl-kvq dispatcher."""
+    module = sys.modules[module_name]
+    name = module.__spec__.name if module.__spec__ else module_name
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog=f"python -m {name}", description=(module.__doc__ or name).splitlines()[0])
+    module.add_arguments(p)
+    args = p.parse_args(argv)
+    args._argv = argv  # recorded in the results as the command that made them
+    return module.run(args)

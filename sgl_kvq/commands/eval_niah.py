@@ -15,7 +15,6 @@ Standalone: python -m sgl_kvq.commands.eval_niah [--lengths 1024,2048] [--depths
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
@@ -135,12 +134,9 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(prog="python -m sgl_kvq.commands.eval_niah", description=__doc__.splitlines()[0])
-    add_arguments(p)
-    args = p.parse_args(argv)
-    args._argv = argv
-    return run(args)
+    from sgl_kvq.commands._subcommands import standalone_main
+
+    return standalone_main(__name__, argv)
 
 
 if __name__ == "__main__":
