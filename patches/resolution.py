@@ -21,6 +21,14 @@ def kvq_backend_for(device: str | None) -> str:
     return "kvq_triton" if (device in (None, "cuda") and triton_backend_available()) else "kvq_torch"
 
 
+def _check_triton_shapes(cfg, head_dim: int) -> None:
+    # The kernels tile pages and heads for tl.dot: both must be powers of two >= 16 (kernels/checks.py).
+    for what, n in (("G (KVQ_GROUP_SIZE)", cfg.group_size), ("head_dim", head_dim)):
+        if n < 16 or n & (n - 1):
+            raise KVQConfigError(f"sgl_kvq: kvq_triton needs {what} to be a power of two >= 16, got {n}; use "
+                                 "--attention-backend kvq_torch")
+
+
 def validate(server_args, view) -> None:
     """Raise KVQConfigError for every combination the quantized pool cannot serve."""
     cfg = parse_kv_cache_dtype(view.kv_cache_dtype)
@@ -54,6 +62,8 @@ def validate(server_args, view) -> None:
 
     model_config = model_config_of(server_args)
     check_hf_config(model_config.hf_config, cfg)
+    if (backend or kvq_backend_for(view.device)) == "kvq_triton":
+        _check_triton_shapes(cfg, model_config.head_dim)
 
 
 def resolve(server_args, previous) -> None:

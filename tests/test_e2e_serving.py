@@ -182,3 +182,14 @@ def test_launch_server_cli_refuses_unknown_dtype_and_lists_choices(tiny):
     assert proc.returncode != 0
     assert "invalid choice: 'kivi3'" in proc.stderr and "kivi2" in proc.stderr
     assert "Load weight" not in proc.stderr + proc.stdout
+
+
+def test_kvq_triton_refuses_tiles_its_kernels_cannot_take(tiny, monkeypatch):
+    import sglang
+
+    from sgl_kvq.config import KVQConfigError
+
+    monkeypatch.setenv("KVQ_GROUP_SIZE", "8")
+    with pytest.raises(KVQConfigError, match="kvq_triton needs G"):
+        sglang.Engine(model_path=str(tiny), device="cpu", log_level="error", kv_cache_dtype="kivi2",
+                      attention_backend="kvq_triton")
