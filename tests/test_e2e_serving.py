@@ -4,11 +4,13 @@ eviction + retraction under a pool too small for the workload, and bad input ref
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 
@@ -98,7 +100,10 @@ def test_pool_too_small_completes_every_request_like_an_uncontended_run(capfd):
     assert result["kivi2"] >= 0.6, result
 
 
-def test_http_server_multiturn_radix_hits_and_frontend_language(tiny, tmp_path):
+def test_http_server_multiturn_radix_hits_abort_and_frontend_language(tiny, tmp_path, monkeypatch):
+    # R = 0: only each request's open page is fp16, so a cached page is always read from the packed base and the
+    # abort check below does not depend on which request slot (and which overlay frames) a request lands on.
+    monkeypatch.setenv("KVQ_RESIDUAL", "0")
     args = ["--model-path", str(tiny), "--kv-cache-dtype", "kivi2", "--dtype", "float32",
             "--max-total-tokens", "4096", "--mem-fraction-static", "0.3"]
     with ServerProcess(args, log_path=tmp_path / "server.log") as server:
@@ -112,6 +117,20 @@ def test_http_server_multiturn_radix_hits_and_frontend_language(tiny, tmp_path):
             history += out["text"] + "\n"
         assert cached[0] == 0 and all(c >= 64 for c in cached[1:]), cached
         assert all(c % 64 == 0 for c in cached), "prefix hits come in whole quantized pages (G = 64)"
+
+        # Abort: a streaming client hangs up after a few chunks; the server must free that request's pages and
+        # slot cleanly, so the same prompt afterwards gives the same answer as before the abort.
+        prompt = {"text": history, "sampling_params": {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}}
+        server.post("/generate", prompt)  # caches the prompt's pages: both reads below see the same cache
+        before = server.post("/generate", prompt)["output_ids"]
+        req = urllib.request.Request(server.base + "/generate", data=json.dumps({**prompt, "stream": True,
+                                     "sampling_params": {**prompt["sampling_params"], "max_new_tokens": 400}}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as stream:
+            for _ in range(3):
+                assert stream.readline()
+        after = server.post("/generate", prompt)["output_ids"]
+        assert after == before
 
         import sglang as sgl
 
