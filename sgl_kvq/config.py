@@ -2,7 +2,7 @@
 
 A dtype name is `<method><bits>` (kivi1, kivi2, kivi4). Knobs that SGLang's command line has no room for come from
 environment variables with the `KVQ_` prefix (read in one place, `sgl_kvq.env`), so they reach SGLang's spawned
-scheduler processes unchanged. Defaults are the papers' (prior-art.md): G = 64, residual window R = 64, top-k 64.
+scheduler processes unchanged. Defaults are the papers' (prior-art.md): G = 64, residual window R = 64.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ class KVQConfig:
     group_size: int = 64  # G: tokens per page = key quantization group (keys per-channel over a page)
     value_group: int = 64  # channels per value quantization group (values per-token); clipped to head_dim
     residual: int = 64  # R: most recent complete tokens kept fp16 in the overlay, a multiple of G
-    topk: int = 64  # SpeCache: fp16 tokens prefetched per (request, layer, KV head)
     # 1-bit codes use SpeCache's zero-point (3 min + max)/4 and scale (max - min)/2 (eq. 3), which halves the
     # reconstruction error of plain min/max 1-bit (tests/test_quant_uniform.py measures it).
     specache_one_bit: bool = True
@@ -50,8 +49,6 @@ class KVQConfig:
             raise KVQConfigError(f"sgl_kvq: value group {self.value_group} must be a power of two >= 8")
         if self.residual < 0 or self.residual % g:
             raise KVQConfigError(f"sgl_kvq: residual window R={self.residual} must be a multiple of G={g}")
-        if self.topk < 1:
-            raise KVQConfigError(f"sgl_kvq: top-k must be positive, got {self.topk}")
 
     @property
     def name(self) -> str:

@@ -6,7 +6,6 @@ variable as a deprecated spelling of SGLANG_* and warns about it in each of its 
 | KVQ_GROUP_SIZE       | group_size (G, = page size) | 64 |
 | KVQ_VALUE_GROUP      | value_group     | 64 |
 | KVQ_RESIDUAL         | residual (R)    | 64 |
-| KVQ_TOPK             | topk            | 64 |
 | KVQ_CACHE_DIR            | where embedded models are materialized | ~/.cache/sgl_kvq |
 | KVQ_KV_CACHE_GB          | fixes SGLang's KV budget to this many GiB for ANY kv dtype (bf16 too), instead of profiling free memory: capacity comparisons at the same KV memory | unset |
 """
@@ -20,7 +19,6 @@ _INT_KNOBS = {
     "KVQ_GROUP_SIZE": "group_size",
     "KVQ_VALUE_GROUP": "value_group",
     "KVQ_RESIDUAL": "residual",
-    "KVQ_TOPK": "topk",
 }
 
 

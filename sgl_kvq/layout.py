@@ -90,12 +90,3 @@ class PoolShape:
         L, H, D = self.layers, self.heads, self.head_dim
         return 2 * L * self.G * H * D * torch.empty((), dtype=model_dtype).element_size() + 16
 
-
-def check_base(buffers: dict[str, torch.Tensor], shape: PoolShape) -> None:
-    """Assert that tensors handed across a boundary (pool -> kernel) have exactly the layout above."""
-    for name, (want_shape, want_dtype) in shape.base_shapes().items():
-        t = buffers[name]
-        if tuple(t.shape) != want_shape or t.dtype != want_dtype:
-            raise AssertionError(f"{name}: got {tuple(t.shape)} {t.dtype}, layout says {want_shape} {want_dtype}")
-        if not t.is_contiguous():
-            raise AssertionError(f"{name} must be contiguous")
