@@ -19,6 +19,8 @@ BITS = (1, 2, 4)
 # The dtype names SGLang's --kv-cache-dtype gains. Every one is served by the same pool and backends.
 DTYPE_NAMES = tuple(f"{m}{b}" for m in METHODS for b in BITS)
 
+PREFILL_MODES = ("full", "paged")
+
 _NAME = re.compile(r"^(?P<method>[a-z]+)(?P<bits>\d+)$")
 
 
@@ -36,6 +38,13 @@ class KVQConfig:
     # 1-bit codes use SpeCache's zero-point (3 min + max)/4 and scale (max - min)/2 (eq. 3), which halves the
     # reconstruction error of plain min/max 1-bit (tests/test_quant_uniform.py measures it).
     specache_one_bit: bool = True
+    # How an extend (prefill, multi-turn continuation) attends to its own new tokens:
+    #   "full"  KIVI's prefill: the new tokens attend each other in full precision; only the cached prefix is
+    #           read quantized. A recomputed token (after retraction, eviction, a chunk boundary, a cache miss)
+    #           can therefore differ from when it was decoded.
+    #   "paged" page by page, each new page attending to the pages before it exactly as decode reads them (packed
+    #           base beyond the fp16 window): a token's KV no longer depends on how it was scheduled.
+    prefill: str = "full"
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -47,6 +56,8 @@ class KVQConfig:
             raise KVQConfigError(f"sgl_kvq: group size G={g} must be a power of two >= 8 (it is the page size)")
         if self.value_group < 8 or self.value_group & (self.value_group - 1):
             raise KVQConfigError(f"sgl_kvq: value group {self.value_group} must be a power of two >= 8")
+        if self.prefill not in PREFILL_MODES:
+            raise KVQConfigError(f"sgl_kvq: prefill mode {self.prefill!r}; choose one of {', '.join(PREFILL_MODES)}")
         if self.residual < 0 or self.residual % g:
             raise KVQConfigError(f"sgl_kvq: residual window R={self.residual} must be a multiple of G={g}")
 

@@ -6,6 +6,7 @@ variable as a deprecated spelling of SGLANG_* and warns about it in each of its 
 | KVQ_GROUP_SIZE       | group_size (G, = page size) | 64 |
 | KVQ_VALUE_GROUP      | value_group     | 64 |
 | KVQ_RESIDUAL         | residual (R)    | 64 |
+| KVQ_PREFILL              | prefill: "full" (KIVI) or "paged" (decode-consistent) | full |
 | KVQ_CACHE_DIR            | where embedded models are materialized | ~/.cache/sgl_kvq |
 | KVQ_KV_CACHE_GB          | fixes SGLang's KV budget to this many GiB for ANY kv dtype (bf16 too), instead of profiling free memory: capacity comparisons at the same KV memory | unset |
 """
@@ -24,6 +25,8 @@ _INT_KNOBS = {
 
 def knobs() -> dict:
     out = {}
+    if os.environ.get("KVQ_PREFILL"):
+        out["prefill"] = os.environ["KVQ_PREFILL"]
     for var, field in _INT_KNOBS.items():
         raw = os.environ.get(var)
         if raw is None or raw == "":

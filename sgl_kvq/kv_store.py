@@ -145,18 +145,21 @@ class QuantizedKVStore:
         self.k_zero[layer, pages] = p.k_zero
 
     # ---- reads ----
-    def plan(self, page_tables: list[torch.Tensor], req_slots: list[int], seq_lens: list[int]) -> PagedPlan:
+    def plan(self, page_tables: list[torch.Tensor], req_slots: list[int], seq_lens: list[int],
+             query_pos: list[int] | None = None) -> PagedPlan:
         """FlashInfer-style plan for requests whose contexts are the first seq_lens[b] positions of page_tables[b]
-        (pool page ids of logical pages 0, 1, ...). The longest suffix of pages whose frames still hold them
-        (tag and generation match) is read from the overlay; the rest from the packed base."""
+        (pool page ids of logical pages 0, 1, ...). Pages of the fp16 window of a query at query_pos[b] (default:
+        the context's last position, as in decode) whose frames still hold them (tag and generation match) are
+        read from the overlay, as the longest such suffix; the rest from the packed base."""
         G, ring = self.G, self.ring
         kv_indptr, kv_indices, kv_last, ov_indptr, ov_indices, ov_last = [0], [], [], [0], [], []
         tags, gens, pgen = self.ov_tag.tolist(), self.ov_gen.tolist(), self.page_gen
-        for pages, r, n_tok in zip(page_tables, req_slots, seq_lens):
+        query_pos = query_pos or [n - 1 for n in seq_lens]
+        for pages, r, n_tok, qp in zip(page_tables, req_slots, seq_lens, query_pos):
             n_pages = -(-n_tok // G)
             pages = pages[:n_pages].tolist()
             n_ov = 0
-            for n in range(n_pages - 1, max(n_pages - ring, 0) - 1, -1):
+            for n in range(n_pages - 1, max(qp // G - ring + 1, 0) - 1, -1):
                 f = r * ring + n % ring
                 if tags[f] != pages[n] or gens[f] != int(pgen[pages[n]]):
                     break

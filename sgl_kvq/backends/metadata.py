@@ -1,5 +1,11 @@
 """One metadata builder for both kvq backends: per forward batch, where its tokens go (BatchWrite) and what each
-request attends to (PagedPlan), built once and reused by every layer (FlashInfer's plan/run split)."""
+request attends to (PagedPlan), built once and reused by every layer (FlashInfer's plan/run split).
+
+An extend is one step (prefill mode "full") or one step per page the new tokens touch (mode "paged"): step j
+holds every request's new tokens that fall in its j-th touched page, attends to everything before them as the
+plan computed after steps < j claimed their frames, then writes. Every layer runs the steps in order, so a step's
+attention sees the earlier steps' pages exactly as a later decode will (quantized beyond the fp16 window).
+"""
 
 from __future__ import annotations
 
@@ -12,11 +18,28 @@ from sgl_kvq.kv_store import BatchWrite, QuantizedKVStore
 
 
 @dataclass
+class Step:
+    rows: torch.Tensor | None  # rows of this batch's q/k/v in the step (None: all rows)
+    write: BatchWrite
+    plan: PagedPlan  # decode: the whole context after this token; extend: the context before the step's tokens
+    qo_indptr: torch.Tensor | None  # extend: request b's step tokens are step rows qo_indptr[b]:qo_indptr[b+1]
+    max_qo_len: int = 1
+
+
+@dataclass
 class ForwardPlan:
     is_decode: bool
-    write: BatchWrite
-    plan: PagedPlan  # decode: the whole context after this token; extend: the cached prefix only
-    qo_indptr: torch.Tensor | None  # extend: request b's new tokens are rows qo_indptr[b]:qo_indptr[b+1]
+    steps: list[Step]
+
+
+def _tokens(reqs, starts, ends, dev):
+    """Per written token: its request slot, position, and its request's length after the step."""
+    req_slots = torch.tensor([r for r, a, b in zip(reqs, starts, ends) for _ in range(b - a)], dtype=torch.int64,
+                             device=dev)
+    positions = torch.cat([torch.arange(a, b, device=dev) for a, b in zip(starts, ends)]) if req_slots.numel() \
+        else torch.empty(0, dtype=torch.int64, device=dev)
+    after = torch.tensor([b for a, b in zip(starts, ends) for _ in range(b - a)], dtype=torch.int64, device=dev)
+    return req_slots, positions, after
 
 
 def build(store: QuantizedKVStore, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
@@ -26,24 +49,33 @@ def build(store: QuantizedKVStore, req_to_token: torch.Tensor, req_pool_indices:
     reqs = req_pool_indices.tolist()
     lens = seq_lens.tolist()
     dev = store.device
+    page_tables = [req_to_token[r, : -(-n // G) * G: G].long() // G for r, n in zip(reqs, lens)]
     if is_decode:
-        prefix = [n - 1 for n in lens]
-        new = [1] * len(lens)
-    else:
-        prefix, new = list(extend_prefix_lens), list(extend_seq_lens)
-        if any(p + n != s for p, n, s in zip(prefix, new, lens)):
-            raise AssertionError("sgl_kvq: extend prefix + new lengths != seq_lens")
-    page_tables = [req_to_token[r, : -(-n // G) * G : G].long() // G for r, n in zip(reqs, lens)]
-    req_slots = torch.tensor([r for r, n in zip(reqs, new) for _ in range(n)], dtype=torch.int64, device=dev)
-    positions = torch.cat([torch.arange(p, p + n, device=dev) for p, n in zip(prefix, new)]) if new else \
-        torch.empty(0, dtype=torch.int64, device=dev)
-    after = torch.tensor([s for s, n in zip(lens, new) for _ in range(n)], dtype=torch.int64, device=dev)
-    if is_decode:
-        write = store.begin_batch(out_cache_loc, req_slots, positions, after)
-        plan = store.plan(page_tables, reqs, lens)
-        return ForwardPlan(True, write, plan, None)
-    # Extend reads the prefix as it was before this batch: plan first, then let the batch claim frames.
-    plan = store.plan(page_tables, reqs, prefix)
-    write = store.begin_batch(out_cache_loc, req_slots, positions, after)
-    qo = torch.tensor([0] + new, dtype=torch.int32, device=dev).cumsum(0).to(torch.int32)
-    return ForwardPlan(False, write, plan, qo)
+        write = store.begin_batch(out_cache_loc, *_tokens(reqs, [n - 1 for n in lens], lens, dev))
+        return ForwardPlan(True, [Step(None, write, store.plan(page_tables, reqs, lens), None)])
+    prefix, new = list(extend_prefix_lens), list(extend_seq_lens)
+    if any(p + n != s for p, n, s in zip(prefix, new, lens)):
+        raise AssertionError("sgl_kvq: extend prefix + new lengths != seq_lens")
+    row0 = [0]
+    for n in new:
+        row0.append(row0[-1] + n)
+    if store.cfg.prefill == "full":
+        bounds = [[(p, s)] for p, s in zip(prefix, lens)]
+    else:  # "paged": cut each request's new tokens at page boundaries
+        bounds = [[(a, min(s, (a // G + 1) * G)) for a in [p] + list(range((p // G + 1) * G, s, G)) if a < s]
+                  for p, s in zip(prefix, lens)]
+    steps = []
+    for j in range(max((len(b) for b in bounds), default=0)):
+        starts = [b[j][0] if j < len(b) else s for b, s in zip(bounds, lens)]
+        ends = [b[j][1] if j < len(b) else s for b, s in zip(bounds, lens)]
+        rows = torch.cat([torch.arange(row0[i] + a - p, row0[i] + e - p, device=dev)
+                          for i, (a, e, p) in enumerate(zip(starts, ends, prefix))])
+        # Read the context as it is before this step, then let the step's tokens claim their frames. "paged"
+        # steps see the fp16 window of their own page (as decode will); "full" sees the prefix's own window.
+        plan = store.plan(page_tables, reqs, starts, starts if store.cfg.prefill == "paged" else None)
+        write = store.begin_batch(out_cache_loc[rows], *_tokens(reqs, starts, ends, dev))
+        counts = [e - a for a, e in zip(starts, ends)]
+        qo = torch.tensor([0] + counts, dtype=torch.int32, device=dev).cumsum(0).to(torch.int32)
+        steps.append(Step(None if len(bounds) and all(len(b) == 1 for b in bounds) else rows, write, plan, qo,
+                          max(counts)))
+    return ForwardPlan(False, steps)

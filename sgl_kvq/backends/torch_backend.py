@@ -64,37 +64,47 @@ class KVQAttentionBackendBase(AttentionBackend):
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         q, k, v, li = self._views(q, k, v, layer)
-        fp = self.fp
-        # Attend first: the prefix's fp16 frames may be reused by this batch's own tokens, so read them before
-        # this layer's write (sgl_kvq/kv_store.py).
-        o = self.extend(q, k, v, li, fp, layer.scaling)
-        if save_kv_cache:
-            self.store.write_layer(li, fp.write, k, v, kernels=self.write_kernels)
-        return o.reshape(q.shape[0], -1)
+        out = None
+        for step in self.fp.steps:
+            sq, sk, sv = (q, k, v) if step.rows is None else (q[step.rows], k[step.rows], v[step.rows])
+            # Attend first: the prefix's fp16 frames may be reused by this step's own tokens, so read them before
+            # this layer's write (sgl_kvq/kv_store.py).
+            o = self.extend(sq, sk, sv, li, step, layer.scaling)
+            if save_kv_cache:
+                self.store.write_layer(li, step.write, sk, sv, kernels=self.write_kernels)
+            if step.rows is None:
+                out = o
+            else:
+                if out is None:
+                    out = o.new_empty(q.shape[0], *o.shape[1:])
+                out[step.rows] = o
+        return out.reshape(q.shape[0], -1)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         q, k, v, li = self._views(q, k, v, layer)
+        step = self.fp.steps[0]
         if save_kv_cache:
-            self.store.write_layer(li, self.fp.write, k, v, kernels=self.write_kernels)
-        return self.decode(q, li, self.fp, layer.scaling).reshape(q.shape[0], -1)
+            self.store.write_layer(li, step.write, k, v, kernels=self.write_kernels)
+        return self.decode(q, li, step, layer.scaling).reshape(q.shape[0], -1)
 
     @abc.abstractmethod
-    def extend(self, q, k, v, li, fp, sm_scale):
-        """q [N, Hq, D], fresh k/v [N, H, D] -> [N, Hq, D]: the cached prefix (fp.plan) plus causal new tokens."""
+    def extend(self, q, k, v, li, step, sm_scale):
+        """q [N, Hq, D], fresh k/v [N, H, D] -> [N, Hq, D]: the context before the step (step.plan) plus the
+        step's own tokens, causally."""
 
     @abc.abstractmethod
-    def decode(self, q, li, fp, sm_scale):
-        """q [B, Hq, D] -> [B, Hq, D] over each request's whole context (fp.plan)."""
+    def decode(self, q, li, step, sm_scale):
+        """q [B, Hq, D] -> [B, Hq, D] over each request's whole context (step.plan)."""
 
 
 class KVQTorchBackend(KVQAttentionBackendBase):
     name = "kvq_torch"
 
-    def extend(self, q, k, v, li, fp, sm_scale):
-        return attention_ref.ref_extend(q, k, v, fp.qo_indptr, self.store.layer_view(li), fp.plan, sm_scale)
+    def extend(self, q, k, v, li, step, sm_scale):
+        return attention_ref.ref_extend(q, k, v, step.qo_indptr, self.store.layer_view(li), step.plan, sm_scale)
 
-    def decode(self, q, li, fp, sm_scale):
-        return attention_ref.ref_decode(q, self.store.layer_view(li), fp.plan, sm_scale)
+    def decode(self, q, li, step, sm_scale):
+        return attention_ref.ref_decode(q, self.store.layer_view(li), step.plan, sm_scale)
 
     def support_triton(self):
         return False

@@ -17,20 +17,17 @@ class KVQTritonBackend(KVQAttentionBackendBase):
     def __init__(self, model_runner):
         super().__init__(model_runner)
         self.decode_plan = None
-        self.max_qo_len = 0
 
     def init_forward_metadata(self, forward_batch):
         super().init_forward_metadata(forward_batch)
         self.decode_plan = None  # built by the first layer (which knows the query heads), reused by the rest
-        if self.fp is not None and not self.fp.is_decode:
-            self.max_qo_len = max(forward_batch.extend_seq_lens_cpu)
 
-    def extend(self, q, k, v, li, fp, sm_scale):
-        return extend_attention(q.contiguous(), k.contiguous(), v.contiguous(), fp.qo_indptr,
-                                self.store.layer_view(li), fp.plan, sm_scale, max_qo_len=self.max_qo_len)
+    def extend(self, q, k, v, li, step, sm_scale):
+        return extend_attention(q.contiguous(), k.contiguous(), v.contiguous(), step.qo_indptr,
+                                self.store.layer_view(li), step.plan, sm_scale, max_qo_len=step.max_qo_len)
 
-    def decode(self, q, li, fp, sm_scale):
+    def decode(self, q, li, step, sm_scale):
         if self.decode_plan is None:
-            self.decode_plan = decode_kernel.plan(fp.plan, num_qo_heads=q.shape[1], num_kv_heads=self.store.shape.heads,
+            self.decode_plan = decode_kernel.plan(step.plan, num_qo_heads=q.shape[1], num_kv_heads=self.store.shape.heads,
                                                   head_dim=self.store.shape.head_dim, page_size=self.store.G)
         return decode_kernel.decode_attention(q.contiguous(), self.store.layer_view(li), self.decode_plan, sm_scale)
