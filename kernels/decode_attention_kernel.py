@@ -9,7 +9,7 @@ log-sum-exp; merge_state_kernel.py combines the splits.
 import triton
 import triton.language as tl
 
-from .paged_kv_kernel import _base_page_kt, _base_page_v, _dot, _softmax_step
+from .paged_kv_kernel import _base_page_step, _frame_step
 
 
 @triton.jit
@@ -54,23 +54,15 @@ def _decode_attention_kernel(
         for j in range(p_start, tl.minimum(p_end, n_base)):
             page = tl.load(kv_indices + kv_lo + j).to(tl.int64)
             n_valid = tl.where(j == n_base - 1, last_base, G)
-            kt = _base_page_kt(KC, KS, KZ, page, kvh, offs_t, offs_d, stride_kc_slot, stride_kc_head,
-                               stride_ks_page, stride_ks_head, G, BITS)
-            qk = _dot(q, kt.to(dot_dtype), DOT_FP32) * sm_scale_log2
-            v = _base_page_v(VC, VS, VZ, page, kvh, offs_t, offs_d, n_valid, stride_kc_slot,
-                             stride_kc_head, stride_vs_slot, stride_vs_head, G, BITS, VG)
-            m, l, acc = _softmax_step(qk, (offs_t < n_valid)[None, :], m, l, acc, v.to(dot_dtype), DOT_FP32)
+            m, l, acc = _base_page_step(q, m, l, acc, KC, KS, KZ, VC, VS, VZ, page, n_valid, kvh, offs_t, offs_d,
+                                        stride_kc_slot, stride_kc_head, stride_ks_page, stride_ks_head,
+                                        stride_vs_slot, stride_vs_head, sm_scale_log2, G, BITS, VG, DOT_FP32)
 
         for j in range(tl.maximum(p_start, n_base), p_end):
             frame = tl.load(ov_indices + ov_lo + j - n_base).to(tl.int64)
             n_valid = tl.where(j == n_pages - 1, last_ov, G)
-            base = frame * stride_ov_frame + kvh * stride_ov_head
-            kt = tl.load(OVK + base + offs_t[None, :] * stride_ov_tok + offs_d[:, None])
-            qk = _dot(q, kt.to(dot_dtype), DOT_FP32) * sm_scale_log2
-            # rows past the frame's last token are never loaded: they may hold NaN (see _base_page_v)
-            v = tl.load(OVV + base + offs_t[:, None] * stride_ov_tok + offs_d[None, :],
-                        mask=(offs_t < n_valid)[:, None], other=0.0)
-            m, l, acc = _softmax_step(qk, (offs_t < n_valid)[None, :], m, l, acc, v.to(dot_dtype), DOT_FP32)
+            m, l, acc = _frame_step(q, m, l, acc, OVK, OVV, frame, n_valid, kvh, offs_t, offs_d, stride_ov_frame,
+                                    stride_ov_head, stride_ov_tok, sm_scale_log2, DOT_FP32)
 
         # An empty split (possible when pages do not divide evenly) leaves l == 0: it stores o = 0, lse = -inf,
         # which the merge weighs by exp(-inf) = 0.

@@ -9,7 +9,7 @@ and causally to b's fresh k/v, in one online softmax.
 import triton
 import triton.language as tl
 
-from .paged_kv_kernel import _base_page_kt, _base_page_v, _dot, _softmax_step
+from .paged_kv_kernel import _base_page_step, _dot, _frame_step, _softmax_step
 
 
 @triton.jit
@@ -51,12 +51,9 @@ def _extend_attention_kernel(
         for j in range(0, n_base):
             page = tl.load(kv_indices + kv_lo + j).to(tl.int64)
             n_valid = tl.where(j == n_base - 1, last_base, G)
-            kt = _base_page_kt(KC, KS, KZ, page, kvh, offs_t, offs_d, stride_kc_slot, stride_kc_head,
-                               stride_ks_page, stride_ks_head, G, BITS)
-            qk = _dot(q, kt.to(dot_dtype), DOT_FP32) * sm_scale_log2
-            v = _base_page_v(VC, VS, VZ, page, kvh, offs_t, offs_d, n_valid, stride_kc_slot,
-                             stride_kc_head, stride_vs_slot, stride_vs_head, G, BITS, VG)
-            m, l, acc = _softmax_step(qk, (offs_t < n_valid)[None, :], m, l, acc, v.to(dot_dtype), DOT_FP32)
+            m, l, acc = _base_page_step(q, m, l, acc, KC, KS, KZ, VC, VS, VZ, page, n_valid, kvh, offs_t, offs_d,
+                                        stride_kc_slot, stride_kc_head, stride_ks_page, stride_ks_head,
+                                        stride_vs_slot, stride_vs_head, sm_scale_log2, G, BITS, VG, DOT_FP32)
 
         ov_lo = tl.load(ov_indptr + b)
         n_ov = tl.load(ov_indptr + b + 1) - ov_lo
@@ -64,13 +61,8 @@ def _extend_attention_kernel(
         for j in range(0, n_ov):
             frame = tl.load(ov_indices + ov_lo + j).to(tl.int64)
             n_valid = tl.where(j == n_ov - 1, last_ov, G)
-            base = frame * stride_ov_frame + kvh * stride_ov_head
-            kt = tl.load(OVK + base + offs_t[None, :] * stride_ov_tok + offs_d[:, None])
-            qk = _dot(q, kt.to(dot_dtype), DOT_FP32) * sm_scale_log2
-            # rows past the frame's last token are never loaded: they may hold NaN (see _base_page_v)
-            v = tl.load(OVV + base + offs_t[:, None] * stride_ov_tok + offs_d[None, :],
-                        mask=(offs_t < n_valid)[:, None], other=0.0)
-            m, l, acc = _softmax_step(qk, (offs_t < n_valid)[None, :], m, l, acc, v.to(dot_dtype), DOT_FP32)
+            m, l, acc = _frame_step(q, m, l, acc, OVK, OVV, frame, n_valid, kvh, offs_t, offs_d, stride_ov_frame,
+                                    stride_ov_head, stride_ov_tok, sm_scale_log2, DOT_FP32)
 
         # the new tokens, causally; keys past this block's last token are invisible to all of its rows
         offs_n = tl.arange(0, BLOCK_N)

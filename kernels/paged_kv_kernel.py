@@ -64,3 +64,29 @@ def _softmax_step(qk, valid, m, l, acc, v, DOT_FP32: tl.constexpr):
     l = l * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_FP32)
     return m_new, l, acc
+
+
+@triton.jit
+def _base_page_step(q, m, l, acc, KC, KS, KZ, VC, VS, VZ, page, n_valid, kvh, offs_t, offs_d, stride_kc_slot,
+                    stride_kc_head, stride_ks_page, stride_ks_head, stride_vs_slot, stride_vs_head, sm_scale_log2,
+                    G: tl.constexpr, BITS: tl.constexpr, VG: tl.constexpr, DOT_FP32: tl.constexpr):
+    # One packed base page into the online softmax of q [M, D] (already in the dot dtype): -> updated (m, l, acc).
+    kt = _base_page_kt(KC, KS, KZ, page, kvh, offs_t, offs_d, stride_kc_slot, stride_kc_head,
+                       stride_ks_page, stride_ks_head, G, BITS)
+    qk = _dot(q, kt.to(q.dtype), DOT_FP32) * sm_scale_log2
+    v = _base_page_v(VC, VS, VZ, page, kvh, offs_t, offs_d, n_valid, stride_kc_slot,
+                     stride_kc_head, stride_vs_slot, stride_vs_head, G, BITS, VG)
+    return _softmax_step(qk, (offs_t < n_valid)[None, :], m, l, acc, v.to(q.dtype), DOT_FP32)
+
+
+@triton.jit
+def _frame_step(q, m, l, acc, OVK, OVV, frame, n_valid, kvh, offs_t, offs_d, stride_ov_frame, stride_ov_head,
+                stride_ov_tok, sm_scale_log2, DOT_FP32: tl.constexpr):
+    # One fp16 overlay frame into the online softmax of q [M, D]: -> updated (m, l, acc).
+    base = frame * stride_ov_frame + kvh * stride_ov_head
+    kt = tl.load(OVK + base + offs_t[None, :] * stride_ov_tok + offs_d[:, None])
+    qk = _dot(q, kt.to(q.dtype), DOT_FP32) * sm_scale_log2
+    # rows past the frame's last token are never loaded: they may hold NaN (see _base_page_v)
+    v = tl.load(OVV + base + offs_t[:, None] * stride_ov_tok + offs_d[None, :],
+                mask=(offs_t < n_valid)[:, None], other=0.0)
+    return _softmax_step(qk, (offs_t < n_valid)[None, :], m, l, acc, v.to(q.dtype), DOT_FP32)
