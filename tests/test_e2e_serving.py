@@ -16,6 +16,7 @@ import pytest
 
 from sgl_kvq.launch import ServerProcess, engine_kwargs
 from sgl_kvq.models import tiny_llama
+from sgl_kvq.workload import common_prefix_share
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -55,11 +56,7 @@ def run_engine(model, kv_cache_dtype, prompts, sampling=GREEDY, env=None, **kw):
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     """Mean share of positions before the first differing token."""
-    total = 0.0
-    for x, y in zip(a, b):
-        n = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
-        total += n / max(len(x), len(y))
-    return total / len(a)
+    return sum(common_prefix_share(x, y) for x, y in zip(a, b)) / len(a)
 
 
 @pytest.mark.parametrize("prefill", ["full", "paged"])
@@ -79,32 +76,35 @@ def test_pool_too_small_completes_every_request_like_an_uncontended_run(capfd):
     resumed. Every request must complete; outputs are compared with an uncontended run of the same requests, and
     bf16's own contended/uncontended agreement is the baseline.
 
-    kivi2 with KVQ_PREFILL=paged and KVQ_RESIDUAL=0 must agree exactly as well as bf16: every token's KV is then
-    computed as decode computes it, whatever the scheduling, and a stale or foreign page read would show at once.
-    With the defaults (KIVI's full-precision prefill, R = 64) a resumed request may recompute tokens differently
-    from how it first decoded them (tests/test_paged_prefill.py shows why), so the defaults get looser bounds:
-    kivi4 within one diverging token on average, kivi2 above 0.6."""
+    kivi2 with KVQ_PREFILL=paged and KVQ_RESIDUAL=0 must agree exactly as well as bf16: every token's KV is then a
+    function of the tokens alone, computed as decode computes it whatever the scheduling, so a stale or foreign page
+    read would show at once. With the defaults (KIVI's full-precision prefill, R = 64) that cannot hold: a resumed or
+    re-prefilled request recomputes its tokens without the fp16 window it decoded them with, and the window exists
+    nowhere else (README, "Status and limits"). There the contended run must stay closer to its uncontended run than
+    quantization itself moves a run away from bf16 (the uncontended kvq run against the uncontended bf16 run,
+    measured here): contention may perturb a kvq run at quantization-noise level, never more. A corrupted page read
+    (another request's codes, a stale scale) derails a continuation far beyond that."""
     model = tiny_llama(dtype="bfloat16")
     rng = random.Random(0)
     words = "def class return import from self lambda yield while for if else try except with as print".split()
     prompts = [" ".join(rng.choice(words) for _ in range(120)) for _ in range(12)]
     exact = {"KVQ_PREFILL": "paged", "KVQ_RESIDUAL": "0"}
     runs = {"auto": ("auto", {}), "kivi4": ("kivi4", {}), "kivi2": ("kivi2", {}), "kivi2-paged-r0": ("kivi2", exact)}
-    result = {}
+    free, contended = {}, {}
     for name, (dtype, env) in runs.items():
-        free, _ = run_engine(model, dtype, prompts, max_total_tokens=4096, dtype="bfloat16", env=env)
+        free[name], _ = run_engine(model, dtype, prompts, max_total_tokens=4096, dtype="bfloat16", env=env)
         tight, stats = run_engine(model, dtype, prompts, max_total_tokens=1024, dtype="bfloat16",
                                   env={**env, "SGLANG_TEST_RETRACT": "1"})
         assert stats["capacity_tokens"] == 1024
         assert all(len(o) == GREEDY["max_new_tokens"] for o in tight), "a request did not complete"
-        result[name] = agreement(free, tight)
+        contended[name] = agreement(free[name], tight)
     log = capfd.readouterr().err
     assert re.search(r"#retracted_reqs: [1-9]", log), "the contended runs never retracted a request"
-    print("contended vs uncontended agreement:", result)
-    assert result["kivi2-paged-r0"] >= result["auto"], result
-    one_token = 1 / GREEDY["max_new_tokens"]
-    assert result["kivi4"] >= result["auto"] - one_token, result
-    assert result["kivi2"] >= 0.6, result
+    quantization = {name: agreement(free[name], free["auto"]) for name in ("kivi4", "kivi2")}
+    print("contended vs uncontended agreement:", contended, "uncontended kvq vs bf16:", quantization)
+    assert contended["kivi2-paged-r0"] >= contended["auto"], contended
+    for name, floor in quantization.items():
+        assert contended[name] > floor, (name, contended, quantization)
 
 
 def test_http_server_multiturn_radix_hits_abort_and_frontend_language(tiny, tmp_path, monkeypatch):

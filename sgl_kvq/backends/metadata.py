@@ -64,6 +64,7 @@ def build(store: QuantizedKVStore, req_to_token: torch.Tensor, req_pool_indices:
     else:  # "paged": cut each request's new tokens at page boundaries
         bounds = [[(a, min(s, (a // G + 1) * G)) for a in [p] + list(range((p // G + 1) * G, s, G)) if a < s]
                   for p, s in zip(prefix, lens)]
+    one_step = all(len(b) == 1 for b in bounds)  # then the step's rows are all rows, in order
     steps = []
     for j in range(max((len(b) for b in bounds), default=0)):
         starts = [b[j][0] if j < len(b) else s for b, s in zip(bounds, lens)]
@@ -76,6 +77,5 @@ def build(store: QuantizedKVStore, req_to_token: torch.Tensor, req_pool_indices:
         write = store.begin_batch(out_cache_loc[rows], *_tokens(reqs, starts, ends, dev))
         counts = [e - a for a, e in zip(starts, ends)]
         qo = torch.tensor([0] + counts, dtype=torch.int32, device=dev).cumsum(0).to(torch.int32)
-        steps.append(Step(None if len(bounds) and all(len(b) == 1 for b in bounds) else rows, write, plan, qo,
-                          max(counts)))
+        steps.append(Step(None if one_step else rows, write, plan, qo, max(counts)))
     return ForwardPlan(False, steps)
