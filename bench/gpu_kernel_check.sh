@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One-shot kernel check on a CUDA machine (torch 2.11+cu130, triton 3.6, no sglang needed):
-#   1. kernel tests on CUDA (fp32, fp16 and bf16 cases; bit-exact quantize-pack in every dtype),
+#   1. kernel tests on CUDA (fp32, fp16 and bf16 cases; bit-exact quantize-pack in every dtype) and the decode
+#      metadata tests, including a real CUDA-graph capture/replay of a decode step,
 #   2. the full decode benchmark sweep (bf16, bits 1/2/4, Llama-3-8B and SmolLM2 heads).
 # Logs and JSON go to $OUT when set (else bench/results/). Run from anywhere: bash bench/gpu_kernel_check.sh
 set -uo pipefail
@@ -21,6 +22,7 @@ PY
 if $PY -c "import pytest" 2>/dev/null; then
     # -p no:cacheprovider: the checkout may be read-only; --junitxml keeps per-test results
     $PY -m pytest -p no:cacheprovider -q tests/test_kernels_quantize.py tests/test_kernels_attention.py \
+        tests/test_decode_metadata.py \
         --junitxml="$DEST/kernel_tests.xml" 2>&1 | tee "$DEST/kernel_tests.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 else

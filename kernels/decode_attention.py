@@ -5,7 +5,8 @@
 
 `paged` is sgl_kvq.attention_ref.PagedPlan (FlashInfer paged metadata split into base pages and overlay frames).
 plan() only launches device ops (no host sync), and max_splits depends on the batch size and the device alone,
-so the launch grid (B, num_kv_heads, max_splits) is static for a CUDA graph of a given batch size.
+so the launch grid (B, num_kv_heads, max_splits) is static for a CUDA graph of a given batch size; with a
+DecodeWorkspace it allocates nothing either, so the graph captures fixed scratch addresses.
 """
 
 from __future__ import annotations
@@ -54,8 +55,22 @@ def default_max_splits(device: torch.device, batch_size: int, num_kv_heads: int)
     return max(1, min(_MAX_SPLITS_CAP, want))
 
 
+class DecodeWorkspace:
+    """Split-KV scratch allocated once for batches of up to max_bs requests, so plan() allocates nothing and a
+    CUDA graph captures fixed addresses: num_splits [max_bs] int32 and flat fp32 partials sized for the largest
+    bs * max_splits(bs) (max_splits shrinks as the batch grows, so that product stays near 2 x SMs / KV heads)."""
+
+    def __init__(self, max_bs: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, device: torch.device):
+        most = max(bs * default_max_splits(device, bs, num_kv_heads) for bs in range(1, max_bs + 1))
+        self.max_bs, self.num_qo_heads, self.head_dim = max_bs, num_qo_heads, head_dim
+        self.num_splits = torch.ones(max_bs, dtype=torch.int32, device=device)
+        self.o_partial = torch.empty(most * num_qo_heads * head_dim, dtype=torch.float32, device=device)
+        self.lse_partial = torch.empty(most * num_qo_heads, dtype=torch.float32, device=device)
+
+
 def plan(paged: PagedPlan, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-         max_splits: int | None = None, min_pages_per_split: int | None = None) -> DecodePlan:
+         max_splits: int | None = None, min_pages_per_split: int | None = None,
+         workspace: DecodeWorkspace | None = None) -> DecodePlan:
     dev = paged.kv_indptr.device
     check_paged(paged, dev)
     require(num_qo_heads % num_kv_heads == 0, f"{num_qo_heads} query heads over {num_kv_heads} KV heads")
@@ -67,11 +82,23 @@ def plan(paged: PagedPlan, *, num_qo_heads: int, num_kv_heads: int, head_dim: in
     require(max_splits >= 1 and min_pages_per_split >= 1, "max_splits and min_pages_per_split must be >= 1")
     n_pages = paged.kv_indptr.diff() + paged.ov_indptr.diff()
     num_splits = ((n_pages + min_pages_per_split - 1) // min_pages_per_split).clamp(1, max_splits).to(torch.int32)
+    if workspace is None:
+        o_partial = torch.empty(B, num_qo_heads, max_splits, head_dim, dtype=torch.float32, device=dev)
+        lse_partial = torch.empty(B, num_qo_heads, max_splits, dtype=torch.float32, device=dev)
+    else:
+        ws = workspace
+        require(B <= ws.max_bs and (num_qo_heads, head_dim) == (ws.num_qo_heads, ws.head_dim),
+                f"workspace for {ws.max_bs} requests x {ws.num_qo_heads} heads x D={ws.head_dim} cannot plan "
+                f"{B} x {num_qo_heads} x D={head_dim}")
+        n = B * num_qo_heads * max_splits
+        require(n * head_dim <= ws.o_partial.numel(), f"workspace too small for {B} requests x {max_splits} splits")
+        num_splits = ws.num_splits[:B].copy_(num_splits)
+        o_partial = ws.o_partial[:n * head_dim].view(B, num_qo_heads, max_splits, head_dim)
+        lse_partial = ws.lse_partial[:n].view(B, num_qo_heads, max_splits)
     return DecodePlan(
         paged=paged, num_splits=num_splits, max_splits=max_splits, num_qo_heads=num_qo_heads,
-        num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
-        o_partial=torch.empty(B, num_qo_heads, max_splits, head_dim, dtype=torch.float32, device=dev),
-        lse_partial=torch.empty(B, num_qo_heads, max_splits, dtype=torch.float32, device=dev),
+        num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, o_partial=o_partial,
+        lse_partial=lse_partial,
     )
 
 

@@ -67,29 +67,31 @@ def _quantize_pages_kernel(
     h = tl.program_id(1)
     src = tl.load(src_ids + n).to(tl.int64)
     dst = tl.load(dst_pages + n).to(tl.int64)
-    PB: tl.constexpr = 8 // BITS
-    DP: tl.constexpr = D // PB
-    NG: tl.constexpr = D // VG
-    offs_t = tl.arange(0, G)
-    offs_d = tl.arange(0, D)
-    offs_dp = tl.arange(0, DP)
-    src_off = src * stride_src_page + offs_t[:, None] * stride_src_tok + h * stride_src_head + offs_d[None, :]
-    slots = dst * G + offs_t
+    # Page 0 is SGLang's dummy page: a decode batch names it for rows that complete no page (static grid).
+    if dst != 0:
+        PB: tl.constexpr = 8 // BITS
+        DP: tl.constexpr = D // PB
+        NG: tl.constexpr = D // VG
+        offs_t = tl.arange(0, G)
+        offs_d = tl.arange(0, D)
+        offs_dp = tl.arange(0, DP)
+        src_off = src * stride_src_page + offs_t[:, None] * stride_src_tok + h * stride_src_head + offs_d[None, :]
+        slots = dst * G + offs_t
 
-    # keys: per channel over the page's G tokens
-    k = tl.load(K + src_off).to(tl.float32)
-    k_scale, k_zero = _scale_zero(tl.min(k, axis=0), tl.max(k, axis=0), BITS, SPECACHE_ONE_BIT)
-    k_codes = _encode(k, k_scale[None, :], k_zero[None, :], BITS)
-    kc_off = slots[:, None] * stride_kc_slot + h * stride_kc_head + offs_dp[None, :]
-    tl.store(KC + kc_off, _pack_rows(k_codes, G, D, BITS).to(tl.uint8))
-    tl.store(KS + dst * stride_ks_page + h * stride_ks_head + offs_d, k_scale)
-    tl.store(KZ + dst * stride_ks_page + h * stride_ks_head + offs_d, k_zero)
+        # keys: per channel over the page's G tokens
+        k = tl.load(K + src_off).to(tl.float32)
+        k_scale, k_zero = _scale_zero(tl.min(k, axis=0), tl.max(k, axis=0), BITS, SPECACHE_ONE_BIT)
+        k_codes = _encode(k, k_scale[None, :], k_zero[None, :], BITS)
+        kc_off = slots[:, None] * stride_kc_slot + h * stride_kc_head + offs_dp[None, :]
+        tl.store(KC + kc_off, _pack_rows(k_codes, G, D, BITS).to(tl.uint8))
+        tl.store(KS + dst * stride_ks_page + h * stride_ks_head + offs_d, k_scale)
+        tl.store(KZ + dst * stride_ks_page + h * stride_ks_head + offs_d, k_zero)
 
-    # values: per token, groups of VG channels
-    v = tl.reshape(tl.load(V + src_off).to(tl.float32), (G, NG, VG))
-    v_scale, v_zero = _scale_zero(tl.min(v, axis=2), tl.max(v, axis=2), BITS, SPECACHE_ONE_BIT)
-    v_codes = tl.reshape(_encode(v, v_scale[:, :, None], v_zero[:, :, None], BITS), (G, D))
-    tl.store(VC + kc_off, _pack_rows(v_codes, G, D, BITS).to(tl.uint8))
-    vs_off = slots[:, None] * stride_vs_slot + h * stride_vs_head + tl.arange(0, NG)[None, :]
-    tl.store(VS + vs_off, v_scale)
-    tl.store(VZ + vs_off, v_zero)
+        # values: per token, groups of VG channels
+        v = tl.reshape(tl.load(V + src_off).to(tl.float32), (G, NG, VG))
+        v_scale, v_zero = _scale_zero(tl.min(v, axis=2), tl.max(v, axis=2), BITS, SPECACHE_ONE_BIT)
+        v_codes = tl.reshape(_encode(v, v_scale[:, :, None], v_zero[:, :, None], BITS), (G, D))
+        tl.store(VC + kc_off, _pack_rows(v_codes, G, D, BITS).to(tl.uint8))
+        vs_off = slots[:, None] * stride_vs_slot + h * stride_vs_head + tl.arange(0, NG)[None, :]
+        tl.store(VS + vs_off, v_scale)
+        tl.store(VZ + vs_off, v_zero)

@@ -84,11 +84,13 @@ def resolve(server_args, previous) -> None:
     declare_resolution(server_args, _SOURCE, **decided)
     logger.info("sgl_kvq: %s with %s", cfg, decided)
     previous(server_args)
-    # Both kvq backends build their plan on the host each batch (no CUDA-graph hooks yet): run them eagerly.
-    if resolving_view(server_args).attention_backend in ("kvq_torch", "kvq_triton"):
+    # kvq_triton builds decode metadata on the device with fixed shapes (sgl_kvq/decode_metadata.py), so decode
+    # runs under SGLang's CUDA graphs; its extend plan and all of kvq_torch are host-built: those run eagerly.
+    backend = resolving_view(server_args).attention_backend
+    if backend in ("kvq_torch", "kvq_triton"):
         from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, with_phase
 
         graphs = resolving_view(server_args).cuda_graph_config
-        for phase in (Phase.DECODE, Phase.PREFILL):
+        for phase in (Phase.PREFILL,) if backend == "kvq_triton" else (Phase.DECODE, Phase.PREFILL):
             graphs = with_phase(graphs, phase, backend=Backend.DISABLED)
         declare_resolution(server_args, _SOURCE, cuda_graph_config=graphs)

@@ -131,6 +131,18 @@ class QuantizedKVStore:
                 self.ov_k[layer, bw.frame_ids, bw.frame_offs] = k[bw.frame_rows].to(self.model_dtype)
                 self.ov_v[layer, bw.frame_ids, bw.frame_offs] = v[bw.frame_rows].to(self.model_dtype)
 
+    def write_decode_layer(self, layer: int, dw, k: torch.Tensor, v: torch.Tensor) -> None:
+        """A decode batch's write with the Triton kernels, static shapes and no host sync (CUDA graphs): every row
+        into its frame, then each page a row completed quantized from that frame. dw: decode_metadata.DecodeWrite.
+        Bit-exact with write_layer on the same batch (tests/test_decode_metadata.py)."""
+        from sgl_kvq.kernels.quantize_pages import quantize_pages
+        from sgl_kvq.kernels.store_overlay import store_overlay
+
+        kv = self.layer_view(layer)
+        store_overlay(k, v, dw.frame_ids, dw.frame_offs, kv)
+        quantize_pages(kv.ov_k, kv.ov_v, dw.done_pages, kv, src_ids=dw.frame_ids,
+                       specache_one_bit=self.cfg.specache_one_bit)
+
     def store_pages(self, layer: int, pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize complete pages k, v [N, G, H, D] into the base at pool pages `pages`."""
         p = kivi_page.quantize_pages(k, v, self.cfg.bits, self.shape.VG, self.cfg.specache_one_bit)

@@ -16,7 +16,6 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from sgl_kvq import attention_ref  # noqa: E402
 from sgl_kvq.attention_ref import LayerKV, PagedPlan, ref_decode, ref_extend  # noqa: E402
 from sgl_kvq.kernels import decode_attention as dec  # noqa: E402
 from sgl_kvq.kernels.extend_attention import extend_attention  # noqa: E402
@@ -35,27 +34,6 @@ CASES = {
     "G64-gqa4-short": (64, 2, 4, 64, 16, [(128, 73), (0, 3), (61, 0)]),
     "G16-gqa4-d256": (16, 1, 4, 256, 64, [(32, 10), (17, 0)]),
 }
-
-
-_gather_context = attention_ref.gather_context
-
-
-def _gather_context_no_base_ok(kv, plan, b):
-    # attention_ref.gather_context raises for a request with no base pages (`.view(0, G, H, -1)` is ambiguous
-    # for 0 elements; reported). Until it is fixed there, only that request's context comes from its overlay here.
-    try:
-        return _gather_context(kv, plan, b)
-    except RuntimeError:
-        if int(plan.kv_indptr[b + 1] - plan.kv_indptr[b]) != 0:
-            raise
-    frames = plan.ov_indices[plan.ov_indptr[b]:plan.ov_indptr[b + 1]].long()
-    H, D, no = kv.ov_k.shape[2], kv.ov_k.shape[3], plan.overlay_len(b, kv.G)
-    return kv.ov_k[frames].float().reshape(-1, H, D)[:no], kv.ov_v[frames].float().reshape(-1, H, D)[:no]
-
-
-@pytest.fixture(autouse=True)
-def _reference_handles_requests_without_base_pages(monkeypatch):
-    monkeypatch.setattr(attention_ref, "gather_context", _gather_context_no_base_ok)
 
 
 def make_pool(G, H, D, VG, bits, reqs, dtype, seed):

@@ -103,6 +103,19 @@ def test_quantize_pages_from_overlay_frames():
     assert_untouched(kv, dst, G)
 
 
+def test_destination_page_zero_is_skipped():
+    """A decode batch passes page 0 (SGLang's dummy page) for rows that complete no page: nothing is written."""
+    G, H, D, VG, bits = 16, 2, 64, 64, 2
+    kv = empty_layer(3, G, H, D, bits, VG, frames=3)
+    gen = torch.Generator().manual_seed(5)
+    kv.ov_k.copy_(torch.randn(kv.ov_k.shape, generator=gen).to(kv.ov_k.dtype))
+    kv.ov_v.copy_(torch.randn(kv.ov_v.shape, generator=gen).to(kv.ov_v.dtype))
+    quantize_pages(kv.ov_k, kv.ov_v, torch.tensor([0, 2, 0], device=DEVICE), kv,
+                   src_ids=torch.tensor([0, 1, 2], device=DEVICE))
+    assert_pages_equal(kv, [2], kivi_page.quantize_pages(kv.ov_k[[1]].cpu(), kv.ov_v[[1]].cpu(), bits, VG), G)
+    assert_untouched(kv, [2], G)  # page 0 included
+
+
 def test_quantize_pages_rejects_wrong_layout():
     kv = empty_layer(2, 16, 1, 64, 2, 64)
     k = torch.zeros(1, 16, 1, 32, device=DEVICE)  # wrong head_dim

@@ -22,7 +22,6 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
