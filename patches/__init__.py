@@ -32,7 +32,8 @@ def load() -> None:
         return
     from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
 
-    from sgl_kvq.patches import backends, dtype, observability, pool_build, resolution, retraction, sizing
+    from sgl_kvq.patches import (backends, dtype, observability, pool_build, resolution, retraction, sizing,
+                                 specache_lanes)
 
     cli_args.register_backend_choices()
     backends.register()
@@ -48,6 +49,8 @@ def load() -> None:
     HookRegistry.register("sglang.srt.mem_cache.common.release_kv_cache", retraction.release_kv_cache, HookType.AROUND)
     HookRegistry.register("sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
                           "._add_memory_usage", observability.add_kv_pool_stats, HookType.AFTER)
+    HookRegistry.register("sglang.srt.model_executor.runner.eager_runner.EagerRunner._execute_decode",
+                          specache_lanes.execute_decode, HookType.AROUND)
 
 
 def _register_refusal(error: Exception) -> None:

@@ -14,6 +14,10 @@ def register() -> None:
 
     @register_attention_backend("kvq_torch")
     def create_kvq_torch_backend(runner):
+        if getattr(runner.token_to_kv_pool, "specache", None) is not None:
+            from sgl_kvq.backends.specache_backend import KVQSpeCacheBackend
+
+            return KVQSpeCacheBackend(runner)
         from sgl_kvq.backends.torch_backend import KVQTorchBackend
 
         return KVQTorchBackend(runner)

@@ -21,8 +21,12 @@ def pool_stats(pool, capacity_tokens: int) -> dict:
             overlay_bytes=store.overlay_bytes(),
             base_bytes_per_token=pool.shape.base_bytes_per_token(),
             config={"group_size": pool.cfg.group_size, "value_group": pool.shape.VG, "residual": pool.cfg.residual,
-                    "bits": pool.cfg.bits},
+                    "bits": pool.cfg.bits, "prefill": pool.cfg.prefill},
         )
+    if getattr(pool, "specache", None) is not None:
+        stats["specache"] = pool.specache.stats()
+        stats["host_bytes"] = pool.host_bytes()
+        stats["host_bytes_per_token"] = pool.host_bytes() / max(capacity_tokens, 1)
     return stats
 
 

@@ -14,10 +14,13 @@ _SOURCE = "sgl_kvq"
 DEFAULT_MAX_RUNNING_REQUESTS = 256
 
 
-def kvq_backend_for(device: str | None) -> str:
-    # kvq_triton reads packed pages in fused Triton kernels on CUDA; kvq_torch is the reference and the CPU path.
+def kvq_backend_for(device: str | None, cfg=None) -> str:
+    # kvq_triton reads packed pages in fused Triton kernels on CUDA; kvq_torch is the reference and the CPU path,
+    # and the only backend with SpeCache's two lanes so far.
     from sgl_kvq.patches.backends import triton_backend_available
 
+    if cfg is not None and cfg.is_specache:
+        return "kvq_torch"
     return "kvq_triton" if (device in (None, "cuda") and triton_backend_available()) else "kvq_torch"
 
 
@@ -56,13 +59,16 @@ def validate(server_args, view) -> None:
             raise KVQConfigError(f"sgl_kvq: {what} is not supported with --kv-cache-dtype {cfg.name} yet")
     if (getattr(view, "pp_size", 1) or 1) > 1:
         raise KVQConfigError(f"sgl_kvq: pipeline parallelism is not supported with {cfg.name} yet")
+    if cfg.is_specache and backend == "kvq_triton":
+        raise KVQConfigError(f"sgl_kvq: {cfg.name}'s two decode lanes run on kvq_torch only (no Triton kernels for "
+                             "them yet); drop --attention-backend or use kvq_torch")
     if backend == "kvq_triton" and view.device == "cpu":
         logger.warning("sgl_kvq: kvq_triton on CPU runs Triton's interpreter (TRITON_INTERPRET=1): slow")
     from sglang.srt.arg_groups.overrides import model_config_of
 
     model_config = model_config_of(server_args)
     check_hf_config(model_config.hf_config, cfg)
-    if (backend or kvq_backend_for(view.device)) == "kvq_triton":
+    if (backend or kvq_backend_for(view.device, cfg)) == "kvq_triton":
         _check_triton_shapes(cfg, model_config.head_dim)
 
 
@@ -76,7 +82,7 @@ def resolve(server_args, previous) -> None:
     cfg = parse_kv_cache_dtype(view.kv_cache_dtype)
     decided = {"page_size": cfg.group_size}
     if server_args.attention_backend is None:
-        decided["attention_backend"] = kvq_backend_for(view.device)
+        decided["attention_backend"] = kvq_backend_for(view.device, cfg)
     if server_args.max_running_requests is None:
         # Each running request holds ring * G fp16 tokens of overlay; SGLang's default (2048+) would spend the KV
         # budget on overlay frames. 256 is above SGLang's default CUDA-graph batch on an H100.

@@ -34,7 +34,14 @@ def pool_configurator_init(orig, self, kvc, *args, **kwargs):
     # Overlay frames are a fixed cost per request slot (ReqToTokenPool has max_running_requests + 1 rows).
     slots = max_running_requests() + 1
     self._fixed_overhead_bytes += slots * cfg.ring_pages * shape.overlay_bytes_per_frame(kvc.model_dtype)
+    if cfg.is_specache:
+        from sgl_kvq.specache.host_tier import host_bytes_per_token
+        from sgl_kvq.specache.state import topk_bytes_per_request
 
+        self._fixed_overhead_bytes += slots * topk_bytes_per_request(cfg, shape, kvc.model_dtype)
+        if str(kvc.device).startswith("cpu"):
+            # The CPU engine's "device" is host RAM too: the host tier comes out of the same KV budget.
+            self._cell_size += host_bytes_per_token(num_layers, shape.heads, shape.head_dim, kvc.model_dtype)
 
 
 def profile_available_bytes(orig, self, *args, **kwargs):

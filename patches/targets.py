@@ -15,6 +15,7 @@ HOOK_TARGETS = (
     "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes",
     "sglang.srt.mem_cache.common.release_kv_cache",
     "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController._add_memory_usage",
+    "sglang.srt.model_executor.runner.eager_runner.EagerRunner._execute_decode",
 )
 IMPORTED = (
     "sglang.srt.arg_groups.resolution_hooks.register_resolution_hook",

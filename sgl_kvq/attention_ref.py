@@ -106,15 +106,17 @@ def ref_decode(q: torch.Tensor, kv: LayerKV, plan: PagedPlan, sm_scale: float) -
 
 
 def ref_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, qo_indptr: torch.Tensor, kv: LayerKV,
-               plan: PagedPlan, sm_scale: float) -> torch.Tensor:
+               plan: PagedPlan, sm_scale: float,
+               contexts: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
     """Extend: request b's new tokens q/k_new/v_new[qo_indptr[b]:qo_indptr[b+1]] attend to b's cached prefix (the
-    plan's pages and frames, all visible) and causally to the new tokens (fresh, never re-read from the pool)."""
+    plan's pages and frames, all visible; or contexts[b] = its K/V [T, H, D] from elsewhere, e.g. SpeCache's
+    16-bit host tier) and causally to the new tokens (fresh, never re-read from the pool)."""
     out = torch.empty(q.shape[0], q.shape[1], v_new.shape[-1], dtype=q.dtype, device=q.device)
     for b in range(plan.batch_size):
         lo, hi = int(qo_indptr[b]), int(qo_indptr[b + 1])
         if hi == lo:
             continue
-        kp, vp = gather_context(kv, plan, b)
+        kp, vp = gather_context(kv, plan, b) if contexts is None else (contexts[b][0].float(), contexts[b][1].float())
         k = torch.cat([kp, k_new[lo:hi].float()])
         v = torch.cat([vp, v_new[lo:hi].float()])
         n, p = hi - lo, kp.shape[0]

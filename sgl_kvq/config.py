@@ -1,6 +1,6 @@
 """The one frozen config that flows from `--kv-cache-dtype` to the pool, the backends and the kernels.
 
-A dtype name is `<method><bits>` (kivi1, kivi2, kivi4). Knobs that SGLang's command line has no room for come from
+A dtype name is `<method><bits>` (kivi1, kivi2, kivi4, specache1, specache2). Knobs that SGLang's command line has no room for come from
 environment variables with the `KVQ_` prefix (read in one place, `sgl_kvq.env`), so they reach SGLang's spawned
 scheduler processes unchanged. Defaults are the papers' (prior-art.md): G = 64, residual window R = 64.
 """
@@ -13,11 +13,14 @@ from dataclasses import dataclass
 
 from sgl_kvq import env
 
-# SpeCache (host tier + speculative lane) is not served yet: it is not a method until it is (issue: SpeCache).
-METHODS = ("kivi",)
+# kivi: the packed base plus the fp16 open page and recent window. specache: the same low-bit base on the device,
+# every token's 16-bit K/V in host RAM, and a speculative decode lane whose top-k picks the host rows each step
+# reads in 16 bits (sgl_kvq/specache/).
+METHOD_BITS = {"kivi": (1, 2, 4), "specache": (1, 2)}
+METHODS = tuple(METHOD_BITS)
 BITS = (1, 2, 4)
 # The dtype names SGLang's --kv-cache-dtype gains. Every one is served by the same pool and backends.
-DTYPE_NAMES = tuple(f"{m}{b}" for m in METHODS for b in BITS)
+DTYPE_NAMES = tuple(f"{m}{b}" for m, bits in METHOD_BITS.items() for b in bits)
 
 PREFILL_MODES = ("full", "paged")
 
@@ -30,8 +33,8 @@ class KVQConfigError(ValueError):
 
 @dataclass(frozen=True)
 class KVQConfig:
-    method: str  # "kivi"
-    bits: int  # 1, 2 or 4: code width of keys and values in the packed base
+    method: str  # "kivi" or "specache"
+    bits: int  # code width of keys and values in the packed base: 1, 2 or 4 (specache: 1 or 2)
     group_size: int = 64  # G: tokens per page = key quantization group (keys per-channel over a page)
     value_group: int = 64  # channels per value quantization group (values per-token); clipped to head_dim
     residual: int = 64  # R: most recent complete tokens kept fp16 in the overlay, a multiple of G
@@ -45,12 +48,16 @@ class KVQConfig:
     #   "paged" page by page, each new page attending to the pages before it exactly as decode reads them (packed
     #           base beyond the fp16 window): a token's KV no longer depends on how it was scheduled.
     prefill: str = "full"
+    # SpeCache: host rows each decode step reads in 16 bits per (request, layer, KV head), picked by the
+    # speculative lane's attention (the paper's top-64).
+    top_k: int = 64
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise KVQConfigError(f"sgl_kvq: unknown method {self.method!r}; known: {', '.join(METHODS)}")
-        if self.bits not in BITS:
-            raise KVQConfigError(f"sgl_kvq: {self.method} supports {BITS}-bit codes, not {self.bits}")
+        if self.bits not in METHOD_BITS[self.method]:
+            raise KVQConfigError(f"sgl_kvq: {self.method} supports {METHOD_BITS[self.method]}-bit codes, "
+                                 f"not {self.bits}")
         g = self.group_size
         if g < 8 or g & (g - 1):
             raise KVQConfigError(f"sgl_kvq: group size G={g} must be a power of two >= 8 (it is the page size)")
@@ -60,6 +67,15 @@ class KVQConfig:
             raise KVQConfigError(f"sgl_kvq: prefill mode {self.prefill!r}; choose one of {', '.join(PREFILL_MODES)}")
         if self.residual < 0 or self.residual % g:
             raise KVQConfigError(f"sgl_kvq: residual window R={self.residual} must be a multiple of G={g}")
+        if self.top_k < 1:
+            raise KVQConfigError(f"sgl_kvq: top-k {self.top_k} must be at least 1")
+        if self.is_specache and self.prefill != "full":
+            raise KVQConfigError("sgl_kvq: specache extends read the cached prefix in 16 bits from the host tier; "
+                                 f"KVQ_PREFILL={self.prefill} applies to kivi only")
+
+    @property
+    def is_specache(self) -> bool:
+        return self.method == "specache"
 
     @property
     def name(self) -> str:

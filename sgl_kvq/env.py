@@ -7,6 +7,9 @@ variable as a deprecated spelling of SGLANG_* and warns about it in each of its 
 | KVQ_VALUE_GROUP      | value_group     | 64 |
 | KVQ_RESIDUAL         | residual (R)    | 64 |
 | KVQ_PREFILL              | prefill: "full" (KIVI) or "paged" (decode-consistent) | full |
+| KVQ_TOPK             | top_k: SpeCache's host rows per request, layer and KV head read in 16 bits each step | 64 |
+| KVQ_SPECACHE_RECALL      | 1: measure each step how much of the output row's exact 16-bit top-k the speculative lane prefetched (reads every context row from the host tier: a diagnostic) | 1 |
+| KVQ_HOST_MEM_FRACTION    | share of the host's available RAM SpeCache's host tier may take | 0.8 |
 | KVQ_CACHE_DIR            | where embedded models are materialized | ~/.cache/sgl_kvq |
 | KVQ_KV_CACHE_GB          | fixes SGLang's KV budget to this many GiB for ANY kv dtype (bf16 too), instead of profiling free memory: capacity comparisons at the same KV memory | unset |
 """
@@ -20,6 +23,7 @@ _INT_KNOBS = {
     "KVQ_GROUP_SIZE": "group_size",
     "KVQ_VALUE_GROUP": "value_group",
     "KVQ_RESIDUAL": "residual",
+    "KVQ_TOPK": "top_k",
 }
 
 
@@ -53,6 +57,23 @@ def kv_cache_budget_bytes() -> int | None:
 
         raise KVQConfigError(f"sgl_kvq: KVQ_KV_CACHE_GB={raw!r} must be a positive number of GiB")
     return int(gb * 2**30)
+
+
+def specache_recall() -> bool:
+    return os.environ.get("KVQ_SPECACHE_RECALL", "1") not in ("0", "", "false")
+
+
+def host_mem_fraction() -> float:
+    raw = os.environ.get("KVQ_HOST_MEM_FRACTION", "0.8")
+    try:
+        frac = float(raw)
+    except ValueError:
+        frac = -1.0
+    if not 0 < frac <= 1:
+        from sgl_kvq.config import KVQConfigError
+
+        raise KVQConfigError(f"sgl_kvq: KVQ_HOST_MEM_FRACTION={raw!r} must be in (0, 1]")
+    return frac
 
 
 def cache_dir() -> Path:

@@ -37,6 +37,14 @@ class KVQTokenToKVPool(KVCache):
         num_pages = -(-size // page_size)
         self.shape = PoolShape(layers=layer_num, heads=head_num, head_dim=head_dim, num_pages=num_pages, cfg=cfg)
         self.store = QuantizedKVStore(cfg, self.shape, num_req_slots, model_dtype, device)
+        self.specache = None
+        if cfg.is_specache:
+            from sgl_kvq.specache.state import SpeCacheState
+
+            self.specache = SpeCacheState(cfg, self.shape, num_req_slots, model_dtype, self.store.device)
+            logger.info("sgl_kvq %s host tier: %.2f GiB (%d B/token), top-k buffers %.1f MB", cfg.name,
+                        self.specache.host.nbytes() / 2**30, self.specache.host_bytes_per_token,
+                        self.specache.device_bytes() / 2**20)
         self._finalize_allocation_log(size)
         logger.info("sgl_kvq %s pool: %d tokens, base %.1f B/token, overlay %.1f MB (%d request slots x %d frames)",
                     cfg.name, size, self.shape.base_bytes_per_token(), self.store.overlay_bytes() / 2**20,
@@ -44,10 +52,17 @@ class KVQTokenToKVPool(KVCache):
 
     # ---- what SGLang reads for sizing and logs ----
     def get_kv_size_bytes(self):
+        """Device bytes of K and of V (SpeCache's host tier is not device memory: see host_bytes())."""
         s = self.store
         k = sum(t.numel() * t.element_size() for t in (s.k_codes, s.k_scale, s.k_zero, s.ov_k))
         v = sum(t.numel() * t.element_size() for t in (s.v_codes, s.v_scale, s.v_zero, s.ov_v))
+        if self.specache is not None:
+            k += self.specache.device_bytes() // 2
+            v += self.specache.device_bytes() - self.specache.device_bytes() // 2
         return k, v
+
+    def host_bytes(self) -> int:
+        return 0 if self.specache is None else self.specache.host.nbytes()
 
     def bytes_per_token(self) -> float:
         """Allocated KV bytes (base + overlay) per token of capacity: the number a capacity comparison needs."""

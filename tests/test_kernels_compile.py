@@ -26,6 +26,7 @@ SCRIPT = textwrap.dedent('''
     from sgl_kvq.kernels.merge_state_kernel import _merge_state_kernel
     from sgl_kvq.kernels.quantize_pages_kernel import _quantize_pages_kernel
     from sgl_kvq.kernels.store_overlay_kernel import _store_overlay_kernel
+    from sgl_kvq.kernels.host_rows_kernel import _gather_head_rows_kernel, _scatter_rows_kernel
 
     def source(fn, ptrs, consts):
         names = list(inspect.signature(fn.fn).parameters)
@@ -48,6 +49,10 @@ SCRIPT = textwrap.dedent('''
          dict(D=128, BLOCK_S=8, WRITE_LSE=True), {}),
         (_store_overlay_kernel, dict(K="*bf16", V="*bf16", frames="*i64", offsets="*i64", OVK="*bf16",
                                      OVV="*bf16"), dict(H=3, D=64, BLOCK_H=4), {}),
+        (_scatter_rows_kernel, dict(K="*bf16", V="*bf16", slots="*i64", HK="*bf16", HV="*bf16"),
+         dict(H=8, D=128, BLOCK_H=8), {}),
+        (_gather_head_rows_kernel, dict(HK="*bf16", HV="*bf16", slots="*i64", heads="*i64", out_rows="*i64",
+                                        OK="*bf16", OV="*bf16"), dict(D=128), {}),
     ]
     for fn, ptrs, consts, options in jobs:
         triton.compile(source(fn, ptrs, consts), target=target, options=options)
@@ -68,4 +73,4 @@ def test_kernels_compile_for_sm90():
     env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=root, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
-    assert r.stdout.count("compiled") == 5, r.stdout
+    assert r.stdout.count("compiled") == 7, r.stdout

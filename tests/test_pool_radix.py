@@ -85,6 +85,13 @@ class Episode:
             want_k, want_v = expected_context(tokens, n, layer, plan, 0, self.cfg)
             torch.testing.assert_close(got_k, want_k, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(got_v, want_v, atol=1e-5, rtol=1e-5)
+        sc = self.pool.specache
+        if sc is not None:  # SpeCache's host tier: every context slot holds its token's exact K/V, never a stale row
+            slots = self.r2t.req_to_token[r, :n].long()
+            for layer in range(L):
+                want_k, want_v = true_kv(tokens[:n], layer)
+                host_k, host_v = sc.host.rows(layer, slots)
+                assert torch.equal(host_k, want_k) and torch.equal(host_v, want_v)
         n_ov = int(plan.ov_indptr[1])
         assert n_ov <= self.cfg.ring_pages
         if n % G:
@@ -99,6 +106,8 @@ class Episode:
         for layer in range(L):
             k, v = true_kv(tokens[:end], layer)
             store.write_layer(layer, bw, k[start:end], v[start:end])
+            if self.pool.specache is not None:
+                self.pool.specache.host.write(layer, locs, k[start:end], v[start:end])
 
     def alloc_or_evict(self, fn):
         out = fn()
@@ -176,6 +185,26 @@ def test_pool_through_radix_tree(seed, bits, G, window_pages):
         if rng.random() < 0.3:
             ep.tree.evict(EvictParams(num_tokens=rng.randrange(1, 6) * G))
     assert ep.checked > 0
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31), bits=st.sampled_from([1, 2]))
+def test_specache_host_tier_through_radix_tree(seed, bits):
+    """SpeCache's host copies live at the pool's token slots: shared prefix pages share them, and a freed, evicted
+    and reused slot holds its new token's K/V (check() compares every context row with the exact K/V)."""
+    rng = random.Random(seed)
+    cfg = KVQConfig(method="specache", bits=bits, group_size=8, value_group=8, residual=8, top_k=4)
+    ep = Episode(cfg, num_pages=10, rng=rng)
+    trunks = [[rng.randrange(100) for _ in range(rng.randrange(8, 40))] for _ in range(3)]
+    host_bytes = ep.pool.host_bytes()
+    for _ in range(7):
+        trunk = rng.choice(trunks)
+        tokens = trunk[: rng.randrange(1, len(trunk) + 1)] + [rng.randrange(100) for _ in range(rng.randrange(0, 16))]
+        ep.run_request(tokens, decode_steps=rng.randrange(0, 11), chunk=rng.choice([3, 8, 21]),
+                       slot=rng.randrange(1, 5))
+        if rng.random() < 0.4:
+            ep.tree.evict(EvictParams(num_tokens=rng.randrange(1, 6) * 8))
+    assert ep.checked > 0 and ep.pool.host_bytes() == host_bytes  # fixed at startup: nothing to free, no growth
 
 
 def test_prefix_pages_are_shared_not_requantized():

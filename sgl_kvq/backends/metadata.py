@@ -42,6 +42,18 @@ def _tokens(reqs, starts, ends, dev):
     return req_slots, positions, after
 
 
+def page_tables(req_to_token: torch.Tensor, reqs: list[int], lens: list[int], G: int) -> list[torch.Tensor]:
+    """Pool page ids of each request's logical pages 0, 1, ... covering its first lens[b] positions."""
+    return [req_to_token[r, : -(-n // G) * G: G].long() // G for r, n in zip(reqs, lens)]
+
+
+def read_plan(store: QuantizedKVStore, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+              context_lens: torch.Tensor) -> PagedPlan:
+    """The plan of contexts as they are (no token written, no frame claimed): a read-only lane."""
+    reqs, lens = req_pool_indices.tolist(), context_lens.tolist()
+    return store.plan(page_tables(req_to_token, reqs, lens, store.G), reqs, lens)
+
+
 def build(store: QuantizedKVStore, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
           seq_lens: torch.Tensor, out_cache_loc: torch.Tensor, is_decode: bool,
           extend_prefix_lens: list[int] | None = None, extend_seq_lens: list[int] | None = None) -> ForwardPlan:
@@ -49,10 +61,10 @@ def build(store: QuantizedKVStore, req_to_token: torch.Tensor, req_pool_indices:
     reqs = req_pool_indices.tolist()
     lens = seq_lens.tolist()
     dev = store.device
-    page_tables = [req_to_token[r, : -(-n // G) * G: G].long() // G for r, n in zip(reqs, lens)]
+    tables = page_tables(req_to_token, reqs, lens, G)
     if is_decode:
         write = store.begin_batch(out_cache_loc, *_tokens(reqs, [n - 1 for n in lens], lens, dev))
-        return ForwardPlan(True, [Step(None, write, store.plan(page_tables, reqs, lens), None)])
+        return ForwardPlan(True, [Step(None, write, store.plan(tables, reqs, lens), None)])
     prefix, new = list(extend_prefix_lens), list(extend_seq_lens)
     if any(p + n != s for p, n, s in zip(prefix, new, lens)):
         raise AssertionError("sgl_kvq: extend prefix + new lengths != seq_lens")
@@ -73,7 +85,7 @@ def build(store: QuantizedKVStore, req_to_token: torch.Tensor, req_pool_indices:
                           for i, (a, e, p) in enumerate(zip(starts, ends, prefix))])
         # Read the context as it is before this step, then let the step's tokens claim their frames. "paged"
         # steps see the fp16 window of their own page (as decode will); "full" sees the prefix's own window.
-        plan = store.plan(page_tables, reqs, starts, starts if store.cfg.prefill == "paged" else None)
+        plan = store.plan(tables, reqs, starts, starts if store.cfg.prefill == "paged" else None)
         write = store.begin_batch(out_cache_loc[rows], *_tokens(reqs, starts, ends, dev))
         counts = [e - a for a, e in zip(starts, ends)]
         qo = torch.tensor([0] + counts, dtype=torch.int32, device=dev).cumsum(0).to(torch.int32)

@@ -1,0 +1,90 @@
+"""kvq_torch for the specache dtypes: KIVI's pool plus SpeCache's host tier and two decode lanes (sgl_kvq/specache).
+
+Extend (prefill, a multi-turn continuation, a resumed request): the new tokens attend to the cached prefix in 16
+bits, read back from the host tier (SpeCache's prefill is full precision; the host holds every token), and to
+each other; then they are written to the packed base, the fp16 frames and the host tier.
+
+Decode runs the rows patches/specache_lanes.py put in the batch (state.lanes):
+  two_lane   rows [0, n) the real tokens: written to the pool and the host tier, then attend to the low-bit base
+             with the prefetched top-k rows in 16 bits; rows [n, 2n) their speculative tokens: attend to the
+             pool as stored plus their own K/V, never written, and pick next step's top-k, prefetched per layer.
+  predecode  a request's first decode step: its real token, read-only, as a speculative row (the paper's
+             pre-decoding): picks the first top-k; patches/specache_lanes.py takes its next-token guess.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sgl_kvq import attention_ref
+from sgl_kvq.backends import metadata
+from sgl_kvq.backends.torch_backend import KVQTorchBackend
+from sgl_kvq.specache.attention import output_rows, speculative_rows
+
+
+class KVQSpeCacheBackend(KVQTorchBackend):
+    def __init__(self, model_runner):
+        super().__init__(model_runner)
+        self.sc = self.pool.specache
+        self.req = None  # request slots of the forward's real (or pre-decode) rows
+        self.prefix_slots: list[torch.Tensor] = []
+
+    def init_forward_metadata(self, forward_batch):
+        mode = forward_batch.forward_mode
+        if not mode.is_decode():
+            super().init_forward_metadata(forward_batch)
+            if mode.is_extend():
+                reqs = forward_batch.req_pool_indices.tolist()
+                self.sc.reset_requests(reqs)
+                self.prefix_slots = [self.req_to_token[r, :n].long()
+                                     for r, n in zip(reqs, forward_batch.extend_prefix_lens_cpu)]
+            return
+        lanes = self.sc.lanes
+        if lanes is None:
+            raise RuntimeError("sgl_kvq: a specache decode step ran without its lane hook (patches/specache_lanes.py)")
+        req = forward_batch.req_pool_indices
+        if lanes.kind == "two_lane":
+            n = lanes.n_real
+            self.fp = metadata.build(self.store, self.req_to_token, req, forward_batch.seq_lens,
+                                     forward_batch.out_cache_loc[:n], True)
+            self.req = req.long()
+        else:
+            req = req[lanes.rows]
+            plan = metadata.read_plan(self.store, self.req_to_token, req, forward_batch.seq_lens[lanes.rows] - 1)
+            self.fp = metadata.ForwardPlan(True, [metadata.Step(None, None, plan, None)])
+            self.req = req.long()
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        q, k, v, li = self._views(q, k, v, layer)
+        step = self.fp.steps[0]  # specache extends are "full" (config.py): one step
+        contexts = [self.sc.host.rows(li, s) for s in self.prefix_slots]
+        out = attention_ref.ref_extend(q, k, v, step.qo_indptr, self.store.layer_view(li), step.plan, layer.scaling,
+                                       contexts=contexts)
+        if save_kv_cache:
+            self.store.write_layer(li, step.write, k, v)
+            self.sc.host.write(li, step.write.slots, k, v)
+        return out.reshape(q.shape[0], -1)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        q, k, v, li = self._views(q, k, v, layer)
+        sc, step, kv = self.sc, self.fp.steps[0], self.store.layer_view(li)
+        if sc.lanes.kind == "predecode":
+            out, pos = speculative_rows(q, k, v, kv, step.plan, layer.scaling, sc.top_k)
+            sc.prefetch(li, self.req, pos, self.req_to_token)
+            return out.reshape(q.shape[0], -1)
+        n = sc.lanes.n_real
+        if save_kv_cache:
+            self.store.write_layer(li, step.write, k[:n], v[:n])
+            sc.host.write(li, step.write.slots, k[:n], v[:n])
+        sc.host.wait(li)
+        exact = None
+        if sc.recall:
+            lens = [step.plan.seq_len(b, self.store.G) for b in range(n)]
+            exact = [sc.host.rows(li, self.req_to_token[r, :t].long()) for r, t in zip(self.req.tolist(), lens)]
+        real, recall = output_rows(q[:n], kv, step.plan, sc.topk_k[li, self.req], sc.topk_v[li, self.req],
+                                   sc.topk_pos[li, self.req], layer.scaling, exact)
+        sc.recall_hits += sum(h for h, _ in recall)
+        sc.recall_wanted += sum(w for _, w in recall)
+        spec, pos = speculative_rows(q[n:], k[n:], v[n:], kv, step.plan, layer.scaling, sc.top_k)
+        sc.prefetch(li, self.req, pos, self.req_to_token)
+        return torch.cat([real, spec]).reshape(q.shape[0], -1)

@@ -1,0 +1,121 @@
+"""SpeCache's runtime state on one quantized pool: the host tier, the prefetched top-k rows, the speculative tokens
+and the counters the scheduler exports.
+
+Per request slot r (SGLang's req_pool_idx), device tensors:
+    topk_k, topk_v  [L, R, H, K, D] model dtype   rows the next step's output row reads in 16 bits, per layer/head
+    topk_pos        [L, R, H, K]    int64         their positions in r's context; -1 = nothing prefetched
+    spec_token      [R]             int64         r's next speculative token (row 1's input next step)
+    spec_input      [R]             int64         row 1's input of r's last step (-1: none): the guess of the
+                                                  token row 0 reads next, counted as a hit when it was right
+and on the host needs_predecode [R]: set by every extend of r (a new request, a resumed one, the next chunk),
+cleared by the pre-decode step that makes r's first speculative token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sgl_kvq import env
+from sgl_kvq.config import KVQConfig
+from sgl_kvq.layout import PoolShape
+from sgl_kvq.specache.host_tier import HostTier, check_host_budget, host_bytes_per_token
+
+
+@dataclass
+class Lanes:
+    """What the rows of the next decode forward are: set by patches/specache_lanes.py, read by the backend.
+    two_lane: rows [0, n_real) are the real tokens of the batch's requests, rows [n_real, 2 n_real) their
+    speculative tokens. predecode: row i is the real token of batch row rows[i], read-only (no KV written)."""
+    kind: str
+    n_real: int
+    rows: torch.Tensor | None = None
+
+
+def topk_bytes_per_request(cfg: KVQConfig, shape: PoolShape, model_dtype: torch.dtype) -> int:
+    L, H, D, K = shape.layers, shape.heads, shape.head_dim, cfg.top_k
+    return L * H * K * (2 * D * torch.empty((), dtype=model_dtype).element_size() + 8) + 16
+
+
+class SpeCacheState:
+    def __init__(self, cfg: KVQConfig, shape: PoolShape, num_req_slots: int, model_dtype: torch.dtype,
+                 device: torch.device):
+        L, H, D, K, R = shape.layers, shape.heads, shape.head_dim, cfg.top_k, num_req_slots
+        self.cfg, self.top_k, self.heads = cfg, K, H
+        self.device = torch.device(device)
+        per_token = host_bytes_per_token(L, H, D, model_dtype)
+        check_host_budget(cfg.name, shape.S, per_token, env.host_mem_fraction())
+        self.host = HostTier(L, shape.S, H, D, model_dtype, self.device)
+        self.host_bytes_per_token = per_token
+        self.topk_k = torch.zeros((L, R, H, K, D), dtype=model_dtype, device=self.device)
+        self.topk_v = torch.zeros_like(self.topk_k)
+        self.topk_pos = torch.full((L, R, H, K), -1, dtype=torch.int64, device=self.device)
+        self.spec_token = torch.zeros(R, dtype=torch.int64, device=self.device)
+        self.spec_input = torch.full((R,), -1, dtype=torch.int64, device=self.device)
+        self.needs_predecode = [True] * R
+        self.lanes: Lanes | None = None
+        self.recall = env.specache_recall()
+        # counters (device tensors where the value is on the device: no sync until someone reads them)
+        self.decode_steps = 0
+        self.predecode_rows = 0
+        self.prefetched_rows = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.spec_hits = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.spec_guesses = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.recall_hits = 0
+        self.recall_wanted = 0
+
+    def device_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.topk_k, self.topk_v, self.topk_pos, self.spec_token,
+                                                          self.spec_input))
+
+    def reset_requests(self, req_slots: list[int]) -> None:
+        """An extend ran for these slots: their next decode step pre-decodes; nothing prefetched is theirs."""
+        for r in req_slots:
+            self.needs_predecode[r] = True
+        idx = torch.tensor(req_slots, dtype=torch.int64, device=self.device)
+        self.topk_pos[:, idx] = -1
+        self.spec_input[idx] = -1
+
+    def count_guesses(self, req: torch.Tensor, real_ids: torch.Tensor) -> None:
+        """Row 0's inputs this step against row 1's inputs of the same requests last step."""
+        last = self.spec_input[req]
+        seen = last >= 0
+        self.spec_guesses += seen.sum()
+        self.spec_hits += (seen & (last == real_ids)).sum()
+
+    def prefetch(self, layer: int, req: torch.Tensor, pos: torch.Tensor, req_to_token: torch.Tensor) -> None:
+        """Fetch the 16-bit rows of positions pos [B, H, K] (-1: none) of requests in slots req [B] from the host
+        tier into layer `layer`'s top-k buffers, for the next step's output rows."""
+        B, H, K = pos.shape
+        req = req.long()
+        valid = pos >= 0
+        slots = torch.where(valid, req_to_token[req[:, None, None], pos.clamp(min=0)].long(), -1)
+        heads = torch.arange(H, device=pos.device)[None, :, None].expand(B, H, K)
+        out_rows = ((req[:, None, None] * H + heads) * K + torch.arange(K, device=pos.device)).reshape(-1)
+        self.topk_pos[layer, req] = pos
+        D = self.topk_k.shape[-1]
+        self.host.prefetch(layer, slots.reshape(-1), heads.reshape(-1), self.topk_k[layer].view(-1, D),
+                           self.topk_v[layer].view(-1, D), out_rows)
+        self.prefetched_rows += valid.sum()
+
+    def stats(self) -> dict:
+        row_bytes = 2 * self.topk_k.shape[-1] * self.topk_k.element_size()
+        rows = int(self.prefetched_rows)
+        guesses = int(self.spec_guesses)
+        return {
+            "top_k": self.top_k,
+            "host_bytes": self.host.nbytes(),
+            "host_bytes_per_token": self.host_bytes_per_token,
+            "topk_device_bytes": self.device_bytes(),
+            "decode_steps": self.decode_steps,
+            "predecode_rows": self.predecode_rows,
+            "prefetched_rows": rows,
+            "prefetched_bytes": rows * row_bytes,
+            "prefetched_bytes_per_step": rows * row_bytes / max(self.decode_steps, 1),
+            "copy_seconds": self.host.copy_seconds,
+            "spec_token_hit_rate": self.spec_hits.item() / guesses if guesses else None,
+            "spec_token_guesses": guesses,
+            "recall": self.recall_hits / self.recall_wanted if self.recall_wanted else None,
+            "recall_wanted": self.recall_wanted,
+        }

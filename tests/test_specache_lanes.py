@@ -1,0 +1,179 @@
+"""SpeCache's backend (sgl_kvq/backends/specache_backend.py) on CPU, driven the way SGLang drives it, checked
+against exact K/V computed independently:
+
+- an extend reads its cached prefix in 16 bits from the host tier (exact attention over the true prefix);
+- a two-lane decode step writes only the real rows (the pool equals a twin written with the real rows alone);
+  the real rows attend to the packed base with the prefetched positions replaced by their exact 16-bit rows;
+  the speculative rows attend to the pool as stored plus their own K/V, and their top-k (attention mass summed
+  over each KV head's query heads) is what gets prefetched, with the exact rows;
+- the pre-decode step writes nothing and prefetches for the requests it covers.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("sglang")
+
+from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
+
+from sgl_kvq.attention_ref import _attend, gather_context  # noqa: E402
+from sgl_kvq.backends.specache_backend import KVQSpeCacheBackend  # noqa: E402
+from sgl_kvq.config import KVQConfig  # noqa: E402
+from sgl_kvq.pool import KVQTokenToKVPool  # noqa: E402
+from sgl_kvq.specache.attention import top_positions  # noqa: E402
+from sgl_kvq.specache.state import Lanes  # noqa: E402
+
+G, H, HQ, D, L, K = 8, 2, 4, 16, 2, 5
+SCALE = D ** -0.5
+LAYER = [SimpleNamespace(layer_id=i, tp_q_head_num=HQ, tp_k_head_num=H, tp_v_head_num=H, qk_head_dim=D,
+                         v_head_dim=D, scaling=SCALE, is_cross_attention=False, sliding_window_size=None,
+                         logit_cap=0) for i in range(L)]
+
+
+def make(bits=2):
+    cfg = KVQConfig("specache", bits, group_size=G, value_group=8, residual=G, top_k=K)
+    pool = KVQTokenToKVPool(32 * G, G, cfg, H, D, L, "cpu", torch.float32, num_req_slots=4)
+    r2t = torch.zeros(4, 512, dtype=torch.int32)
+    runner = SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=SimpleNamespace(req_to_token=r2t))
+    return KVQSpeCacheBackend(runner), pool, r2t
+
+
+class Seq:
+    """A request in slot r whose position p has true K/V kv[layer][p] and sits in pool slot (first_page*G + p)."""
+
+    def __init__(self, r, first_page, n, r2t, gen):
+        self.r, self.n = r, n
+        r2t[r, :512] = torch.arange(512, dtype=torch.int32) + first_page * G
+        self.k = [torch.randn(512, H, D, generator=gen) for _ in range(L)]
+        self.v = [torch.randn(512, H, D, generator=gen) for _ in range(L)]
+        self.q = torch.randn(512, HQ, D, generator=gen)
+        self.spec_q = torch.randn(512, HQ, D, generator=gen)
+        self.spec_k = [torch.randn(512, H, D, generator=gen) for _ in range(L)]
+        self.first = first_page * G
+
+
+def extend(backend, seqs, prefix, new):
+    fb = SimpleNamespace(forward_mode=ForwardMode.EXTEND, req_pool_indices=torch.tensor([s.r for s in seqs]),
+                         seq_lens=torch.tensor([p + n for p, n in zip(prefix, new)]),
+                         out_cache_loc=torch.cat([torch.arange(p, p + n) + s.first
+                                                  for s, p, n in zip(seqs, prefix, new)]),
+                         extend_prefix_lens_cpu=list(prefix), extend_seq_lens_cpu=list(new))
+    backend.init_forward_metadata(fb)
+    outs = []
+    for li in range(L):
+        q = torch.cat([s.q[p:p + n] for s, p, n in zip(seqs, prefix, new)])
+        k = torch.cat([s.k[li][p:p + n] for s, p, n in zip(seqs, prefix, new)])
+        v = torch.cat([s.v[li][p:p + n] for s, p, n in zip(seqs, prefix, new)])
+        outs.append(backend.forward_extend(q.reshape(len(q), -1), k.reshape(len(k), -1), v.reshape(len(v), -1),
+                                           LAYER[li], fb).view(-1, HQ, D))
+    return outs
+
+
+def decode_batch(seqs, lanes):
+    B = len(seqs)
+    lens = torch.tensor([s.n + 1 for s in seqs])
+    loc = torch.tensor([s.first + s.n for s in seqs])
+    if lanes.kind == "two_lane":
+        loc = torch.cat([loc, torch.zeros(B, dtype=torch.int64)])
+    return SimpleNamespace(forward_mode=ForwardMode.DECODE, req_pool_indices=torch.tensor([s.r for s in seqs]),
+                           seq_lens=lens, out_cache_loc=loc)
+
+
+def pool_state(pool):
+    s = pool.store
+    return [t.clone() for t in (s.k_codes, s.k_scale, s.k_zero, s.v_codes, s.v_scale, s.v_zero, s.ov_k, s.ov_v,
+                                s.ov_tag, s.ov_gen, s.page_gen, pool.specache.host.hk, pool.specache.host.hv)]
+
+
+def test_extend_reads_the_cached_prefix_in_16_bits_from_the_host_tier():
+    backend, pool, r2t = make()
+    a = Seq(1, 1, 40, r2t, torch.Generator().manual_seed(0))
+    extend(backend, [a], [0], [29])
+    out = extend(backend, [a], [29], [11])  # a continuation: positions 0..28 come from the cache
+    for li in range(L):
+        mask = torch.ones(11, 40, dtype=torch.bool)
+        mask[:, 29:] = torch.ones(11, 11, dtype=torch.bool).tril()
+        want = _attend(a.q[29:40], a.k[li][:40], a.v[li][:40], SCALE, mask)
+        torch.testing.assert_close(out[li], want, atol=1e-5, rtol=1e-5)
+    assert pool.specache.needs_predecode[1] and (pool.specache.topk_pos[:, 1] == -1).all()
+
+
+@pytest.mark.parametrize("bits", [1, 2])
+def test_two_lane_step_writes_real_rows_only_and_prefetches_the_speculative_top_k(bits):
+    gen = torch.Generator().manual_seed(bits)
+    backend, pool, r2t = make(bits)
+    twin, twin_pool, twin_r2t = make(bits)
+    seqs = [Seq(1, 1, 37, r2t, gen), Seq(3, 12, 19, r2t, gen)]
+    twin_gen = torch.Generator().manual_seed(bits)
+    twin_seqs = [Seq(1, 1, 37, twin_r2t, twin_gen), Seq(3, 12, 19, twin_r2t, twin_gen)]
+    for be, ss in ((backend, seqs), (twin, twin_seqs)):
+        extend(be, ss, [0, 0], [s.n for s in ss])
+    sc = pool.specache
+
+    # pre-decode: read-only, prefetches for the requests it covers
+    before = pool_state(pool)
+    sc.lanes = Lanes("predecode", 1, torch.tensor([1]))
+    fb = decode_batch(seqs, sc.lanes)
+    backend.init_forward_metadata(fb)
+    s = seqs[1]
+    for li in range(L):
+        backend.forward_decode(s.q[s.n:s.n + 1].reshape(1, -1), s.k[li][s.n:s.n + 1].reshape(1, -1),
+                               s.v[li][s.n:s.n + 1].reshape(1, -1), LAYER[li], fb)
+    assert all(torch.equal(x, y) for x, y in zip(before, pool_state(pool)))
+    assert (sc.topk_pos[:, 3] >= 0).any() and (sc.topk_pos[:, 1] == -1).all()
+
+    # two lanes: rows 0..B-1 real (positions n), rows B..2B-1 speculative (positions n + 1)
+    prev_pos, prev_k = sc.topk_pos.clone(), sc.topk_k.clone()
+    sc.lanes = Lanes("two_lane", 2)
+    fb = decode_batch(seqs, sc.lanes)
+    backend.init_forward_metadata(fb)
+    plan = backend.fp.steps[0].plan
+    for li in range(L):
+        q = torch.cat([torch.stack([s.q[s.n] for s in seqs]), torch.stack([s.spec_q[s.n + 1] for s in seqs])])
+        k = torch.cat([torch.stack([s.k[li][s.n] for s in seqs]), torch.stack([s.spec_k[li][s.n + 1] for s in seqs])])
+        v = torch.cat([torch.stack([s.v[li][s.n] for s in seqs]), torch.stack([s.spec_k[li][s.n + 1] for s in seqs])])
+        out = backend.forward_decode(q.reshape(4, -1), k.reshape(4, -1), v.reshape(4, -1), LAYER[li], fb).view(4, HQ, D)
+        kv = pool.store.layer_view(li)
+        for b, s in enumerate(seqs):
+            ctx_k, ctx_v = gather_context(kv, plan, b)
+            n_base = plan.base_len(b, G)
+            # real row: the base with last step's prefetched positions replaced by their exact rows
+            rk, rv = ctx_k.clone(), ctx_v.clone()
+            for h in range(H):
+                p = prev_pos[li, s.r, h]
+                p = p[(p >= 0) & (p < n_base)]
+                rk[p, h], rv[p, h] = s.k[li][p, h], s.v[li][p, h]
+                if len(p):
+                    assert torch.equal(prev_k[li, s.r, h, :len(p)], s.k[li][p, h])
+            torch.testing.assert_close(out[b], _attend(q[b:b + 1], rk, rv, SCALE)[0], atol=1e-5, rtol=1e-5)
+            # speculative row: the pool as stored plus its own K/V; its top-k is this layer's prefetch
+            sk, sv = torch.cat([ctx_k, k[2 + b:3 + b]]), torch.cat([ctx_v, v[2 + b:3 + b]])
+            torch.testing.assert_close(out[2 + b], _attend(q[2 + b:3 + b], sk, sv, SCALE)[0], atol=1e-5, rtol=1e-5)
+            group = HQ // H
+            scores = torch.einsum("hd,thd->ht", q[2 + b], sk.repeat_interleave(group, 1)) * SCALE
+            want = top_positions(torch.softmax(scores, -1), H, n_base, K)
+            got = sc.topk_pos[li, s.r]
+            assert [set(x.tolist()) for x in got] == [set(x.tolist()) for x in want]
+            for h in range(H):
+                p = got[h][got[h] >= 0]
+                assert torch.equal(sc.topk_k[li, s.r, h, :len(p)], s.k[li][p, h])
+                assert torch.equal(sc.topk_v[li, s.r, h, :len(p)], s.v[li][p, h])
+    for s in seqs:
+        s.n += 1
+
+    # the twin decodes the same real tokens as a one-lane step: both pools must be identical
+    twin.sc.lanes = Lanes("two_lane", 2)
+    fb = decode_batch(twin_seqs, twin.sc.lanes)
+    twin.init_forward_metadata(fb)
+    for li in range(L):
+        q = torch.stack([s.q[s.n] for s in twin_seqs] * 2)
+        k = torch.stack([s.k[li][s.n] for s in twin_seqs] + [s.k[li][s.n] * 0 for s in twin_seqs])
+        v = torch.stack([s.v[li][s.n] for s in twin_seqs] * 2)
+        twin.forward_decode(q.reshape(4, -1), k.reshape(4, -1), v.reshape(4, -1), LAYER[li], fb)
+    mine, theirs = pool_state(pool), pool_state(twin_pool)
+    assert all(torch.equal(x, y) for x, y in zip(mine, theirs)), "a speculative row reached the pool"
+    assert sc.recall_wanted > 0 and 0 <= sc.recall_hits <= sc.recall_wanted
