@@ -1,0 +1,105 @@
+"""SpeCache end to end through the real SGLang engine on CPU (tiny random Llama, float32): specache1/specache2 serve
+multi-turn conversations with radix hits, the scheduler exports the prefetch counters (the speculative lane's
+recall of the output row's exact top-k among them), the host tier stays the size it was given over a long
+contended run, and bad combinations are refused before the model loads."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+
+import pytest
+
+from sgl_kvq.launch import engine_kwargs
+from sgl_kvq.models import tiny_llama
+
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
+
+WORDS = "def class return import from self lambda yield while for if else try except with as print".split()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_llama()
+
+
+def engine(model, dtype, env=None, **kw):
+    import sglang
+
+    os.environ.update(env or {})
+    return sglang.Engine(**engine_kwargs(model, dtype, **{"dtype": "float32", "mem_fraction_static": 0.3,
+                                                          "max_running_requests": 8, **kw}))
+
+
+def kv_pool(llm) -> dict:
+    return llm.get_server_info()["internal_states"][0]["kv_pool"]
+
+
+@pytest.mark.parametrize("dtype", ["specache1", "specache2"])
+def test_multiturn_with_radix_hits_and_prefetch_counters(tiny, dtype):
+    rng = random.Random(1)
+    llm = engine(tiny, dtype, max_total_tokens=4096)
+    try:
+        histories = ["user: " + " ".join(rng.choice(WORDS) for _ in range(100)) for _ in range(3)]
+        cached = []
+        for turn in range(3):
+            outs = llm.generate([h + "\nassistant:" for h in histories],
+                                {"temperature": 0, "max_new_tokens": 20, "ignore_eos": True})
+            cached.append([o["meta_info"]["cached_tokens"] for o in outs])
+            histories = [h + "\nassistant:" + o["text"] + "\nuser: " + " ".join(rng.choice(WORDS) for _ in range(30))
+                         for h, o in zip(histories, outs)]
+            assert all(len(o["output_ids"]) == 20 for o in outs)
+        pool = kv_pool(llm)
+    finally:
+        llm.shutdown()
+    assert all(c == 0 for c in cached[0]) and all(c >= 64 for c in cached[1] + cached[2]), cached
+    sc = pool["specache"]
+    assert pool["kv_cache_dtype"] == dtype and sc["top_k"] == 64
+    assert sc["predecode_rows"] == 9  # every request's first decode step, and only that one
+    assert sc["decode_steps"] >= 3 * 19 and sc["prefetched_bytes"] > 0 and sc["prefetched_bytes_per_step"] > 0
+    assert sc["spec_token_guesses"] > 0 and 0 <= sc["spec_token_hit_rate"] <= 1
+    assert sc["recall_wanted"] > 0 and 0 < sc["recall"] <= 1
+    # 2 layers x (K, V) x 2 KV heads x D 16 x 4 B (fp32 model) for every pool slot, dummy page included
+    assert pool["host_bytes"] == sc["host_bytes"] == (pool["capacity_tokens"] + 64) * 2 * 2 * 2 * 16 * 4
+    print(dtype, "cached", cached, "specache", sc)
+
+
+def test_long_contended_run_completes_and_the_host_tier_does_not_grow(tiny, capfd):
+    """24 requests through a 16-page pool with SGLang's retraction test mode: pages are evicted, freed and reused,
+    requests retracted and resumed (each resume re-runs the pre-decode). Every request completes; the host tier is
+    the same size before and after (its rows are the pool's slots: a freed page's copy is overwritten, never kept)."""
+    rng = random.Random(2)
+    prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randrange(60, 140))) for _ in range(24)]
+    llm = engine(tiny, "specache2", env={"SGLANG_TEST_RETRACT": "1"}, max_total_tokens=1024)
+    try:
+        before = kv_pool(llm)["host_bytes"]
+        outs = llm.generate(prompts, {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True})
+        pool = kv_pool(llm)
+    finally:
+        llm.shutdown()
+        os.environ.pop("SGLANG_TEST_RETRACT", None)
+    assert re.search(r"#retracted_reqs: [1-9]", capfd.readouterr().err), "no request was retracted"
+    assert all(len(o["output_ids"]) == 32 for o in outs)
+    assert pool["host_bytes"] == before
+    assert pool["specache"]["predecode_rows"] > 24  # resumed requests pre-decode again
+
+
+BAD = [
+    ({"kv_cache_dtype": "specache4"}, {}, "unknown kv cache dtype 'specache4'"),
+    ({"kv_cache_dtype": "specache2", "attention_backend": "kvq_triton"}, {}, "run on kvq_torch only"),
+    ({"kv_cache_dtype": "specache1"}, {"KVQ_PREFILL": "paged"}, "applies to kivi only"),
+    ({"kv_cache_dtype": "specache1"}, {"KVQ_TOPK": "0"}, "top-k 0 must be at least 1"),
+]
+
+
+@pytest.mark.parametrize("kwargs,env,message", BAD)
+def test_bad_specache_arguments_fail_before_the_model_loads(tiny, kwargs, env, message, monkeypatch):
+    import sglang
+
+    from sgl_kvq.config import KVQConfigError
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(KVQConfigError, match=message):
+        sglang.Engine(model_path=str(tiny), device="cpu", log_level="error", **kwargs)
