@@ -24,12 +24,12 @@ def tiny():
     return tiny_llama()
 
 
-def engine(model, dtype, env=None, **kw):
+def engine(model, kv_cache_dtype, env=None, **kw):
     import sglang
 
     os.environ.update(env or {})
-    return sglang.Engine(**engine_kwargs(model, dtype, **{"dtype": "float32", "mem_fraction_static": 0.3,
-                                                          "max_running_requests": 8, **kw}))
+    return sglang.Engine(**engine_kwargs(model, kv_cache_dtype, **{"dtype": "float32", "mem_fraction_static": 0.3,
+                                                                   "max_running_requests": 8, **kw}))
 
 
 def kv_pool(llm) -> dict:
@@ -103,3 +103,32 @@ def test_bad_specache_arguments_fail_before_the_model_loads(tiny, kwargs, env, m
         monkeypatch.setenv(k, v)
     with pytest.raises(KVQConfigError, match=message):
         sglang.Engine(model_path=str(tiny), device="cpu", log_level="error", **kwargs)
+
+
+def test_smollm2_two_turn_chat_on_specache1():
+    """The embedded real model on 1-bit SpeCache: a two-turn chat over an essay excerpt reads turn 1 from the radix
+    cache, answers with text, and measures the speculative lane's recall on real attention."""
+    from transformers import AutoTokenizer
+
+    from sgl_kvq import data
+    from sgl_kvq.models import smollm2
+
+    path = smollm2()
+    tok = AutoTokenizer.from_pretrained(path)
+    excerpt = data.essay_text(min_chars=2000)[:2000]
+    chat = [{"role": "user", "content": excerpt + "\n\nWhat is this text about?"}]
+    llm = engine(path, "specache1", dtype="bfloat16", max_total_tokens=8192)
+    try:
+        sampling = {"temperature": 0, "max_new_tokens": 24}
+        first = llm.generate(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False), sampling)
+        chat += [{"role": "assistant", "content": first["text"]}, {"role": "user", "content": "Say it shorter."}]
+        second = llm.generate(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False), sampling)
+        pool = kv_pool(llm)
+    finally:
+        llm.shutdown()
+    assert first["meta_info"]["completion_tokens"] > 0 and any(c.isalpha() for c in first["text"]), first["text"]
+    assert second["meta_info"]["cached_tokens"] >= 384, second["meta_info"]
+    sc = pool["specache"]
+    assert sc["recall_wanted"] > 0 and sc["recall"] is not None and sc["predecode_rows"] == 2
+    print("smollm2 specache1:", first["text"], "|", second["text"], "| recall", sc["recall"],
+          "guess hits", sc["spec_token_hit_rate"])

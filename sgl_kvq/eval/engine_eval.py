@@ -26,7 +26,7 @@ from pathlib import Path
 
 ALL_DTYPES = ("auto", "kivi4", "kivi2", "kivi1")
 POOL_FIELDS = ("pool_class", "capacity_tokens", "kv_bytes", "kv_bytes_per_token", "base_bytes_per_token",
-               "overlay_bytes", "page_size")
+               "overlay_bytes", "page_size", "host_bytes", "host_bytes_per_token")
 
 
 def add_common_arguments(p, default_dtypes: str = ",".join(ALL_DTYPES), flush: bool = True) -> None:
@@ -47,13 +47,13 @@ def add_common_arguments(p, default_dtypes: str = ",".join(ALL_DTYPES), flush: b
 
 
 def dtypes(args) -> list[str]:
-    from sgl_kvq.config import is_kvq_dtype
+    from sgl_kvq.config import DTYPE_NAMES, is_kvq_dtype
 
     raw = args.kv_cache_dtypes or [args._default_dtypes]
     out = [d.strip() for item in raw for d in item.split(",") if d.strip()]
     bad = [d for d in out if d != "auto" and not is_kvq_dtype(d)]
     if bad:
-        raise SystemExit(f"sgl-kvq eval: unknown --kv-cache-dtype {bad}; use auto or kivi4/kivi2/kivi1/...")
+        raise SystemExit(f"sgl-kvq eval: unknown --kv-cache-dtype {bad}; use auto or one of {', '.join(DTYPE_NAMES)}")
     return out
 
 
@@ -119,6 +119,9 @@ def per_dtype(args, evaluate, log) -> list[dict]:
                 f"capacity {pool.get('capacity_tokens')} tokens")
             row = {"kv_cache_dtype": dt, "kv_pool": pool}
             row.update(evaluate(llm, dt))
+            specache = llm.get_server_info()["internal_states"][0]["kv_pool"].get("specache")
+            if specache is not None:  # SpeCache's counters over the whole evaluation (recall, bytes moved, ...)
+                row["specache"] = specache
         row["startup_s"] = round(startup, 1)
         row["wall_s"] = round(time.time() - t0, 1)
         rows.append(row)
@@ -179,8 +182,12 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
 
 def pool_columns(row: dict) -> list:
     p = row["kv_pool"]
+    sc = row.get("specache")
+    recall = "-" if not sc or sc.get("recall") is None else f"{sc['recall']:.3f}"
     return [round(p["kv_bytes_per_token"], 1), round(p.get("base_bytes_per_token", p["kv_bytes_per_token"]), 1),
-            p["capacity_tokens"]]
+            round(p.get("host_bytes_per_token", 0), 1), p["capacity_tokens"], recall]
 
 
-POOL_HEADER = ["KV B/token (live pool)", "base B/token", "capacity tokens"]
+# KV B/token: device bytes (base + fp16 overlay + SpeCache's top-k buffers) / capacity; host B/token: SpeCache's
+# 16-bit host tier / capacity; top-k recall: share of the output row's exact top-k the speculative lane prefetched.
+POOL_HEADER = ["KV B/token (live pool)", "base B/token", "host B/token", "capacity tokens", "top-k recall"]
