@@ -206,7 +206,7 @@ def test_launch_server_cli_refuses_unknown_dtype_and_lists_choices(tiny):
     proc = subprocess.run([sys.executable, "-m", "sgl_kvq.cli", "serve", "--model-path", str(tiny),
                            "--kv-cache-dtype", "kivi3"], capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
-    assert "invalid choice: 'kivi3'" in proc.stderr and "kivi2" in proc.stderr
+    assert "invalid choice: 'kivi3'" in proc.stderr and "kivi2" in proc.stderr and "specache2" in proc.stderr
     assert "Load weight" not in proc.stderr + proc.stdout
 
 
