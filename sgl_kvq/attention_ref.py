@@ -85,15 +85,23 @@ def gather_context(kv: LayerKV, plan: PagedPlan, b: int) -> tuple[torch.Tensor, 
     return k, v
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, mask=None) -> torch.Tensor:
-    """q [N, Hq, D], k/v [T, H, D] (GQA: Hq a multiple of H) -> [N, Hq, Dv] fp32."""
+def attention_probs(q: torch.Tensor, k: torch.Tensor, sm_scale: float, mask=None) -> torch.Tensor:
+    """q [N, Hq, D], k [T, H, D] (GQA: query head i reads KV head i // (Hq / H)) -> softmax [Hq, N, T] fp32."""
     group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    s = torch.einsum("nhd,thd->hnt", q.float(), k) * sm_scale
+    s = torch.einsum("nhd,thd->hnt", q.float(), k.float().repeat_interleave(group, dim=1)) * sm_scale
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
-    return torch.einsum("hnt,thd->nhd", torch.softmax(s, dim=-1), v)
+    return torch.softmax(s, dim=-1)
+
+
+def weighted_values(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """p [Hq, N, T] from attention_probs, v [T, H, Dv] -> [N, Hq, Dv] fp32."""
+    return torch.einsum("hnt,thd->nhd", p, v.float().repeat_interleave(p.shape[0] // v.shape[1], dim=1))
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, mask=None) -> torch.Tensor:
+    """q [N, Hq, D], k/v [T, H, D] (GQA: Hq a multiple of H) -> [N, Hq, Dv] fp32."""
+    return weighted_values(attention_probs(q, k, sm_scale, mask), v)
 
 
 def ref_decode(q: torch.Tensor, kv: LayerKV, plan: PagedPlan, sm_scale: float) -> torch.Tensor:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from sgl_kvq import attention_ref
+from sgl_kvq.attention_ref import gather_context
 from sgl_kvq.backends import metadata
 from sgl_kvq.backends.torch_backend import KVQTorchBackend
 from sgl_kvq.specache.attention import output_rows, speculative_rows
@@ -65,11 +66,17 @@ class KVQSpeCacheBackend(KVQTorchBackend):
             self.sc.host.write(li, step.write.slots, k, v)
         return out.reshape(q.shape[0], -1)
 
+    def _contexts(self, li: int, plan):
+        """Each request's context as stored (dequantized once per layer, shared by both lanes) and its base rows."""
+        kv = self.store.layer_view(li)
+        B = plan.batch_size
+        return [gather_context(kv, plan, b) for b in range(B)], [plan.base_len(b, kv.G) for b in range(B)]
+
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         q, k, v, li = self._views(q, k, v, layer)
-        sc, step, kv = self.sc, self.fp.steps[0], self.store.layer_view(li)
+        sc, step = self.sc, self.fp.steps[0]
         if sc.lanes.kind == "predecode":
-            out, pos = speculative_rows(q, k, v, kv, step.plan, layer.scaling, sc.top_k)
+            out, pos = speculative_rows(q, k, v, *self._contexts(li, step.plan), layer.scaling, sc.top_k)
             sc.prefetch(li, self.req, pos, self.req_to_token)
             return out.reshape(q.shape[0], -1)
         n = sc.lanes.n_real
@@ -81,10 +88,11 @@ class KVQSpeCacheBackend(KVQTorchBackend):
         if sc.recall:
             lens = [step.plan.seq_len(b, self.store.G) for b in range(n)]
             exact = [sc.host.rows(li, self.req_to_token[r, :t].long()) for r, t in zip(self.req.tolist(), lens)]
-        real, recall = output_rows(q[:n], kv, step.plan, sc.topk_k[li, self.req], sc.topk_v[li, self.req],
+        contexts, n_base = self._contexts(li, step.plan)
+        real, recall = output_rows(q[:n], contexts, n_base, sc.topk_k[li, self.req], sc.topk_v[li, self.req],
                                    sc.topk_pos[li, self.req], layer.scaling, exact)
         sc.recall_hits += sum(h for h, _ in recall)
         sc.recall_wanted += sum(w for _, w in recall)
-        spec, pos = speculative_rows(q[n:], k[n:], v[n:], kv, step.plan, layer.scaling, sc.top_k)
+        spec, pos = speculative_rows(q[n:], k[n:], v[n:], contexts, n_base, layer.scaling, sc.top_k)
         sc.prefetch(li, self.req, pos, self.req_to_token)
         return torch.cat([real, spec]).reshape(q.shape[0], -1)
