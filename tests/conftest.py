@@ -37,3 +37,24 @@ def repo_root() -> Path:
 def venv_bin() -> Path:
     """The bin/ folder of the interpreter running the tests (the project venv under `make test`)."""
     return Path(sys.executable).parent
+
+
+@pytest.fixture(scope="session")
+def frontend_fork():
+    """fn(base_url, text) -> answers: SGLang's frontend language against a running server, a shared prefix forked
+    into two generated branches."""
+    return _frontend_fork_answers
+
+
+def _frontend_fork_answers(base_url: str, text: str) -> list:
+    import sglang as sgl
+
+    @sgl.function
+    def two_branches(s, text):
+        s += text
+        forks = s.fork(2)
+        for i, f in enumerate(forks):
+            f += f" branch {i}:" + sgl.gen("answer", max_tokens=8, temperature=0)
+        s["answers"] = [f["answer"] for f in forks]
+
+    return two_branches.run(text=text, backend=sgl.RuntimeEndpoint(base_url))["answers"]

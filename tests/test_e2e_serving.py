@@ -107,7 +107,7 @@ def test_pool_too_small_completes_every_request_like_an_uncontended_run(capfd):
         assert contended[name] > floor, (name, contended, quantization)
 
 
-def test_http_server_multiturn_radix_hits_abort_and_frontend_language(tiny, tmp_path, monkeypatch):
+def test_http_server_multiturn_radix_hits_abort_and_frontend_language(tiny, tmp_path, monkeypatch, frontend_fork):
     # R = 0: only each request's open page is fp16, so a cached page is always read from the packed base and the
     # abort check below does not depend on which request slot (and which overlay frames) a request lands on.
     monkeypatch.setenv("KVQ_RESIDUAL", "0")
@@ -139,19 +139,8 @@ def test_http_server_multiturn_radix_hits_abort_and_frontend_language(tiny, tmp_
         after = server.post("/generate", prompt)["output_ids"]
         assert after == before
 
-        import sglang as sgl
-
-        @sgl.function
-        def two_branches(s, text):
-            s += text
-            forks = s.fork(2)
-            for i, f in enumerate(forks):
-                f += f" branch {i}:" + sgl.gen("answer", max_tokens=8, temperature=0)
-            s["answers"] = [f["answer"] for f in forks]
-
-        backend = sgl.RuntimeEndpoint(server.base)
-        state = two_branches.run(text="shared prefix for both branches " * 40, backend=backend)
-        assert len(state["answers"]) == 2 and all(isinstance(a, str) for a in state["answers"])
+        answers = frontend_fork(server.base, "shared prefix for both branches " * 40)
+        assert len(answers) == 2 and all(isinstance(a, str) for a in answers)
         stats = server.kv_pool_stats()
         assert stats["kv_cache_dtype"] == "kivi2"
         # 2-bit codes plus fp16 scales/zeros: under a quarter of 16-bit KV (2 layers x 2 KV heads x D 16 x K,V x 2 B).

@@ -85,11 +85,9 @@ def test_long_contended_run_completes_and_the_host_tier_does_not_grow(tiny, capf
     assert pool["specache"]["predecode_rows"] > 24  # resumed requests pre-decode again
 
 
-def test_http_server_and_frontend_language_on_specache2(tiny, tmp_path):
+def test_http_server_and_frontend_language_on_specache2(tiny, tmp_path, frontend_fork):
     """`sgl-kvq serve --kv-cache-dtype specache2` (SGLang's launch_server with the plugin): /generate with a shared
     prefix hits the radix cache, the frontend language forks on it, and the lanes ran in the server's scheduler."""
-    import sglang as sgl
-
     from sgl_kvq.launch import ServerProcess
 
     args = ["--model-path", str(tiny), "--kv-cache-dtype", "specache2", "--dtype", "float32", "--max-total-tokens",
@@ -100,18 +98,10 @@ def test_http_server_and_frontend_language_on_specache2(tiny, tmp_path):
         server.post("/generate", {"text": prefix + "first", "sampling_params": sampling})
         second = server.post("/generate", {"text": prefix + "second", "sampling_params": sampling})
 
-        @sgl.function
-        def two_branches(s, text):
-            s += text
-            forks = s.fork(2)
-            for i, f in enumerate(forks):
-                f += f" branch {i}:" + sgl.gen("answer", max_tokens=8, temperature=0)
-            s["answers"] = [f["answer"] for f in forks]
-
-        state = two_branches.run(text=prefix, backend=sgl.RuntimeEndpoint(server.base))
+        answers = frontend_fork(server.base, prefix)
         pool = server.kv_pool_stats()
     assert second["meta_info"]["cached_tokens"] >= 128 and len(second["output_ids"]) == 12
-    assert len(state["answers"]) == 2 and all(isinstance(a, str) for a in state["answers"])
+    assert len(answers) == 2 and all(isinstance(a, str) for a in answers)
     assert pool["kv_cache_dtype"] == "specache2" and pool["specache"]["decode_steps"] > 0
     assert pool["specache"]["predecode_rows"] >= 4 and pool["specache"]["recall_wanted"] > 0
 

@@ -89,12 +89,16 @@ def test_quantize_rounds_half_to_even(bits):
     assert_pages_equal(kv, [2], ref, G)
 
 
+def fill_frames(kv: LayerKV, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    kv.ov_k.copy_(torch.randn(kv.ov_k.shape, generator=gen).to(kv.ov_k.dtype))
+    kv.ov_v.copy_(torch.randn(kv.ov_v.shape, generator=gen).to(kv.ov_v.dtype))
+
+
 def test_quantize_pages_from_overlay_frames():
     G, H, D, VG, bits = 32, 2, 64, 32, 2
     kv = empty_layer(4, G, H, D, bits, VG, frames=5)
-    gen = torch.Generator().manual_seed(7)
-    kv.ov_k.copy_(torch.randn(kv.ov_k.shape, generator=gen).to(kv.ov_k.dtype))
-    kv.ov_v.copy_(torch.randn(kv.ov_v.shape, generator=gen).to(kv.ov_v.dtype))
+    fill_frames(kv, seed=7)
     frames, dst = [4, 0], [2, 4]
     quantize_pages(kv.ov_k, kv.ov_v, torch.tensor(dst, device=DEVICE), kv,
                    src_ids=torch.tensor(frames, device=DEVICE))
@@ -107,9 +111,7 @@ def test_destination_page_zero_is_skipped():
     """A decode batch passes page 0 (SGLang's dummy page) for rows that complete no page: nothing is written."""
     G, H, D, VG, bits = 16, 2, 64, 64, 2
     kv = empty_layer(3, G, H, D, bits, VG, frames=3)
-    gen = torch.Generator().manual_seed(5)
-    kv.ov_k.copy_(torch.randn(kv.ov_k.shape, generator=gen).to(kv.ov_k.dtype))
-    kv.ov_v.copy_(torch.randn(kv.ov_v.shape, generator=gen).to(kv.ov_v.dtype))
+    fill_frames(kv, seed=5)
     quantize_pages(kv.ov_k, kv.ov_v, torch.tensor([0, 2, 0], device=DEVICE), kv,
                    src_ids=torch.tensor([0, 1, 2], device=DEVICE))
     assert_pages_equal(kv, [2], kivi_page.quantize_pages(kv.ov_k[[1]].cpu(), kv.ov_v[[1]].cpu(), bits, VG), G)

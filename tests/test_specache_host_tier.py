@@ -36,7 +36,7 @@ def test_scatter_rows_matches_reference(H, D, dtype):
 
 @pytest.mark.parametrize("H,D,dtype", [(3, 64, torch.float16), (2, 16, torch.float32)])
 def test_gather_head_rows_matches_reference(H, D, dtype):
-    S, N, M = 30, 9, 12
+    S, M = 30, 12  # host slots, output rows (9 copies below)
     hk, hv = host_tensor((S, H, D), dtype), host_tensor((S, H, D), dtype)
     slots = torch.tensor([3, -1, 29, 0, 7, 7, -1, 15, 2], device=DEVICE)  # -1: nothing to fetch, a zero row
     heads = torch.tensor([0, 1, H - 1, 1 % H, 0, H - 1, 0, 1 % H, 0], device=DEVICE)
