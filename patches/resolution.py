@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import logging
 
+from sgl_kvq import env
 from sgl_kvq.config import KVQConfigError, looks_like_kvq_dtype, parse_kv_cache_dtype
 from sgl_kvq.model_check import check_hf_config
 
 logger = logging.getLogger("sgl_kvq")
 
 _SOURCE = "sgl_kvq"
-DEFAULT_MAX_RUNNING_REQUESTS = 256
 
 
 def kvq_backend_for(device: str | None, cfg=None) -> str:
@@ -32,9 +32,24 @@ def _check_triton_shapes(cfg, head_dim: int) -> None:
                                  "--attention-backend kvq_torch")
 
 
-def validate(server_args, view) -> None:
+def _check_pinned_budget(cfg, model_config, view, requested: int | None) -> None:
+    """With KVQ_KV_CACHE_GB the budget is known before the model loads: an explicit --max-running-requests it cannot
+    hold fails now rather than after the weights are loaded (a profiled budget is checked when it is profiled)."""
+    budget = env.kv_cache_budget_bytes()
+    if budget is None or requested is None:
+        return
+    from sgl_kvq.capacity import split_budget
+    from sgl_kvq.layout import PoolShape
+
+    dp = max(getattr(view, "attn_dp_size", 1) or 1, 1)
+    shape = PoolShape(layers=model_config.num_hidden_layers, heads=model_config.get_num_kv_heads(view.tp_size // dp),
+                      head_dim=model_config.head_dim, num_pages=0, cfg=cfg)
+    split_budget(budget, shape, model_config.dtype, host_is_device=view.device == "cpu",
+                 requested=max(1, requested // dp))
+
+
+def validate(server_args, view, cfg) -> None:
     """Raise KVQConfigError for every combination the quantized pool cannot serve."""
-    cfg = parse_kv_cache_dtype(view.kv_cache_dtype)
     page = server_args.page_size  # the user's own value (None when not given)
     if page is not None and page != cfg.group_size:
         raise KVQConfigError(f"sgl_kvq: --page-size {page} conflicts with {cfg.name}'s quantization group "
@@ -68,6 +83,7 @@ def validate(server_args, view) -> None:
 
     model_config = model_config_of(server_args)
     check_hf_config(model_config.hf_config, cfg)
+    _check_pinned_budget(cfg, model_config, view, server_args.max_running_requests)
     if (backend or kvq_backend_for(view.device, cfg)) == "kvq_triton":
         _check_triton_shapes(cfg, model_config.head_dim)
 
@@ -78,15 +94,12 @@ def resolve(server_args, previous) -> None:
     view = resolving_view(server_args)
     if not looks_like_kvq_dtype(view.kv_cache_dtype):
         return previous(server_args)
-    validate(server_args, view)
     cfg = parse_kv_cache_dtype(view.kv_cache_dtype)
+    validate(server_args, view, cfg)
+    # max_running_requests is left to the pool sizing (patches/sizing.py): it follows from the KV budget.
     decided = {"page_size": cfg.group_size}
     if server_args.attention_backend is None:
         decided["attention_backend"] = kvq_backend_for(view.device, cfg)
-    if server_args.max_running_requests is None:
-        # Each running request holds ring * G fp16 tokens of overlay; SGLang's default (2048+) would spend the KV
-        # budget on overlay frames. 256 is above SGLang's default CUDA-graph batch on an H100.
-        decided["max_running_requests"] = DEFAULT_MAX_RUNNING_REQUESTS
     declare_resolution(server_args, _SOURCE, **decided)
     logger.info("sgl_kvq: %s with %s", cfg, decided)
     previous(server_args)

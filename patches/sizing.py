@@ -1,50 +1,75 @@
-"""Pool sizing: SGLang sizes the KV pool as budget / bytes-per-token. Without these hooks it would divide by bf16's
-bytes and the compression would buy no capacity."""
+"""Pool sizing. SGLang sizes the KV pool as (budget - fixed overhead) / cell size and then picks
+max_running_requests from the token count. For a kvq dtype the cell is the packed token, the fixed overhead is the
+request slots' fp16 state, and max_running_requests comes from the split of the budget that sgl_kvq/capacity.py
+decides once the budget is known (the rule and why: its docstring)."""
 
 from __future__ import annotations
 
-import math
+import logging
 
 from sgl_kvq import env
+from sgl_kvq.capacity import BudgetSplit, split_budget
 from sgl_kvq.config import is_kvq_dtype, parse_kv_cache_dtype
 from sgl_kvq.layout import PoolShape
 
+logger = logging.getLogger("sgl_kvq")
 
-def _shape(kvc, num_layers: int, cfg) -> PoolShape:
+# KVCacheConfigurator is a slots dataclass (no attribute can be added): its split is kept here, by identity.
+_splits: dict[int, BudgetSplit] = {}
+
+
+def kvq_pool_shape(kvc, num_pages: int = 0) -> PoolShape | None:
+    """The kvq pool's geometry from SGLang's KVCacheConfigurator (None for other dtypes): the one place the layer
+    count, the KV heads of this rank and the head dim are read."""
+    if not is_kvq_dtype(kvc.kv_cache_dtype_str):
+        return None
     from sglang.srt.runtime_context import get_parallel
 
-    heads = kvc.model_config.get_num_kv_heads(get_parallel().attn_tp_size, get_parallel().attn_dcp_size)
-    return PoolShape(layers=num_layers, heads=heads, head_dim=kvc.model_config.head_dim, num_pages=0, cfg=cfg)
+    mc = kvc.model_config
+    heads = mc.get_num_kv_heads(get_parallel().attn_tp_size, get_parallel().attn_dcp_size)
+    return PoolShape(layers=kvc.layer_info.num_effective_layers, heads=heads, head_dim=mc.head_dim,
+                     num_pages=num_pages, cfg=parse_kv_cache_dtype(kvc.kv_cache_dtype_str))
 
 
-def max_running_requests() -> int:
+def budget_split(kvc) -> BudgetSplit:
+    try:
+        return _splits[id(kvc)]
+    except KeyError:
+        raise RuntimeError("sgl_kvq: the kvq pool was sized before its KV budget was profiled") from None
+
+
+def requested_max_running_requests(kvc) -> int | None:
+    """The user's --max-running-requests per data-parallel worker, as SGLang divides it."""
     from sglang.srt.runtime_context import get_schedule
 
-    return get_schedule().max_running_requests
+    n = get_schedule().max_running_requests
+    return None if n is None else max(1, n // kvc.attn_dp_size)
+
+
+def profile_available_bytes(orig, self, *args, **kwargs):
+    """KVQ_KV_CACHE_GB pins the KV budget (any dtype), so bf16 and kvq pools can be compared at equal memory. A
+    kvq pool's split of the budget is decided here, where the budget is first known."""
+    budget = env.kv_cache_budget_bytes()
+    budget = orig(self, *args, **kwargs) if budget is None else budget
+    shape = kvq_pool_shape(self)
+    if shape is not None:
+        split = split_budget(budget, shape, self.model_dtype, host_is_device=str(self.device).startswith("cpu"),
+                             requested=requested_max_running_requests(self),
+                             context_len=self.model_config.context_len)
+        _splits[id(self)] = split
+        logger.info("%s", split.describe(shape.cfg.name))
+    return budget
 
 
 def pool_configurator_init(orig, self, kvc, *args, **kwargs):
     orig(self, kvc, *args, **kwargs)
-    if not is_kvq_dtype(kvc.kv_cache_dtype_str):
-        return
-    cfg = parse_kv_cache_dtype(kvc.kv_cache_dtype_str)
-    num_layers = kvc.layer_info.num_effective_layers
-    shape = _shape(kvc, num_layers, cfg)
-    self._cell_size = math.ceil(shape.base_bytes_per_token())
-    # Overlay frames are a fixed cost per request slot (ReqToTokenPool has max_running_requests + 1 rows).
-    slots = max_running_requests() + 1
-    self._fixed_overhead_bytes += slots * cfg.ring_pages * shape.overlay_bytes_per_frame(kvc.model_dtype)
-    if cfg.is_specache:
-        from sgl_kvq.specache.host_tier import host_bytes_per_token
-        from sgl_kvq.specache.state import topk_bytes_per_request
-
-        self._fixed_overhead_bytes += slots * topk_bytes_per_request(cfg, shape, kvc.model_dtype)
-        if str(kvc.device).startswith("cpu"):
-            # The CPU engine's "device" is host RAM too: the host tier comes out of the same KV budget.
-            self._cell_size += host_bytes_per_token(num_layers, shape.heads, shape.head_dim, kvc.model_dtype)
+    if is_kvq_dtype(kvc.kv_cache_dtype_str):
+        split = budget_split(kvc)
+        self._cell_size = split.per_token_bytes
+        self._fixed_overhead_bytes += split.request_bytes
 
 
-def profile_available_bytes(orig, self, *args, **kwargs):
-    """KVQ_KV_CACHE_GB pins the KV budget (any dtype), so bf16 and kvq pools can be compared at equal memory."""
-    budget = env.kv_cache_budget_bytes()
-    return orig(self, *args, **kwargs) if budget is None else budget
+def resolve_max_num_reqs(orig, self, token_capacity: int) -> int:
+    if not is_kvq_dtype(self.kv_cache_dtype_str):
+        return orig(self, token_capacity)
+    return min(budget_split(self).max_running_requests, max(token_capacity // 2, 1))

@@ -7,7 +7,7 @@ scheduler processes unchanged. Defaults are the papers' (prior-art.md): G = 64, 
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import re
 from dataclasses import dataclass
 
@@ -51,6 +51,10 @@ class KVQConfig:
     # SpeCache: host rows each decode step reads in 16 bits per (request, layer, KV head), picked by the
     # speculative lane's attention (the paper's top-64).
     top_k: int = 64
+    # The share of SGLang's KV budget that per-request state (overlay frames; SpeCache's top-k buffers) may take
+    # when --max-running-requests is not given; it sets the default max_running_requests (sgl_kvq/capacity.py).
+    # 0.06 keeps kivi4 at 3.34x and kivi2 at 6.0x bf16's tokens (packed ratios 3.56x / 6.4x).
+    overlay_share: float = 0.06
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -69,6 +73,8 @@ class KVQConfig:
             raise KVQConfigError(f"sgl_kvq: residual window R={self.residual} must be a multiple of G={g}")
         if self.top_k < 1:
             raise KVQConfigError(f"sgl_kvq: top-k {self.top_k} must be at least 1")
+        if not 0 < self.overlay_share < 1:
+            raise KVQConfigError(f"sgl_kvq: KVQ_OVERLAY_SHARE={self.overlay_share} must be in (0, 1), e.g. 0.06")
         if self.is_specache and self.prefill != "full":
             raise KVQConfigError("sgl_kvq: specache extends read the cached prefix in 16 bits from the host tier; "
                                  f"KVQ_PREFILL={self.prefill} applies to kivi only")
@@ -101,9 +107,6 @@ class KVQConfig:
                 raise KVQConfigError(
                     f"sgl_kvq: {what}={d} is not a multiple of the value group {self.value_group_for(d)}")
 
-    def replace(self, **kw) -> "KVQConfig":
-        return dataclasses.replace(self, **kw)
-
 
 def is_kvq_dtype(name: object) -> bool:
     return isinstance(name, str) and name in DTYPE_NAMES
@@ -114,11 +117,16 @@ def looks_like_kvq_dtype(name: object) -> bool:
     return isinstance(name, str) and any(name.startswith(m) for m in METHODS)
 
 
-def parse_kv_cache_dtype(name: str, **overrides) -> KVQConfig:
-    """`kivi2` -> KVQConfig(method="kivi", bits=2, ...) with KVQ_* knobs, then explicit overrides, applied."""
+def parse_kv_cache_dtype(name: str) -> KVQConfig:
+    """`kivi2` -> KVQConfig(method="kivi", bits=2, ...) with the KVQ_* knobs applied. Parsed once per name and knob
+    values in each process: every caller (dtype resolution, sizing, the pool, the launch helpers) gets the same
+    object."""
+    return _parse(name, env.knob_values())
+
+
+@functools.lru_cache(maxsize=None)
+def _parse(name: str, knob_values: tuple) -> KVQConfig:
     m = _NAME.match(name or "")
     if not m or name not in DTYPE_NAMES:
         raise KVQConfigError(f"sgl_kvq: unknown kv cache dtype {name!r}; choose one of {', '.join(DTYPE_NAMES)}")
-    knobs = env.knobs()
-    knobs.update(overrides)
-    return KVQConfig(method=m["method"], bits=int(m["bits"]), **knobs)
+    return KVQConfig(method=m["method"], bits=int(m["bits"]), **env.knobs())

@@ -8,6 +8,7 @@ variable as a deprecated spelling of SGLANG_* and warns about it in each of its 
 | KVQ_RESIDUAL         | residual (R)    | 64 |
 | KVQ_PREFILL              | prefill: "full" (KIVI) or "paged" (decode-consistent) | full |
 | KVQ_TOPK             | top_k: SpeCache's host rows per request, layer and KV head read in 16 bits each step | 64 |
+| KVQ_OVERLAY_SHARE        | overlay_share: the KV budget's share for per-request fp16 state when --max-running-requests is not given | 0.06 |
 | KVQ_SPECACHE_RECALL      | 1: measure each step how much of the output row's exact 16-bit top-k the speculative lane prefetched (reads every context row from the host tier: a diagnostic) | 1 |
 | KVQ_HOST_MEM_FRACTION    | share of the host's available RAM SpeCache's host tier may take | 0.8 |
 | KVQ_CACHE_DIR            | where embedded models are materialized | ~/.cache/sgl_kvq |
@@ -19,28 +20,35 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-_INT_KNOBS = {
-    "KVQ_GROUP_SIZE": "group_size",
-    "KVQ_VALUE_GROUP": "value_group",
-    "KVQ_RESIDUAL": "residual",
-    "KVQ_TOPK": "top_k",
+# variable -> (KVQConfig field, parser)
+_CONFIG_KNOBS = {
+    "KVQ_GROUP_SIZE": ("group_size", int),
+    "KVQ_VALUE_GROUP": ("value_group", int),
+    "KVQ_RESIDUAL": ("residual", int),
+    "KVQ_TOPK": ("top_k", int),
+    "KVQ_OVERLAY_SHARE": ("overlay_share", float),
+    "KVQ_PREFILL": ("prefill", str),
 }
+
+
+def knob_values() -> tuple:
+    """The raw values of every knob KVQConfig reads: the key of the per-process config cache."""
+    return tuple(os.environ.get(var) for var in _CONFIG_KNOBS)
 
 
 def knobs() -> dict:
     out = {}
-    if os.environ.get("KVQ_PREFILL"):
-        out["prefill"] = os.environ["KVQ_PREFILL"]
-    for var, field in _INT_KNOBS.items():
+    for var, (field, parse) in _CONFIG_KNOBS.items():
         raw = os.environ.get(var)
         if raw is None or raw == "":
             continue
         try:
-            out[field] = int(raw)
+            out[field] = parse(raw)
         except ValueError:
             from sgl_kvq.config import KVQConfigError
 
-            raise KVQConfigError(f"sgl_kvq: {var}={raw!r} is not an integer") from None
+            raise KVQConfigError(f"sgl_kvq: {var}={raw!r} is not a {'number' if parse is float else 'integer'}") \
+                from None
     return out
 
 

@@ -1,58 +1,156 @@
-"""`sgl-kvq bench capacity`: KV token capacity of each dtype at the same KV memory, read from live servers.
+"""`sgl-kvq bench capacity`: KV token capacity of each dtype over a sweep of KV budgets, read from live servers.
 
-Every server gets the same KV budget (KVQ_KV_CACHE_GB pins SGLang's budget for any dtype) and the same
---max-running-requests (the kvq overlay is a fixed cost per request slot; long-context serving needs few slots).
-Capacity is what the server reports (max_total_num_tokens), bytes what its pool allocated."""
+Each budget is either SGLang's own sizing at a `--mem-fraction-static` value (what a user who sets nothing else
+gets) or a budget pinned with KVQ_KV_CACHE_GB (equal memory for every dtype). No other flag is passed: each kvq
+dtype picks its own max_running_requests from the budget (sgl_kvq/capacity.py). Capacity is what the server reports
+(max_total_num_tokens); the budget is what its pool was sized from, so `x bf16 per GiB` compares tokens per byte of
+budget even where a profiled budget moved between two servers. SGLang's fp8_e4m3 is tried too: where it does not
+start (the CPU engine without Intel AMX) the refusal is recorded."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
+import sys
 import tempfile
+import time
 from pathlib import Path
+
+DEFAULT_DTYPES = "auto,fp8_e4m3,kivi4,kivi2,kivi1,specache2,specache1"
 
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="smollm2", help="smollm2 | tiny | a model folder")
-    p.add_argument("--kv-cache-dtype", default="auto,kivi4,kivi2,kivi1", help="comma list; auto = the model's bf16")
-    p.add_argument("--kv-cache-gb", type=float, default=4.0)
-    p.add_argument("--max-running-requests", type=int, default=32)
+    p.add_argument("--kv-cache-dtype", default=DEFAULT_DTYPES, help="comma list; auto = the model's bf16")
+    p.add_argument("--mem-fraction-static", default="0.03,0.05,0.1",
+                   help="comma list of SGLang --mem-fraction-static values (SGLang's own sizing); '' for none")
+    p.add_argument("--kv-cache-gb", default="0.25,1,4", help="comma list of pinned KV budgets in GiB; '' for none")
     p.add_argument("--json", metavar="PATH")
+    p.add_argument("--plot", metavar="PATH", help="PNG: capacity ratio to bf16 vs KV budget, one line per dtype")
 
 
-def measure(model, dtype: str, kv_cache_gb: float, max_running_requests: int, log_dir: str) -> dict:
+def budgets(args) -> list[dict]:
+    out = [{"mem_fraction_static": float(x)} for x in args.mem_fraction_static.split(",") if x]
+    return out + [{"kv_cache_gb": float(x)} for x in args.kv_cache_gb.split(",") if x]
+
+
+def label(budget: dict) -> str:
+    if "kv_cache_gb" in budget:
+        return f"KVQ_KV_CACHE_GB={budget['kv_cache_gb']:g}"
+    return f"--mem-fraction-static {budget['mem_fraction_static']:g}"
+
+
+def measure(model, dtype: str, budget: dict, log_path: Path) -> dict:
+    """One server: its pool statistics, or the reason it did not start."""
     from sgl_kvq.launch import ServerProcess, baseline_page_size
 
-    args = ["--model-path", str(model), "--max-running-requests", str(max_running_requests)]
-    args += ["--page-size", str(baseline_page_size())] if dtype == "auto" else ["--kv-cache-dtype", dtype]
-    os.environ["KVQ_KV_CACHE_GB"] = str(kv_cache_gb)
-    with ServerProcess(args, log_path=Path(log_dir) / f"server-{dtype}.log") as server:
-        stats = server.kv_pool_stats()
-        # The pool must really hold what it claims: one request using most of a page round-trips.
-        server.post("/generate", {"text": "capacity check", "sampling_params": {"max_new_tokens": 4}})
-    return stats
+    args = ["--model-path", str(model)]
+    args += ["--page-size", str(baseline_page_size())] if not dtype.startswith(("kivi", "specache")) else []
+    args += [] if dtype == "auto" else ["--kv-cache-dtype", dtype]
+    env = dict(os.environ)
+    os.environ.pop("KVQ_KV_CACHE_GB", None)
+    if "kv_cache_gb" in budget:
+        os.environ["KVQ_KV_CACHE_GB"] = str(budget["kv_cache_gb"])
+    else:
+        args += ["--mem-fraction-static", str(budget["mem_fraction_static"])]
+    try:
+        with ServerProcess(args, log_path=log_path) as server:
+            stats = server.kv_pool_stats()
+            # The pool must really hold what it claims: a request round-trips.
+            server.post("/generate", {"text": "capacity check", "sampling_params": {"max_new_tokens": 4}})
+        return stats
+    except RuntimeError as e:
+        return {"refused": startup_error(log_path) or str(e).splitlines()[0]}
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+
+
+def startup_error(log_path: Path) -> str | None:
+    text = log_path.read_text(errors="replace") if log_path.exists() else ""
+    errors = re.findall(r"^(?:\w*Error|Exception): (.+)$", text, flags=re.M)
+    return errors[-1].strip() if errors else None
+
+
+def ratios(rows: list[dict]) -> None:
+    """Capacity against bf16 ("auto") at the same budget setting: raw, and per GiB of the budget each pool had."""
+    base = {r["budget_label"]: r for r in rows if r["kv_cache_dtype"] == "auto" and "capacity_tokens" in r}
+    for r in rows:
+        b = base.get(r["budget_label"])
+        if b is None or "capacity_tokens" not in r:
+            continue
+        r["x_bf16"] = r["capacity_tokens"] / b["capacity_tokens"]
+        if r.get("kv_budget_bytes") and b.get("kv_budget_bytes"):
+            r["x_bf16_per_budget"] = (r["capacity_tokens"] / r["kv_budget_bytes"]) / (
+                b["capacity_tokens"] / b["kv_budget_bytes"])
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| budget | kv dtype | KV budget GiB | capacity tokens | max running | per-request state | x bf16 | "
+             "x bf16 per GiB |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "refused" in r:
+            lines.append(f"| {r['budget_label']} | {r['kv_cache_dtype']} | - | refused: {r['refused']} | | | | |")
+            continue
+        share = r.get("request_state_bytes", 0) / r["kv_budget_bytes"] if r.get("kv_budget_bytes") else 0
+        lines.append(f"| {r['budget_label']} | {r['kv_cache_dtype']} | {r.get('kv_budget_bytes', 0) / 2**30:.3f} | "
+                     f"{r['capacity_tokens']:,} | {r.get('max_running_requests', '-')} | {share:.1%} | "
+                     f"{r.get('x_bf16', float('nan')):.2f} | {r.get('x_bf16_per_budget', float('nan')):.2f} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, kind, title in ((axes[0], "mem_fraction_static", "SGLang's default sizing (--mem-fraction-static)"),
+                            (axes[1], "kv_cache_gb", "pinned KV budget (KVQ_KV_CACHE_GB)")):
+        for dtype in dict.fromkeys(r["kv_cache_dtype"] for r in rows):
+            pts = sorted((r["kv_budget_bytes"] / 2**30, r["x_bf16"]) for r in rows
+                         if r["kv_cache_dtype"] == dtype and kind in r["budget"] and "x_bf16" in r)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=dtype)
+        ax.set_xscale("log")
+        ax.set_xlabel("KV budget of the server (GiB)")
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("capacity / bf16 capacity (max_total_num_tokens)")
+    axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def run(args) -> int:
     from sgl_kvq.commands import bench_multiturn
 
     model = bench_multiturn.resolve_model(args.model)
-    log_dir = tempfile.mkdtemp(prefix="sgl-kvq-capacity-")
+    log_dir = Path(tempfile.mkdtemp(prefix="sgl-kvq-capacity-"))
     dtypes = [d for d in args.kv_cache_dtype.split(",") if d]
-    rows = {d: measure(model, d, args.kv_cache_gb, args.max_running_requests, log_dir) for d in dtypes}
-    base = rows.get("auto")
-    print(f"KV capacity at {args.kv_cache_gb} GiB of KV, --max-running-requests {args.max_running_requests} "
-          f"({args.model}; server logs in {log_dir})")
-    print(f"{'kv dtype':<10}{'capacity tok':>14}{'KV bytes':>16}{'B/token':>10}{'base B/tok':>12}{'overlay MiB':>13}"
-          f"{'x bf16':>8}")
-    for d, s in rows.items():
-        ratio = s["capacity_tokens"] / base["capacity_tokens"] if base else float("nan")
-        s["capacity_vs_bf16"] = ratio
-        print(f"{d:<10}{s['capacity_tokens']:>14}{s['kv_bytes']:>16}{s['kv_bytes_per_token']:>10.0f}"
-              f"{s.get('base_bytes_per_token', s['kv_bytes_per_token']):>12.0f}"
-              f"{s.get('overlay_bytes', 0) / 2**20:>13.1f}{ratio:>8.2f}")
+    plan = [(b, d) for b in budgets(args) for d in dtypes]
+    rows, refused = [], {}
+    print(f"capacity sweep: {len(plan)} servers ({args.model}; logs in {log_dir})", flush=True)
+    for i, (budget, dtype) in enumerate(plan, 1):
+        t0 = time.time()
+        if dtype in refused:  # a dtype the engine refuses at one budget is refused at every budget
+            row = {"refused": refused[dtype], "skipped": True}
+        else:
+            row = measure(model, dtype, budget, log_dir / f"{dtype}-{i}.log")
+            if "refused" in row:
+                refused[dtype] = row["refused"]
+        row.update(kv_cache_dtype=dtype, budget=budget, budget_label=label(budget))
+        rows.append(row)
+        what = row.get("refused") or f"{row['capacity_tokens']:,} tokens"
+        print(f"[{i}/{len(plan)}] {label(budget)} {dtype}: {what} ({time.time() - t0:.0f}s)", flush=True)
+    ratios(rows)
+    print(table(rows))
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": args.model, "kv_cache_gb": args.kv_cache_gb,
-                                               "max_running_requests": args.max_running_requests, "runs": rows},
-                                              indent=2))
+        command = "sgl-kvq " + shlex.join(getattr(args, "_argv", None) or sys.argv[1:])
+        Path(args.json).write_text(json.dumps({"model": args.model, "command": command, "runs": rows}, indent=1) + "\n")
+    if args.plot:
+        plot(rows, args.plot)
     return 0

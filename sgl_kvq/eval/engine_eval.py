@@ -134,7 +134,7 @@ class FlushTail:
     def __init__(self, vocab_size: int, enabled: bool, seed: int = 0):
         from sgl_kvq.config import parse_kv_cache_dtype
 
-        cfg = parse_kv_cache_dtype("kivi2")  # G and R are the same for every kvq dtype (SGL_KVQ_* knobs)
+        cfg = parse_kv_cache_dtype("kivi2")  # G and R come from the KVQ_* knobs, the same for every kvq dtype
         self.n = cfg.ring_pages * cfg.group_size + 1 if enabled else 0
         self.rng = random.Random(f"flush-{seed}")
         self.lo, self.hi = min(300, vocab_size // 4), vocab_size - 1  # clear of special tokens
