@@ -21,7 +21,8 @@ def add_arguments(p) -> None:
     p.add_argument("--concurrency", type=int, default=3)
     p.add_argument("--kv-cache-gb", type=float, default=2.0,
                    help="KV budget of both servers (KVQ_KV_CACHE_GB), so capacities compare at equal memory")
-    p.add_argument("--max-running-requests", type=int, default=32)
+    p.add_argument("--max-running-requests", type=int, default=None,
+                   help="passed to both servers; by default each picks its own (a kvq dtype from its KV budget)")
     p.add_argument("--json", metavar="PATH", help="also write the measurements as JSON")
 
 
@@ -35,7 +36,9 @@ def serve_and_run(model: Path, dtype: str, args, conversations, tokenizer, refer
     from sgl_kvq.launch import ServerProcess
     from sgl_kvq.workload import run_multiturn
 
-    server_args = ["--model-path", str(model), "--max-running-requests", str(args.max_running_requests)]
+    server_args = ["--model-path", str(model)]
+    if args.max_running_requests is not None:
+        server_args += ["--max-running-requests", str(args.max_running_requests)]
     if dtype != "auto":
         server_args += ["--kv-cache-dtype", dtype]
     else:
