@@ -23,6 +23,18 @@ class KVQPoolError(RuntimeError):
     pass
 
 
+def kv_cache_stats(pool: KVCache, capacity_tokens: int) -> dict:
+    """The byte accounting every SGLang KV pool has (a bf16 one too): the keys a capacity comparison reads."""
+    k, v = pool.get_kv_size_bytes() if hasattr(pool, "get_kv_size_bytes") else (0, 0)
+    return {
+        "pool_class": type(pool).__name__,
+        "capacity_tokens": int(capacity_tokens),
+        "kv_bytes": int(k + v),
+        "kv_bytes_per_token": (k + v) / max(capacity_tokens, 1),
+        "page_size": int(getattr(pool, "page_size", 1)),
+    }
+
+
 class KVQTokenToKVPool(KVCache):
     def __init__(self, size: int, page_size: int, cfg: KVQConfig, head_num: int, head_dim: int, layer_num: int,
                  device: str, model_dtype: torch.dtype, num_req_slots: int, start_layer: int | None = None,
@@ -63,6 +75,25 @@ class KVQTokenToKVPool(KVCache):
 
     def host_bytes(self) -> int:
         return 0 if self.specache is None else self.specache.host.nbytes()
+
+    def stats(self, capacity_tokens: int) -> dict:
+        """The live pool's measured bytes (SGLang's /get_server_info internal_states[0]["kv_pool"]): kv_cache_stats
+        plus the packed base and the overlay, the quantization config and, for SpeCache, the host tier and its
+        counters."""
+        stats = kv_cache_stats(self, capacity_tokens)
+        stats.update(
+            kv_cache_dtype=self.cfg.name,
+            base_bytes=self.store.base_bytes(),
+            overlay_bytes=self.store.overlay_bytes(),
+            base_bytes_per_token=self.shape.base_bytes_per_token(),
+            config={"group_size": self.cfg.group_size, "value_group": self.shape.VG, "residual": self.cfg.residual,
+                    "bits": self.cfg.bits, "prefill": self.cfg.prefill},
+        )
+        if self.specache is not None:
+            stats["specache"] = self.specache.stats()
+            stats["host_bytes"] = self.host_bytes()
+            stats["host_bytes_per_token"] = self.host_bytes() / max(capacity_tokens, 1)
+        return stats
 
     def bytes_per_token(self) -> float:
         """Allocated KV bytes (base + overlay) per token of capacity: the number a capacity comparison needs."""

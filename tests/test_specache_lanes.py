@@ -8,7 +8,8 @@ against exact K/V computed independently:
   over each KV head's query heads) is what gets prefetched, with the exact rows;
 - the pre-decode step writes nothing and prefetches for the requests it covers;
 - run_lanes (sgl_kvq/specache/lanes.py) builds the rows of each forward from the batch and hands back the real
-  rows' logits, with the batch restored.
+  rows' logits, with the batch restored;
+- the scheduler hook exports KVQTokenToKVPool.stats for a kvq pool and the basic keys for a bf16 one.
 """
 
 from __future__ import annotations
@@ -214,3 +215,30 @@ def test_run_lanes_predecodes_new_requests_then_doubles_the_rows():
     run_lanes(lambda: forward(next(outs)), fb, sc)
     assert len(seen) == 1 and seen[0][1].tolist() == [7, 8, 11, 12]
     assert int(sc.spec_guesses) == 2 and int(sc.spec_hits) == 1 and sc.decode_steps == 2
+
+
+def test_the_scheduler_hook_exports_the_pool_stats_of_a_specache_pool_and_a_bf16_pool():
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    from sgl_kvq.patches.observability import add_kv_pool_stats
+
+    def exported(pool, capacity):
+        scheduler = SimpleNamespace(token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: pool),
+                                    max_total_num_tokens=capacity)
+        state = {}
+        assert add_kv_pool_stats("result", SimpleNamespace(scheduler=scheduler), state) == "result"
+        return state["kv_pool"]
+
+    basic = {"pool_class", "capacity_tokens", "kv_bytes", "kv_bytes_per_token", "page_size"}
+    bf16 = exported(MHATokenToKVPool(64, 1, torch.bfloat16, H, D, L, "cpu", False), 64)
+    assert set(bf16) == basic and bf16["pool_class"] == "MHATokenToKVPool" and bf16["page_size"] == 1
+    assert bf16["kv_bytes"] == bf16["kv_bytes_per_token"] * 64 > 0
+
+    _, pool, _ = make()
+    s = exported(pool, 32 * G)
+    assert set(s) == basic | {"kv_cache_dtype", "base_bytes", "overlay_bytes", "base_bytes_per_token", "config",
+                              "specache", "host_bytes", "host_bytes_per_token"}
+    k, v = pool.get_kv_size_bytes()
+    assert s["kv_bytes"] == k + v and s["page_size"] == G and s["kv_cache_dtype"] == pool.cfg.name
+    assert s["host_bytes"] == pool.specache.host.nbytes() == s["host_bytes_per_token"] * 32 * G
+    assert s["specache"]["top_k"] == K and s["config"]["group_size"] == G
