@@ -95,10 +95,6 @@ class KVQTokenToKVPool(KVCache):
             stats["host_bytes_per_token"] = self.host_bytes() / max(capacity_tokens, 1)
         return stats
 
-    def bytes_per_token(self) -> float:
-        """Allocated KV bytes (base + overlay) per token of capacity: the number a capacity comparison needs."""
-        return (self.store.base_bytes() + self.store.overlay_bytes()) / max(self.size, 1)
-
     def get_v_head_dim(self):
         return self.v_head_dim
 
