@@ -1,8 +1,9 @@
 """SGLang's KVCache interface over the quantized store (sgl_kvq/kv_store.py).
 
-The pool owns every write: the kvq backends call `begin_batch` / `write_layer` with the batch's request slots and
-positions. The stock entry points that would hand out or accept plain bf16 rows raise, so no SGLang path can write
-unquantized KV around us (the fused-write trap) or dequantize the whole pool on a read (the int4 PRs' trap).
+The pool owns every write: the kvq backends call the store's `begin_batch` / `write_layer` with the batch's request
+slots and positions. The stock entry points that would hand out or accept plain bf16 rows raise, so no SGLang path
+can write unquantized KV around the quantizer (a fused bf16 write into a get_key_buffer() view) or dequantize the
+whole pool to serve a read.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class KVQTokenToKVPool(KVCache):
         if page_size != cfg.group_size:
             raise KVQPoolError(f"sgl_kvq: page size {page_size} != quantization group G={cfg.group_size}")
         # dtype is the packed storage type, never bf16: SGLang enables fused bf16 writes into get_key_buffer()
-        # views when pool.dtype == bfloat16 (models/utils.py: enable_fused_set_kv_buffer).
+        # views when pool.dtype == bfloat16 (sglang/srt/models/utils.py: enable_fused_set_kv_buffer).
         super().__init__(size, page_size, torch.uint8, layer_num, device, enable_memory_saver, start_layer, end_layer)
         self.cfg = cfg
         self.head_num, self.head_dim, self.v_head_dim = head_num, head_dim, head_dim
