@@ -1,4 +1,6 @@
-"""Every hook sgl_kvq places into SGLang 0.5.23; the only package that touches SGLang internals.
+"""Every hook sgl_kvq places into SGLang 0.5.23, each target checked when the plugin loads (targets.py). The pool
+and the attention backends are not hooks: they subclass SGLang's KVCache / AttentionBackend (sgl_kvq/pool.py,
+sgl_kvq/backends/).
 
 `load()` is the `sglang.srt.plugins` entry point: SGLang runs it in every process (launch_server, Engine, scheduler,
 detokenizer). SGLang logs and swallows plugin exceptions, so a failed version check is re-raised where it matters:

@@ -1,74 +1,14 @@
-"""SpeCache's second decode lane, as an AROUND hook on SGLang's eager decode forward
-(EagerRunner._execute_decode).
-
-Each decode step of a specache pool runs the model on 2B rows instead of B: rows [0, B) are the batch's real
-tokens at their positions, rows [B, 2B) each request's speculative token (row 1's greedy guess from the step
-before) one position later. The attention backend (sgl_kvq/backends/specache_backend.py) writes only rows [0, B)
-to the pool, so the speculative rows' KV never enters it; the logits of rows [B, 2B) become next step's
-speculative tokens and only rows [0, B) reach SGLang's sampler. A request's first decode step is preceded by one
-read-only forward of its real token (the paper's pre-decoding) that makes its first guess and first top-k.
-
-Why not SGLang's speculative-decoding path (TARGET_VERIFY with two tokens per request): that path allocates pool
-slots for draft tokens, runs acceptance against them and commits accepted drafts' KV, none of which SpeCache
-wants (its speculative token is never accepted: it only steers the prefetch), and it is bound to draft workers,
-tree masks and page_size=1 allocation. Doubling the rows of a plain decode keeps SGLang's scheduling, radix cache,
-retraction and sampling untouched: every non-attention layer is per-token, and the backend owns attention.
-"""
+"""AROUND hook on SGLang's eager decode forward (EagerRunner._execute_decode): a decode step of a specache pool
+runs as SpeCache's two lanes (sgl_kvq/specache/lanes.py, which says why a doubled decode and not TARGET_VERIFY);
+every other forward, and every other pool, runs unchanged."""
 
 from __future__ import annotations
 
-import torch
-
-
-def _specache_state(runner):
-    return getattr(runner.model_runner.token_to_kv_pool, "specache", None)
+from sgl_kvq.specache.lanes import run_lanes
 
 
 def execute_decode(orig, self, forward_batch, pp_proxy_tensors=None, *args, **kwargs):
-    sc = _specache_state(self)
+    sc = getattr(self.model_runner.token_to_kv_pool, "specache", None)
     if sc is None or not forward_batch.forward_mode.is_decode():
         return orig(self, forward_batch, pp_proxy_tensors, *args, **kwargs)
     return run_lanes(lambda: orig(self, forward_batch, pp_proxy_tensors, *args, **kwargs), forward_batch, sc)
-
-
-def _req_slots(fb) -> list[int]:
-    cpu = getattr(fb, "req_pool_indices_cpu", None)
-    return (cpu if cpu is not None else fb.req_pool_indices).tolist()
-
-
-def run_lanes(forward, fb, sc):
-    from sgl_kvq.specache.state import Lanes
-
-    ids, pos, loc = fb.input_ids, fb.positions, fb.out_cache_loc
-    req = fb.req_pool_indices.long()
-    B = ids.shape[0]
-    slots = _req_slots(fb)
-    try:
-        new = [i for i, r in enumerate(slots) if sc.needs_predecode[r]]
-        if new:  # pre-decode: the real token, read-only, low-bit only: first guess and first top-k
-            rows = torch.tensor(new, dtype=torch.int64, device=ids.device)
-            fb.input_ids, fb.positions, fb.out_cache_loc = ids[rows], pos[rows], loc.new_zeros(len(new))
-            sc.lanes = Lanes("predecode", len(new), rows)
-            out = forward()
-            sc.spec_token[req[rows]] = out.next_token_logits.argmax(-1)
-            sc.predecode_rows += len(new)
-            for i in new:
-                sc.needs_predecode[slots[i]] = False
-        sc.count_guesses(req, ids)
-        spec = sc.spec_token[req]
-        fb.input_ids = torch.cat([ids, spec.to(ids.dtype)])
-        fb.positions = torch.cat([pos, pos + 1])
-        fb.out_cache_loc = torch.cat([loc, loc.new_zeros(B)])  # row 1 writes nothing; slot 0 is the dummy slot
-        sc.lanes = Lanes("two_lane", B)
-        out = forward()
-        logits = out.next_token_logits
-        sc.spec_input[req] = spec
-        sc.spec_token[req] = logits[B:].argmax(-1)
-        out.next_token_logits = logits[:B]
-        if getattr(out, "hidden_states", None) is not None and out.hidden_states.shape[0] == 2 * B:
-            out.hidden_states = out.hidden_states[:B]
-        sc.decode_steps += 1
-        return out
-    finally:
-        fb.input_ids, fb.positions, fb.out_cache_loc = ids, pos, loc
-        sc.lanes = None

@@ -1,8 +1,9 @@
 """SGLang's KVCache interface over the quantized store (sgl_kvq/kv_store.py).
 
-The pool owns every write: the kvq backends call `begin_batch` / `write_layer` with the batch's request slots and
-positions. The stock entry points that would hand out or accept plain bf16 rows raise, so no SGLang path can write
-unquantized KV around us (the fused-write trap) or dequantize the whole pool on a read (the int4 PRs' trap).
+The pool owns every write: the kvq backends call the store's `begin_batch` / `write_layer` with the batch's request
+slots and positions. The stock entry points that would hand out or accept plain bf16 rows raise, so no SGLang path
+can write unquantized KV around the quantizer (a fused bf16 write into a get_key_buffer() view) or dequantize the
+whole pool to serve a read.
 """
 
 from __future__ import annotations
@@ -23,6 +24,18 @@ class KVQPoolError(RuntimeError):
     pass
 
 
+def kv_cache_stats(pool: KVCache, capacity_tokens: int) -> dict:
+    """The byte accounting every SGLang KV pool has (a bf16 one too): the keys a capacity comparison reads."""
+    k, v = pool.get_kv_size_bytes() if hasattr(pool, "get_kv_size_bytes") else (0, 0)
+    return {
+        "pool_class": type(pool).__name__,
+        "capacity_tokens": int(capacity_tokens),
+        "kv_bytes": int(k + v),
+        "kv_bytes_per_token": (k + v) / max(capacity_tokens, 1),
+        "page_size": int(getattr(pool, "page_size", 1)),
+    }
+
+
 class KVQTokenToKVPool(KVCache):
     def __init__(self, size: int, page_size: int, cfg: KVQConfig, head_num: int, head_dim: int, layer_num: int,
                  device: str, model_dtype: torch.dtype, num_req_slots: int, start_layer: int | None = None,
@@ -30,7 +43,7 @@ class KVQTokenToKVPool(KVCache):
         if page_size != cfg.group_size:
             raise KVQPoolError(f"sgl_kvq: page size {page_size} != quantization group G={cfg.group_size}")
         # dtype is the packed storage type, never bf16: SGLang enables fused bf16 writes into get_key_buffer()
-        # views when pool.dtype == bfloat16 (models/utils.py: enable_fused_set_kv_buffer).
+        # views when pool.dtype == bfloat16 (sglang/srt/models/utils.py: enable_fused_set_kv_buffer).
         super().__init__(size, page_size, torch.uint8, layer_num, device, enable_memory_saver, start_layer, end_layer)
         self.cfg = cfg
         self.head_num, self.head_dim, self.v_head_dim = head_num, head_dim, head_dim
@@ -64,9 +77,24 @@ class KVQTokenToKVPool(KVCache):
     def host_bytes(self) -> int:
         return 0 if self.specache is None else self.specache.host.nbytes()
 
-    def bytes_per_token(self) -> float:
-        """Allocated KV bytes (base + overlay) per token of capacity: the number a capacity comparison needs."""
-        return (self.store.base_bytes() + self.store.overlay_bytes()) / max(self.size, 1)
+    def stats(self, capacity_tokens: int) -> dict:
+        """The live pool's measured bytes (SGLang's /get_server_info internal_states[0]["kv_pool"]): kv_cache_stats
+        plus the packed base and the overlay, the quantization config and, for SpeCache, the host tier and its
+        counters."""
+        stats = kv_cache_stats(self, capacity_tokens)
+        stats.update(
+            kv_cache_dtype=self.cfg.name,
+            base_bytes=self.store.base_bytes(),
+            overlay_bytes=self.store.overlay_bytes(),
+            base_bytes_per_token=self.shape.base_bytes_per_token(),
+            config={"group_size": self.cfg.group_size, "value_group": self.shape.VG, "residual": self.cfg.residual,
+                    "bits": self.cfg.bits, "prefill": self.cfg.prefill},
+        )
+        if self.specache is not None:
+            stats["specache"] = self.specache.stats()
+            stats["host_bytes"] = self.host_bytes()
+            stats["host_bytes_per_token"] = self.host_bytes() / max(capacity_tokens, 1)
+        return stats
 
     def get_v_head_dim(self):
         return self.v_head_dim

@@ -1,5 +1,6 @@
-"""The wheel ships kernels/ and patches/ as sgl_kvq.kernels / sgl_kvq.patches, the plugin entry point and the console
-script, and they work from a clean install (nothing from this checkout on the path)."""
+"""The wheel ships kernels/ and patches/ as sgl_kvq.kernels / sgl_kvq.patches, the sgl_kvq.specache package and its
+modules, the plugin entry point and the console script, and they work from a clean install (nothing from this
+checkout on the path)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ _SOURCES = ["pyproject.toml", "README.md", "sgl_kvq", "kernels", "patches"]
 _IMPORT_CHECK = r"""
 import sys, importlib, importlib.metadata as md
 target = sys.argv[1]
-for name in ("sgl_kvq", "sgl_kvq.kernels", "sgl_kvq.patches", "sgl_kvq.cli"):
+for name in ("sgl_kvq", "sgl_kvq.kernels", "sgl_kvq.patches", "sgl_kvq.cli", *sys.argv[2:]):
     m = importlib.import_module(name)
     assert m.__file__.startswith(target), (name, m.__file__)
 dist = next(md.distributions(name="sgl-kvq", path=[target]))
@@ -32,8 +33,11 @@ print("ok")
 
 
 def _build_wheel(src: Path, out: Path) -> Path:
+    # without PYTHONPATH: a checkout on it puts its top-level kernels/ before the installed `kernels` distribution,
+    # whose egg_info.writers entry point (kernels.lockfile) setuptools loads while building the metadata
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
-                    str(src)], check=True, capture_output=True, text=True)
+                    str(src)], check=True, capture_output=True, text=True, env=env)
     (wheel,) = out.glob("sgl_kvq-*.whl")
     return wheel
 
@@ -74,8 +78,11 @@ def wheel_problems(wheel: Path, root: Path, target: Path) -> list[str]:
     # -S: no site-packages .pth files (the editable install of this checkout would answer for missing modules);
     # the venv's packages (torch, triton, sglang) come AFTER the install, then the wheel's own CPU shims.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), PURELIB, str(target / "sgl_kvq" / "cpu_shims")])}
-    run = subprocess.run([sys.executable, "-S", "-c", _IMPORT_CHECK, str(target)], env=env, cwd=target.parent,
-                         capture_output=True, text=True, timeout=300)
+    # a regular package (a namespace package has no __file__), and every module of it
+    specache = ["sgl_kvq.specache"] + sorted(f"sgl_kvq.specache.{f.stem}"
+                                             for f in (root / "sgl_kvq" / "specache").glob("[!_]*.py"))
+    run = subprocess.run([sys.executable, "-S", "-c", _IMPORT_CHECK, str(target), *specache], env=env,
+                         cwd=target.parent, capture_output=True, text=True, timeout=300)
     if run.returncode != 0:
         problems.append(f"clean import failed: {run.stderr.strip().splitlines()[-1:]}")
     script = target / "bin" / "sgl-kvq"

@@ -6,7 +6,10 @@ against exact K/V computed independently:
   the real rows attend to the packed base with the prefetched positions replaced by their exact 16-bit rows;
   the speculative rows attend to the pool as stored plus their own K/V, and their top-k (attention mass summed
   over each KV head's query heads) is what gets prefetched, with the exact rows;
-- the pre-decode step writes nothing and prefetches for the requests it covers.
+- the pre-decode step writes nothing and prefetches for the requests it covers;
+- run_lanes (sgl_kvq/specache/lanes.py) builds the rows of each forward from the batch and hands back the real
+  rows' logits, with the batch restored;
+- the scheduler hook exports KVQTokenToKVPool.stats for a kvq pool and the basic keys for a bf16 one.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from sgl_kvq.backends.specache_backend import KVQSpeCacheBackend  # noqa: E402
 from sgl_kvq.config import KVQConfig  # noqa: E402
 from sgl_kvq.pool import KVQTokenToKVPool  # noqa: E402
 from sgl_kvq.specache.attention import top_positions  # noqa: E402
+from sgl_kvq.specache.lanes import run_lanes  # noqa: E402
 from sgl_kvq.specache.state import Lanes  # noqa: E402
 
 G, H, HQ, D, L, K = 8, 2, 4, 16, 2, 5
@@ -177,3 +181,64 @@ def test_two_lane_step_writes_real_rows_only_and_prefetches_the_speculative_top_
     mine, theirs = pool_state(pool), pool_state(twin_pool)
     assert all(torch.equal(x, y) for x, y in zip(mine, theirs)), "a speculative row reached the pool"
     assert sc.recall_wanted > 0 and 0 <= sc.recall_hits <= sc.recall_wanted
+
+
+def test_run_lanes_predecodes_new_requests_then_doubles_the_rows():
+    _, pool, _ = make()
+    sc = pool.specache
+    ids, pos, loc = torch.tensor([5, 6]), torch.tensor([37, 19]), torch.tensor([45, 115])
+    fb = SimpleNamespace(input_ids=ids, positions=pos, out_cache_loc=loc, req_pool_indices=torch.tensor([1, 3]))
+    seen = []
+
+    def forward(next_tokens):
+        seen.append((sc.lanes, fb.input_ids.clone(), fb.positions.clone(), fb.out_cache_loc.clone()))
+        return SimpleNamespace(next_token_logits=torch.nn.functional.one_hot(torch.tensor(next_tokens), 20).float(),
+                               hidden_states=None)
+
+    outs = iter([[7, 9], [1, 2, 11, 12]])
+    out = run_lanes(lambda: forward(next(outs)), fb, sc)
+    (pre, pre_ids, pre_pos, pre_loc), (two, two_ids, two_pos, two_loc) = seen
+    assert pre.kind == "predecode" and pre.rows.tolist() == [0, 1] and pre_loc.tolist() == [0, 0]
+    assert pre_ids.tolist() == [5, 6] and pre_pos.tolist() == [37, 19]
+    assert two.kind == "two_lane" and two.n_real == 2
+    assert two_ids.tolist() == [5, 6, 7, 9] and two_pos.tolist() == [37, 19, 38, 20]
+    assert two_loc.tolist() == [45, 115, 0, 0]
+    assert out.next_token_logits.argmax(-1).tolist() == [1, 2]
+    assert fb.input_ids is ids and fb.positions is pos and fb.out_cache_loc is loc and sc.lanes is None
+    assert sc.spec_token[[1, 3]].tolist() == [11, 12] and sc.spec_input[[1, 3]].tolist() == [7, 9]
+    assert sc.predecode_rows == 2 and sc.decode_steps == 1 and not any(sc.needs_predecode[r] for r in (1, 3))
+
+    # next step: no pre-decode; last step's guesses 7, 9 against the real tokens 7, 8
+    seen.clear()
+    fb.input_ids = torch.tensor([7, 8])
+    outs = iter([[3, 4, 13, 14]])
+    run_lanes(lambda: forward(next(outs)), fb, sc)
+    assert len(seen) == 1 and seen[0][1].tolist() == [7, 8, 11, 12]
+    assert int(sc.spec_guesses) == 2 and int(sc.spec_hits) == 1 and sc.decode_steps == 2
+
+
+def test_the_scheduler_hook_exports_the_pool_stats_of_a_specache_pool_and_a_bf16_pool():
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    from sgl_kvq.patches.observability import add_kv_pool_stats
+
+    def exported(pool, capacity):
+        scheduler = SimpleNamespace(token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: pool),
+                                    max_total_num_tokens=capacity)
+        state = {}
+        assert add_kv_pool_stats("result", SimpleNamespace(scheduler=scheduler), state) == "result"
+        return state["kv_pool"]
+
+    basic = {"pool_class", "capacity_tokens", "kv_bytes", "kv_bytes_per_token", "page_size"}
+    bf16 = exported(MHATokenToKVPool(64, 1, torch.bfloat16, H, D, L, "cpu", False), 64)
+    assert set(bf16) == basic and bf16["pool_class"] == "MHATokenToKVPool" and bf16["page_size"] == 1
+    assert bf16["kv_bytes"] == bf16["kv_bytes_per_token"] * 64 > 0
+
+    _, pool, _ = make()
+    s = exported(pool, 32 * G)
+    assert set(s) == basic | {"kv_cache_dtype", "base_bytes", "overlay_bytes", "base_bytes_per_token", "config",
+                              "specache", "host_bytes", "host_bytes_per_token"}
+    k, v = pool.get_kv_size_bytes()
+    assert s["kv_bytes"] == k + v and s["page_size"] == G and s["kv_cache_dtype"] == pool.cfg.name
+    assert s["host_bytes"] == pool.specache.host.nbytes() == s["host_bytes_per_token"] * 32 * G
+    assert s["specache"]["top_k"] == K and s["config"]["group_size"] == G

@@ -4,12 +4,12 @@ Extend (prefill, a multi-turn continuation, a resumed request): the new tokens a
 bits, read back from the host tier (SpeCache's prefill is full precision; the host holds every token), and to
 each other; then they are written to the packed base, the fp16 frames and the host tier.
 
-Decode runs the rows patches/specache_lanes.py put in the batch (state.lanes):
+Decode runs the rows sgl_kvq/specache/lanes.py put in the batch (state.lanes):
   two_lane   rows [0, n) the real tokens: written to the pool and the host tier, then attend to the low-bit base
              with the prefetched top-k rows in 16 bits; rows [n, 2n) their speculative tokens: attend to the
              pool as stored plus their own K/V, never written, and pick next step's top-k, prefetched per layer.
   predecode  a request's first decode step: its real token, read-only, as a speculative row (the paper's
-             pre-decoding): picks the first top-k; patches/specache_lanes.py takes its next-token guess.
+             pre-decoding): picks the first top-k; specache/lanes.py takes its next-token guess.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ def score_turns(llm, ids: list[int], turn_tokens: int, tail) -> list[dict]:
                            return_logprob=True, logprob_start_len=start)
         meta = out["meta_info"]
         # [(logprob | None, token_id, text)] from position start on; the first is always None. SGLang reports ids
-        # >= vocab_size - 1 as 0 (logprob_result_processor.py clips "padded hash values").
+        # >= vocab_size - 1 as 0 (scheduler_components/logprob_result_processor.py clips "padded hash values").
         inp = meta["input_token_logprobs"][:end + 1 - start]
         if len(inp) != end + 1 - start or any(x[1] not in (y, 0) for x, y in zip(inp, ids[start:end + 1])):
             raise RuntimeError(f"turn {t}: input_token_logprobs do not cover tokens {start}..{end}: got "

@@ -25,7 +25,7 @@ from sgl_kvq.specache.host_tier import HostTier, check_host_budget, host_bytes_p
 
 @dataclass
 class Lanes:
-    """What the rows of the next decode forward are: set by patches/specache_lanes.py, read by the backend.
+    """What the rows of the next decode forward are: set by run_lanes (specache/lanes.py), read by the backend.
     two_lane: rows [0, n_real) are the real tokens of the batch's requests, rows [n_real, 2 n_real) their
     speculative tokens. predecode: row i is the real token of batch row rows[i], read-only (no KV written)."""
     kind: str
