@@ -12,6 +12,9 @@ def build_token_to_kv_pool(orig, self, *, sizes, is_dsa_model, is_dsv4_model, re
                     req_to_token_pool=req_to_token_pool, **kwargs)
     shape = kvq_pool_shape(self, num_pages=-(-sizes.max_total_num_tokens // self.pool_page_size))
     cfg = shape.cfg
+    if self.pool_page_size != cfg.group_size:
+        raise KVQConfigError(f"sgl_kvq: page size {self.pool_page_size} != {cfg.name}'s quantization group "
+                             f"G={cfg.group_size}")
     if self.use_mla_backend or is_dsa_model or is_dsv4_model or self.is_hybrid_swa or self.mambaish_config:
         raise KVQConfigError(f"sgl_kvq: {cfg.name} supports plain multi-head / grouped-query attention models only")
     if self.is_draft_worker:
@@ -26,16 +29,6 @@ def build_token_to_kv_pool(orig, self, *, sizes, is_dsa_model, is_dsv4_model, re
         raise RuntimeError(f"sgl_kvq: SGLang built {slots} request slots, the KV budget was split for {charged}")
     from sgl_kvq.pool import KVQTokenToKVPool
 
-    return KVQTokenToKVPool(
-        sizes.max_total_num_tokens,
-        page_size=self.pool_page_size,
-        cfg=cfg,
-        head_num=shape.heads,
-        head_dim=shape.head_dim,
-        layer_num=shape.layers,
-        device=self.device,
-        model_dtype=self.model_dtype,
-        num_req_slots=slots,
-        start_layer=self.layer_info.start_layer,
-        end_layer=self.layer_info.end_layer,
-    )
+    return KVQTokenToKVPool(sizes.max_total_num_tokens, shape, device=self.device, model_dtype=self.model_dtype,
+                            num_req_slots=slots, start_layer=self.layer_info.start_layer,
+                            end_layer=self.layer_info.end_layer)

@@ -16,6 +16,12 @@ logger = logging.getLogger("sgl_kvq")
 
 # KVCacheConfigurator is a slots dataclass (no attribute can be added): its split is kept here, by identity.
 _splits: dict[int, BudgetSplit] = {}
+# The KV budget this process's pool was sized from (any dtype), exported with the pool's statistics.
+_budget = {"bytes": None}
+
+
+def profiled_budget_bytes() -> int | None:
+    return _budget["bytes"]
 
 
 def kvq_pool_shape(kvc, num_pages: int = 0) -> PoolShape | None:
@@ -51,6 +57,7 @@ def profile_available_bytes(orig, self, *args, **kwargs):
     kvq pool's split of the budget is decided here, where the budget is first known."""
     budget = env.kv_cache_budget_bytes()
     budget = orig(self, *args, **kwargs) if budget is None else budget
+    _budget["bytes"] = budget
     shape = kvq_pool_shape(self)
     if shape is not None:
         split = split_budget(budget, shape, self.model_dtype, host_is_device=str(self.device).startswith("cpu"),

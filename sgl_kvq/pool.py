@@ -37,18 +37,21 @@ def kv_cache_stats(pool: KVCache, capacity_tokens: int) -> dict:
 
 
 class KVQTokenToKVPool(KVCache):
-    def __init__(self, size: int, page_size: int, cfg: KVQConfig, head_num: int, head_dim: int, layer_num: int,
-                 device: str, model_dtype: torch.dtype, num_req_slots: int, start_layer: int | None = None,
-                 end_layer: int | None = None, enable_memory_saver: bool = False):
-        if page_size != cfg.group_size:
-            raise KVQPoolError(f"sgl_kvq: page size {page_size} != quantization group G={cfg.group_size}")
+    def __init__(self, size: int, shape: PoolShape, device: str, model_dtype: torch.dtype, num_req_slots: int,
+                 start_layer: int | None = None, end_layer: int | None = None, enable_memory_saver: bool = False):
+        """size tokens of capacity; shape: the geometry derived once where SGLang sizes the pool
+        (patches/sizing.py: kvq_pool_shape), with num_pages = ceil(size / G)."""
+        cfg = shape.cfg
+        pages = -(-size // shape.G)
+        if shape.num_pages != pages:
+            raise KVQPoolError(f"sgl_kvq: {size} tokens need {pages} pages, the shape has {shape.num_pages}")
         # dtype is the packed storage type, never bf16: SGLang enables fused bf16 writes into get_key_buffer()
         # views when pool.dtype == bfloat16 (sglang/srt/models/utils.py: enable_fused_set_kv_buffer).
-        super().__init__(size, page_size, torch.uint8, layer_num, device, enable_memory_saver, start_layer, end_layer)
+        super().__init__(size, shape.G, torch.uint8, shape.layers, device, enable_memory_saver, start_layer,
+                         end_layer)
         self.cfg = cfg
-        self.head_num, self.head_dim, self.v_head_dim = head_num, head_dim, head_dim
-        num_pages = -(-size // page_size)
-        self.shape = PoolShape(layers=layer_num, heads=head_num, head_dim=head_dim, num_pages=num_pages, cfg=cfg)
+        self.head_num, self.head_dim, self.v_head_dim = shape.heads, shape.head_dim, shape.head_dim
+        self.shape = shape
         self.store = QuantizedKVStore(cfg, self.shape, num_req_slots, model_dtype, device)
         self.specache = None
         if cfg.is_specache:
@@ -86,6 +89,7 @@ class KVQTokenToKVPool(KVCache):
             kv_cache_dtype=self.cfg.name,
             base_bytes=self.store.base_bytes(),
             overlay_bytes=self.store.overlay_bytes(),
+            request_state_bytes=self.request_state_bytes(),
             base_bytes_per_token=self.shape.base_bytes_per_token(),
             config={"group_size": self.cfg.group_size, "value_group": self.shape.VG, "residual": self.cfg.residual,
                     "bits": self.cfg.bits, "prefill": self.cfg.prefill},
@@ -95,6 +99,10 @@ class KVQTokenToKVPool(KVCache):
             stats["host_bytes"] = self.host_bytes()
             stats["host_bytes_per_token"] = self.host_bytes() / max(capacity_tokens, 1)
         return stats
+
+    def request_state_bytes(self) -> int:
+        """The per-request fp16 state the pool allocated: overlay frames, and SpeCache's top-k buffers."""
+        return self.store.overlay_bytes() + (0 if self.specache is None else self.specache.device_bytes())
 
     def get_v_head_dim(self):
         return self.v_head_dim

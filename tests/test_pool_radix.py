@@ -28,6 +28,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey  # noqa: E402
 
 from sgl_kvq.attention_ref import gather_context  # noqa: E402
 from sgl_kvq.config import KVQConfig  # noqa: E402
+from sgl_kvq.layout import PoolShape  # noqa: E402
 from sgl_kvq.pool import KVQTokenToKVPool  # noqa: E402
 from sgl_kvq.quant import kivi_page  # noqa: E402
 
@@ -66,7 +67,8 @@ class Episode:
     def __init__(self, cfg: KVQConfig, num_pages: int, rng: random.Random):
         G = cfg.group_size
         self.cfg, self.G, self.rng = cfg, G, rng
-        self.pool = KVQTokenToKVPool(num_pages * G, G, cfg, H, D, L, "cpu", torch.float32, num_req_slots=5)
+        self.pool = KVQTokenToKVPool(num_pages * G, PoolShape(L, H, D, num_pages, cfg), "cpu", torch.float32,
+                                     num_req_slots=5)
         self.alloc = PagedTokenToKVPoolAllocator(size=num_pages * G, page_size=G, dtype=torch.uint8, device="cpu",
                                                  kvcache=self.pool, need_sort=False)
         self.r2t = ReqToTokenPool(size=4, max_context_len=4096, device="cpu", enable_memory_saver=False)

@@ -26,6 +26,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E4
 from sgl_kvq.attention_ref import _attend, gather_context  # noqa: E402
 from sgl_kvq.backends.specache_backend import KVQSpeCacheBackend  # noqa: E402
 from sgl_kvq.config import KVQConfig  # noqa: E402
+from sgl_kvq.layout import PoolShape
 from sgl_kvq.pool import KVQTokenToKVPool  # noqa: E402
 from sgl_kvq.specache.attention import top_positions  # noqa: E402
 from sgl_kvq.specache.lanes import run_lanes  # noqa: E402
@@ -40,7 +41,7 @@ LAYER = [SimpleNamespace(layer_id=i, tp_q_head_num=HQ, tp_k_head_num=H, tp_v_hea
 
 def make(bits=2):
     cfg = KVQConfig("specache", bits, group_size=G, value_group=8, residual=G, top_k=K)
-    pool = KVQTokenToKVPool(32 * G, G, cfg, H, D, L, "cpu", torch.float32, num_req_slots=4)
+    pool = KVQTokenToKVPool(32 * G, PoolShape(L, H, D, 32, cfg), "cpu", torch.float32, num_req_slots=4)
     r2t = torch.zeros(4, 512, dtype=torch.int32)
     runner = SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=SimpleNamespace(req_to_token=r2t))
     return KVQSpeCacheBackend(runner), pool, r2t
@@ -224,20 +225,23 @@ def test_the_scheduler_hook_exports_the_pool_stats_of_a_specache_pool_and_a_bf16
 
     def exported(pool, capacity):
         scheduler = SimpleNamespace(token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: pool),
-                                    max_total_num_tokens=capacity)
+                                    max_total_num_tokens=capacity, max_running_requests=7)
         state = {}
         assert add_kv_pool_stats("result", SimpleNamespace(scheduler=scheduler), state) == "result"
         return state["kv_pool"]
 
-    basic = {"pool_class", "capacity_tokens", "kv_bytes", "kv_bytes_per_token", "page_size"}
+    basic = {"pool_class", "capacity_tokens", "kv_bytes", "kv_bytes_per_token", "page_size", "kv_budget_bytes",
+             "max_running_requests"}
     bf16 = exported(MHATokenToKVPool(64, 1, torch.bfloat16, H, D, L, "cpu", False), 64)
     assert set(bf16) == basic and bf16["pool_class"] == "MHATokenToKVPool" and bf16["page_size"] == 1
     assert bf16["kv_bytes"] == bf16["kv_bytes_per_token"] * 64 > 0
 
     _, pool, _ = make()
     s = exported(pool, 32 * G)
-    assert set(s) == basic | {"kv_cache_dtype", "base_bytes", "overlay_bytes", "base_bytes_per_token", "config",
-                              "specache", "host_bytes", "host_bytes_per_token"}
+    assert set(s) == basic | {"kv_cache_dtype", "base_bytes", "overlay_bytes", "request_state_bytes",
+                              "base_bytes_per_token", "config", "specache", "host_bytes", "host_bytes_per_token"}
+    assert s["request_state_bytes"] == s["overlay_bytes"] + pool.specache.device_bytes()
+    assert s["max_running_requests"] == 7
     k, v = pool.get_kv_size_bytes()
     assert s["kv_bytes"] == k + v and s["page_size"] == G and s["kv_cache_dtype"] == pool.cfg.name
     assert s["host_bytes"] == pool.specache.host.nbytes() == s["host_bytes_per_token"] * 32 * G
