@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from sgl_kvq.attention_ref import LayerKV, PagedPlan
+from sgl_kvq.plan import LayerKV, PagedPlan
 from sgl_kvq.quant.pack import packed_dim
 from sgl_kvq.quant.uniform import SCALE_DTYPE
 

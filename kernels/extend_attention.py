@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from sgl_kvq.attention_ref import LayerKV, PagedPlan
+from sgl_kvq.plan import LayerKV, PagedPlan
 
 from .checks import MODEL_DTYPES, check_layer, check_paged, interpreting, require
 from .extend_attention_kernel import _extend_attention_kernel

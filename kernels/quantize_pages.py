@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sgl_kvq.attention_ref import LayerKV
+from sgl_kvq.plan import LayerKV
 
 from .checks import MODEL_DTYPES, check_layer, require
 from .quantize_pages_kernel import _quantize_pages_kernel

@@ -19,19 +19,9 @@ slot 0's frames and page 0, both reserved and never read by a real request.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from sgl_kvq.attention_ref import PagedPlan
-
-
-@dataclass
-class DecodeWrite:
-    """Where one decode batch's new tokens go; every row is written (all of a decode token's pages are recent)."""
-    frame_ids: torch.Tensor  # [B] int32 overlay frame of row b's token
-    frame_offs: torch.Tensor  # [B] int32 its offset in the page
-    done_pages: torch.Tensor  # [B] int32 pool page row b completes, 0 if none (quantized after the frame write)
+from sgl_kvq.plan import DecodeWrite, PagedPlan
 
 
 class DecodeBuffers:

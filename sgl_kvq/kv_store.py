@@ -15,28 +15,12 @@ can see is complete and already quantized: prefix reuse never re-quantizes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from sgl_kvq.attention_ref import LayerKV, PagedPlan
 from sgl_kvq.config import KVQConfig
 from sgl_kvq.layout import PoolShape
+from sgl_kvq.plan import BatchWrite, LayerKV, PagedPlan
 from sgl_kvq.quant import kivi_page
-
-
-@dataclass
-class BatchWrite:
-    """Where one batch's tokens go; computed once (begin_batch) and used by every layer."""
-    slots: torch.Tensor  # [T] int64 pool token slots (out_cache_loc)
-    frame_rows: torch.Tensor  # [Tf] int64 indices into slots of tokens kept in the overlay
-    frame_ids: torch.Tensor  # [Tf] int64 their frames
-    frame_offs: torch.Tensor  # [Tf] int64 their in-page offsets
-    done_pages: torch.Tensor  # [N] int64 pool pages completed by this batch (quantized in write_layer)
-    done_frames: torch.Tensor  # [N] int64 the frame holding each completed page's earlier tokens
-    done_tok_rows: torch.Tensor  # [M] int64 rows of slots that belong to completed pages
-    done_tok_page: torch.Tensor  # [M] int64 index into done_pages of each such row
-    done_tok_off: torch.Tensor  # [M] int64 its offset in the page
 
 
 class QuantizedKVStore:

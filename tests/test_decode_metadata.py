@@ -24,6 +24,7 @@ from sgl_kvq.decode_metadata import DecodeBuffers, build_decode
 from sgl_kvq.kernels import decode_attention as dec
 from sgl_kvq.kv_store import QuantizedKVStore
 from sgl_kvq.layout import PoolShape
+from sgl_kvq.plan import PagedPlan
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H, HQ, D = 2, 4, 16
@@ -102,7 +103,7 @@ class Life:
         return t(kept), t(lens), t(locs)
 
 
-def per_request(plan: attention_ref.PagedPlan, b: int):
+def per_request(plan: PagedPlan, b: int):
     kv = plan.kv_indices[plan.kv_indptr[b]:plan.kv_indptr[b + 1]].tolist()
     ov = plan.ov_indices[plan.ov_indptr[b]:plan.ov_indptr[b + 1]].tolist()
     return kv, ov, int(plan.kv_last_page_len[b]), int(plan.ov_last_page_len[b])

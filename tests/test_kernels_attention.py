@@ -16,10 +16,11 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from sgl_kvq.attention_ref import LayerKV, PagedPlan, ref_decode, ref_extend  # noqa: E402
+from sgl_kvq.attention_ref import ref_decode, ref_extend  # noqa: E402
 from sgl_kvq.kernels import decode_attention as dec  # noqa: E402
 from sgl_kvq.kernels.extend_attention import extend_attention  # noqa: E402
 from sgl_kvq.kernels.merge_state import merge_state  # noqa: E402
+from sgl_kvq.plan import LayerKV, PagedPlan  # noqa: E402
 from sgl_kvq.quant import kivi_page  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -11,9 +11,9 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from sgl_kvq.attention_ref import LayerKV  # noqa: E402
 from sgl_kvq.kernels.quantize_pages import quantize_pages  # noqa: E402
 from sgl_kvq.kernels.store_overlay import store_overlay  # noqa: E402
+from sgl_kvq.plan import LayerKV  # noqa: E402
 from sgl_kvq.quant import kivi_page  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -9,27 +9,10 @@ attention sees the earlier steps' pages exactly as a later decode will (quantize
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from sgl_kvq.attention_ref import PagedPlan
-from sgl_kvq.kv_store import BatchWrite, QuantizedKVStore
-
-
-@dataclass
-class Step:
-    rows: torch.Tensor | None  # rows of this batch's q/k/v in the step (None: all rows)
-    write: BatchWrite
-    plan: PagedPlan  # decode: the whole context after this token; extend: the context before the step's tokens
-    qo_indptr: torch.Tensor | None  # extend: request b's step tokens are step rows qo_indptr[b]:qo_indptr[b+1]
-    max_qo_len: int = 1
-
-
-@dataclass
-class ForwardPlan:
-    is_decode: bool
-    steps: list[Step]
+from sgl_kvq.kv_store import QuantizedKVStore
+from sgl_kvq.plan import ForwardPlan, PagedPlan, Step
 
 
 def _tokens(reqs, starts, ends, dev):
@@ -64,7 +47,7 @@ def build(store: QuantizedKVStore, req_to_token: torch.Tensor, req_pool_indices:
     tables = page_tables(req_to_token, reqs, lens, G)
     if is_decode:
         write = store.begin_batch(out_cache_loc, *_tokens(reqs, [n - 1 for n in lens], lens, dev))
-        return ForwardPlan(True, [Step(None, write, store.plan(tables, reqs, lens), None)])
+        return ForwardPlan(is_decode=True, steps=[Step(plan=store.plan(tables, reqs, lens), write=write)])
     prefix, new = list(extend_prefix_lens), list(extend_seq_lens)
     if any(p + n != s for p, n, s in zip(prefix, new, lens)):
         raise AssertionError("sgl_kvq: extend prefix + new lengths != seq_lens")
@@ -89,5 +72,6 @@ def build(store: QuantizedKVStore, req_to_token: torch.Tensor, req_pool_indices:
         write = store.begin_batch(out_cache_loc[rows], *_tokens(reqs, starts, ends, dev))
         counts = [e - a for a, e in zip(starts, ends)]
         qo = torch.tensor([0] + counts, dtype=torch.int32, device=dev).cumsum(0).to(torch.int32)
-        steps.append(Step(None if one_step else rows, write, plan, qo, max(counts)))
-    return ForwardPlan(False, steps)
+        steps.append(Step(plan=plan, write=write, rows=None if one_step else rows, qo_indptr=qo,
+                          max_qo_len=max(counts)))
+    return ForwardPlan(is_decode=False, steps=steps)

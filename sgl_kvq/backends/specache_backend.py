@@ -20,6 +20,7 @@ from sgl_kvq import attention_ref
 from sgl_kvq.attention_ref import gather_context
 from sgl_kvq.backends import metadata
 from sgl_kvq.backends.torch_backend import KVQTorchBackend
+from sgl_kvq.plan import ForwardPlan, Step
 from sgl_kvq.specache.attention import output_rows, speculative_rows
 
 
@@ -52,7 +53,7 @@ class KVQSpeCacheBackend(KVQTorchBackend):
         else:
             req = req[lanes.rows]
             plan = metadata.read_plan(self.store, self.req_to_token, req, forward_batch.seq_lens[lanes.rows] - 1)
-            self.fp = metadata.ForwardPlan(True, [metadata.Step(None, None, plan, None)])
+            self.fp = ForwardPlan(is_decode=True, steps=[Step(plan=plan)])
             self.req = req.long()
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):

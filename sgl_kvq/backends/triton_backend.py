@@ -8,11 +8,11 @@ and runs eagerly. Attention reads packed codes and dequantizes in registers."""
 
 from __future__ import annotations
 
-from sgl_kvq.backends import metadata
 from sgl_kvq.backends.torch_backend import KVQAttentionBackendBase
 from sgl_kvq.decode_metadata import DecodeBuffers, build_decode
 from sgl_kvq.kernels import decode_attention as decode_kernel
 from sgl_kvq.kernels.extend_attention import extend_attention
+from sgl_kvq.plan import ForwardPlan, Step
 
 
 class KVQTritonBackend(KVQAttentionBackendBase):
@@ -63,7 +63,7 @@ class KVQTritonBackend(KVQAttentionBackendBase):
                                               num_kv_heads=self.store.shape.heads,
                                               head_dim=self.store.shape.head_dim, page_size=self.store.G,
                                               workspace=self.decode_ws)
-        self.fp = metadata.ForwardPlan(True, [metadata.Step(None, write, paged, None)])
+        self.fp = ForwardPlan(is_decode=True, steps=[Step(plan=paged, write=write)])
 
     # ---- compute ----
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
