@@ -21,8 +21,8 @@ def gather_context(kv: LayerKV, plan: PagedPlan, b: int) -> tuple[torch.Tensor, 
     slots = (pages[:, None] * G + torch.arange(G, device=pages.device)).reshape(-1)
     n = pages.numel()
     H, D = kv.ov_k.shape[2], kv.ov_k.shape[3]
-    k_base = kivi_page.dequantize_keys(kv.k_codes[slots].view(n, G, H, kv.k_codes.shape[-1]), kv.k_scale[pages], kv.k_zero[pages],
-                                       kv.bits).reshape(n * G, H, D)
+    k_codes = kv.k_codes[slots].view(n, G, H, kv.k_codes.shape[-1])
+    k_base = kivi_page.dequantize_keys(k_codes, kv.k_scale[pages], kv.k_zero[pages], kv.bits).reshape(n * G, H, D)
     v_base = kivi_page.dequantize_values(kv.v_codes[slots], kv.v_scale[slots], kv.v_zero[slots], kv.bits)
     frames = plan.ov_indices[plan.ov_indptr[b]:plan.ov_indptr[b + 1]].long()
     k_ov = kv.ov_k[frames].float().reshape(-1, H, D)

@@ -3,17 +3,17 @@
 Shapes refer to sgl_kvq/layout.py (B requests in the batch, T tokens written, G tokens per page, S token slots, P
 pool pages, F overlay frames). Who builds what:
 
-    LayerKV       QuantizedKVStore.layer_view                     one layer's pool tensors
-    BatchWrite    QuantizedKVStore.begin_batch                    where a batch's tokens go (host, any batch)
-    PagedPlan     QuantizedKVStore.plan                           what each request attends to (host)
-                  sgl_kvq.decode_metadata.build_decode            the same for a decode batch, on the device
-    DecodeWrite   sgl_kvq.decode_metadata.build_decode            where a decode batch's tokens go (device)
-    Step          sgl_kvq.backends.metadata.build                 one write + one plan, run by every layer
-    ForwardPlan   sgl_kvq.backends.metadata.build                 a forward batch's steps
-    DecodePlan    sgl_kvq.kernels.decode_attention.plan           a PagedPlan cut into split-KV runs
+    LayerKV       QuantizedKVStore.layer_view                   one layer's pool tensors
+    BatchWrite    sgl_kvq.metadata.host.begin_batch             where a batch's tokens go (host, any batch)
+    PagedPlan     sgl_kvq.metadata.host.plan_contexts           what each request attends to (host)
+                  sgl_kvq.metadata.device.build_decode          the same for a decode batch, on the device
+    DecodeWrite   sgl_kvq.metadata.device.build_decode          where a decode batch's tokens go (device)
+    Step          sgl_kvq.metadata.forward.build_forward_plan   one write + one plan, run by every layer
+    ForwardPlan   sgl_kvq.metadata.forward.build_forward_plan   a forward batch's steps
+    DecodePlan    sgl_kvq.kernels.decode_attention.plan         a PagedPlan cut into split-KV runs
 
 Only types live here: no builder, no allocation. The capacity-sized buffers that back a DecodeWrite/PagedPlan
-under CUDA graphs (decode_metadata.DecodeBuffers) and the decode kernel's split-KV scratch
+under CUDA graphs (metadata.device.DecodeBuffers) and the decode kernel's split-KV scratch
 (kernels.decode_attention.DecodeWorkspace) stay beside the code that fills them.
 """
 

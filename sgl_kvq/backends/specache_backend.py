@@ -18,8 +18,8 @@ import torch
 
 from sgl_kvq import attention_ref
 from sgl_kvq.attention_ref import gather_context
-from sgl_kvq.backends import metadata
 from sgl_kvq.backends.torch_backend import KVQTorchBackend
+from sgl_kvq.metadata.forward import build_forward_plan, read_plan
 from sgl_kvq.plan import ForwardPlan, Step
 from sgl_kvq.specache.attention import output_rows, speculative_rows
 
@@ -47,12 +47,12 @@ class KVQSpeCacheBackend(KVQTorchBackend):
         req = forward_batch.req_pool_indices
         if lanes.kind == "two_lane":
             n = lanes.n_real
-            self.fp = metadata.build(self.store, self.req_to_token, req, forward_batch.seq_lens,
-                                     forward_batch.out_cache_loc[:n], True)
+            self.fp = build_forward_plan(self.store, self.req_to_token, req, forward_batch.seq_lens,
+                                         forward_batch.out_cache_loc[:n], is_decode=True)
             self.req = req.long()
         else:
             req = req[lanes.rows]
-            plan = metadata.read_plan(self.store, self.req_to_token, req, forward_batch.seq_lens[lanes.rows] - 1)
+            plan = read_plan(self.store, self.req_to_token, req, forward_batch.seq_lens[lanes.rows] - 1)
             self.fp = ForwardPlan(is_decode=True, steps=[Step(plan=plan)])
             self.req = req.long()
 

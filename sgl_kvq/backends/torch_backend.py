@@ -9,7 +9,8 @@ import abc
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from sgl_kvq import attention_ref
-from sgl_kvq.backends import metadata
+from sgl_kvq.metadata.forward import build_forward_plan
+from sgl_kvq.plan import ForwardPlan
 
 
 class KVQAttentionBackendBase(AttentionBackend):
@@ -30,7 +31,7 @@ class KVQAttentionBackendBase(AttentionBackend):
         self.pool = pool
         self.store = pool.store
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
-        self.fp: metadata.ForwardPlan | None = None
+        self.fp: ForwardPlan | None = None
 
     def init_forward_metadata(self, forward_batch):
         mode = forward_batch.forward_mode
@@ -38,12 +39,13 @@ class KVQAttentionBackendBase(AttentionBackend):
             self.fp = None
             return
         if mode.is_decode():
-            self.fp = metadata.build(self.store, self.req_to_token, forward_batch.req_pool_indices,
-                                     forward_batch.seq_lens, forward_batch.out_cache_loc, True)
+            self.fp = build_forward_plan(self.store, self.req_to_token, forward_batch.req_pool_indices,
+                                         forward_batch.seq_lens, forward_batch.out_cache_loc, is_decode=True)
         elif mode.is_extend() and not mode.is_mixed() and not mode.is_target_verify():
-            self.fp = metadata.build(self.store, self.req_to_token, forward_batch.req_pool_indices,
-                                     forward_batch.seq_lens, forward_batch.out_cache_loc, False,
-                                     forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu)
+            self.fp = build_forward_plan(self.store, self.req_to_token, forward_batch.req_pool_indices,
+                                         forward_batch.seq_lens, forward_batch.out_cache_loc, is_decode=False,
+                                         extend_prefix_lens=forward_batch.extend_prefix_lens_cpu,
+                                         extend_seq_lens=forward_batch.extend_seq_lens_cpu)
         else:
             raise NotImplementedError(f"sgl_kvq: forward mode {mode.name} is not supported by {self.name}")
 

@@ -1,10 +1,11 @@
 """Decode metadata built on the device with fixed shapes and no host sync: kvq_triton's decode path, eager and
 under CUDA graphs alike.
 
-For a decode batch (one new token per request) `build_decode` does what QuantizedKVStore.begin_batch followed by
-QuantizedKVStore.plan do on the host (the reference; tests/test_decode_metadata.py compares the two on random pool
-states), as static-shape torch ops over capacity-sized buffers, so the same code runs eagerly and inside a captured
-graph (SGLang's `init_forward_metadata_in_graph` contract: no .item() / .tolist() / dynamic shapes):
+For a decode batch (one new token per request) `build_decode` does what host.begin_batch followed by
+host.plan_contexts do on the host (the reference, sgl_kvq/metadata/host.py; tests/test_decode_metadata.py compares
+the two on random pool states), as static-shape torch ops over capacity-sized buffers, so the same code runs
+eagerly and inside a captured graph (SGLang's `init_forward_metadata_in_graph` contract: no .item() / .tolist() /
+dynamic shapes):
 
     begin  page_gen[page] += 1 where the token opens a page (offset 0): frames of a reused page stop matching it;
            the token's frame (req_slot * ring + logical_page % ring) is tagged with (page, page_gen[page])
