@@ -50,9 +50,6 @@ class QuantizedKVStore:
     def overlay_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.ov_k, self.ov_v, self.ov_tag, self.ov_gen))
 
-    def frame(self, req_slot: torch.Tensor, logical_page: torch.Tensor) -> torch.Tensor:
-        return req_slot * self.ring + logical_page % self.ring
-
     # ---- writes (where tokens go: sgl_kvq.metadata) ----
     def write_layer(self, layer: int, bw: BatchWrite, k: torch.Tensor, v: torch.Tensor, kernels: bool = False) -> None:
         """k, v: [T, H, D] this batch's fresh keys/values for `layer`. kernels=True quantizes and scatters with the

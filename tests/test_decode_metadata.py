@@ -21,7 +21,7 @@ from sgl_kvq import attention_ref
 from sgl_kvq.config import KVQConfig
 from sgl_kvq.kernels import decode_attention as dec
 from sgl_kvq.kv_store import QuantizedKVStore
-from sgl_kvq.layout import PoolShape
+from sgl_kvq.layout import PoolShape, frame_of
 from sgl_kvq.metadata.device import DecodeBuffers, build_decode
 from sgl_kvq.metadata.forward import build_forward_plan
 from sgl_kvq.plan import PagedPlan
@@ -204,7 +204,7 @@ def test_one_set_of_buffers_serves_every_padded_replay(triton_interpret):
             a, b = getattr(eager, name), getattr(graph, name)
             rows = slice(G, None) if a.shape[1] == eager.shape.S else slice(1, None)
             assert torch.equal(a[:, rows], b[:, rows]), name  # everything but the dummy page 0
-        real = torch.arange(graph.ring, graph.ov_tag.numel(), device=DEVICE)  # frames of slots 1..
+        real = torch.arange(frame_of(1, 0, graph.ring), graph.ov_tag.numel(), device=DEVICE)  # frames of slots 1..
         assert torch.equal(eager.ov_tag[real], graph.ov_tag[real])
         assert torch.equal(eager.ov_gen[real], graph.ov_gen[real])
 

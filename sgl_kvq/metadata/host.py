@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sgl_kvq.layout import frame_of
 from sgl_kvq.plan import BatchWrite, PagedPlan
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ def begin_batch(store: QuantizedKVStore, slots: torch.Tensor, req_slots: torch.T
     if bool(((positions % G) != offs).any()):
         raise AssertionError("sgl_kvq: token slot offsets do not follow position % G (page size != G?)")
     lpage = positions // G
-    frames = store.frame(req_slots, lpage)
+    frames = frame_of(req_slots, lpage, store.ring)
     # A freed page that is reused starts at offset 0: bump its generation so stale frames stop matching it.
     starts = pages[offs == 0]
     store.page_gen[starts] += 1
@@ -70,7 +71,7 @@ def plan_contexts(store: QuantizedKVStore, page_tables: list[torch.Tensor], req_
         pages = pages[:n_pages].tolist()
         n_ov = 0
         for n in range(n_pages - 1, max(qp // G - ring + 1, 0) - 1, -1):
-            f = r * ring + n % ring
+            f = frame_of(r, n, ring)
             if tags[f] != pages[n] or gens[f] != int(pgen[pages[n]]):
                 break
             n_ov += 1
@@ -82,7 +83,7 @@ def plan_contexts(store: QuantizedKVStore, page_tables: list[torch.Tensor], req_
         kv_indices += pages[:n_base]
         kv_indptr.append(len(kv_indices))
         kv_last.append(G if n_ov else (tail if n_base else 0))
-        ov_indices += [r * ring + n % ring for n in range(n_base, n_pages)]
+        ov_indices += [frame_of(r, n, ring) for n in range(n_base, n_pages)]
         ov_indptr.append(len(ov_indices))
         ov_last.append(tail if n_ov else 0)
 
