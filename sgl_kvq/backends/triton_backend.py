@@ -8,7 +8,7 @@ and runs eagerly. Attention reads packed codes and dequantizes in registers."""
 
 from __future__ import annotations
 
-from sgl_kvq.backends.torch_backend import KVQAttentionBackendBase
+from sgl_kvq.backends.base import KVQAttentionBackendBase
 from sgl_kvq.kernels import decode_attention as decode_kernel
 from sgl_kvq.kernels.extend_attention import extend_attention
 from sgl_kvq.metadata.device import DecodeBuffers, build_decode
