@@ -28,21 +28,22 @@ class KVQAttentionBackendBase(AttentionBackend):
         self.pool = pool
         self.store = pool.store
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
-        self.fp: ForwardPlan | None = None
+        self.forward_plan: ForwardPlan | None = None
 
     def init_forward_metadata(self, forward_batch):
         mode = forward_batch.forward_mode
         if mode.is_idle():
-            self.fp = None
+            self.forward_plan = None
             return
+        fb = forward_batch
         if mode.is_decode():
-            self.fp = build_forward_plan(self.store, self.req_to_token, forward_batch.req_pool_indices,
-                                         forward_batch.seq_lens, forward_batch.out_cache_loc, is_decode=True)
+            self.forward_plan = build_forward_plan(self.store, self.req_to_token, fb.req_pool_indices, fb.seq_lens,
+                                                   fb.out_cache_loc, is_decode=True)
         elif mode.is_extend() and not mode.is_mixed() and not mode.is_target_verify():
-            self.fp = build_forward_plan(self.store, self.req_to_token, forward_batch.req_pool_indices,
-                                         forward_batch.seq_lens, forward_batch.out_cache_loc, is_decode=False,
-                                         extend_prefix_lens=forward_batch.extend_prefix_lens_cpu,
-                                         extend_seq_lens=forward_batch.extend_seq_lens_cpu)
+            self.forward_plan = build_forward_plan(self.store, self.req_to_token, fb.req_pool_indices, fb.seq_lens,
+                                                   fb.out_cache_loc, is_decode=False,
+                                                   extend_prefix_lens=fb.extend_prefix_lens_cpu,
+                                                   extend_seq_lens=fb.extend_seq_lens_cpu)
         else:
             raise NotImplementedError(f"sgl_kvq: forward mode {mode.name} is not supported by {self.name}")
 
@@ -64,7 +65,7 @@ class KVQAttentionBackendBase(AttentionBackend):
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         q, k, v, li = self._views(q, k, v, layer)
         out = None
-        for step in self.fp.steps:
+        for step in self.forward_plan.steps:
             sq, sk, sv = (q, k, v) if step.rows is None else (q[step.rows], k[step.rows], v[step.rows])
             # Attend first: the prefix's fp16 frames may be reused by this step's own tokens, so read them before
             # this layer's write (sgl_kvq/kv_store.py).
@@ -81,7 +82,7 @@ class KVQAttentionBackendBase(AttentionBackend):
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         q, k, v, li = self._views(q, k, v, layer)
-        step = self.fp.steps[0]
+        step = self.forward_plan.steps[0]
         if save_kv_cache:
             self.store.write_layer(li, step.write, k, v, kernels=self.write_kernels)
         return self.decode(q, li, step, layer.scaling).reshape(q.shape[0], -1)

@@ -63,14 +63,14 @@ class KVQTritonBackend(KVQAttentionBackendBase):
                                               num_kv_heads=self.store.shape.heads,
                                               head_dim=self.store.shape.head_dim, page_size=self.store.G,
                                               workspace=self.decode_ws)
-        self.fp = ForwardPlan(is_decode=True, steps=[Step(plan=paged, write=write)])
+        self.forward_plan = ForwardPlan(is_decode=True, steps=[Step(plan=paged, write=write)])
 
     # ---- compute ----
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         q, k, v, li = self._views(q, k, v, layer)
         if save_kv_cache:
-            self.store.write_decode_layer(li, self.fp.steps[0].write, k, v)
-        return self.decode(q, li, self.fp.steps[0], layer.scaling).reshape(q.shape[0], -1)
+            self.store.write_decode_layer(li, self.forward_plan.steps[0].write, k, v)
+        return self.decode(q, li, self.forward_plan.steps[0], layer.scaling).reshape(q.shape[0], -1)
 
     def extend(self, q, k, v, li, step, sm_scale):
         return extend_attention(q.contiguous(), k.contiguous(), v.contiguous(), step.qo_indptr,
