@@ -10,7 +10,7 @@ from .checks import MODEL_DTYPES, check_layer, require
 from .quantize_pages_kernel import _quantize_pages_kernel
 
 
-def quantize_pages(k: torch.Tensor, v: torch.Tensor, dst_pages: torch.Tensor, kv: LayerKV,
+def quantize_pages(k: torch.Tensor, v: torch.Tensor, dst_pages: torch.Tensor, kv: LayerKV, *,
                    src_ids: torch.Tensor | None = None, specache_one_bit: bool = True) -> None:
     """Write k_codes/k_scale/k_zero/v_codes/v_scale/v_zero of pool pages `dst_pages` [N] from fp K/V.
 

@@ -51,7 +51,8 @@ class QuantizedKVStore:
         return sum(t.numel() * t.element_size() for t in (self.ov_k, self.ov_v, self.ov_tag, self.ov_gen))
 
     # ---- writes (where tokens go: sgl_kvq.metadata) ----
-    def write_layer(self, layer: int, bw: BatchWrite, k: torch.Tensor, v: torch.Tensor, kernels: bool = False) -> None:
+    def write_layer(self, layer: int, bw: BatchWrite, k: torch.Tensor, v: torch.Tensor, *,
+                    kernels: bool = False) -> None:
         """k, v: [T, H, D] this batch's fresh keys/values for `layer`. kernels=True quantizes and scatters with the
         Triton kernels (bit-exact with the torch path, tests/test_kernels_quantize.py)."""
         if bw.done_pages.numel():
@@ -93,7 +94,7 @@ class QuantizedKVStore:
 
     def store_pages(self, layer: int, pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize complete pages k, v [N, G, H, D] into the base at pool pages `pages`."""
-        p = kivi_page.quantize_pages(k, v, self.cfg.bits, self.shape.VG, self.cfg.specache_one_bit)
+        p = kivi_page.quantize_pages(k, v, self.cfg.bits, self.shape.VG, specache_one_bit=self.cfg.specache_one_bit)
         G = self.G
         slots = (pages[:, None] * G + torch.arange(G, device=pages.device)).reshape(-1)
         n = pages.numel()

@@ -35,11 +35,12 @@ def log_positions(T: int, window: int) -> list[int]:
     return kept
 
 
-def logquant(k: torch.Tensor, v: torch.Tensor, bits: int = 2, window: int = 21, group_size: int = 64,
+def logquant(k: torch.Tensor, v: torch.Tensor, *, bits: int = 2, window: int = 21, group_size: int = 64,
              value_group: int = 64, specache_one_bit: bool = True) -> CompressedKV:
     T, H, D = check_kv(k, v)
     n_q = group_size * (T // group_size)  # complete pages; the open page stays fp16
-    k_q, v_q, stored = quantize_span(k[:n_q], v[:n_q], bits, group_size, value_group, specache_one_bit)
+    k_q, v_q, stored = quantize_span(k[:n_q], v[:n_q], bits, group_size, value_group,
+                                     specache_one_bit=specache_one_bit)
     selected = set(log_positions(T, window)) | set(range(n_q, T))
     pos = torch.tensor(sorted(selected), dtype=torch.int64)
     stored["k.fp16"] = k[pos].to(torch.float16)
