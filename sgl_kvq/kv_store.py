@@ -94,7 +94,7 @@ class QuantizedKVStore:
 
     def store_pages(self, layer: int, pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize complete pages k, v [N, G, H, D] into the base at pool pages `pages`."""
-        p = kivi_page.quantize_pages(k, v, self.cfg.bits, self.shape.VG, specache_one_bit=self.cfg.specache_one_bit)
+        p = kivi_page.pack_pages(k, v, self.cfg.bits, self.shape.VG, specache_one_bit=self.cfg.specache_one_bit)
         G = self.G
         slots = (pages[:, None] * G + torch.arange(G, device=pages.device)).reshape(-1)
         n = pages.numel()

@@ -43,8 +43,8 @@ def make_pool(G, H, D, VG, bits, reqs, dtype, seed):
     n_base = [math.ceil(b / G) for b, _ in reqs]
     n_ov = [math.ceil(o / G) for _, o in reqs]
     P, F = sum(n_base) + 2, sum(n_ov) + 2  # spare page 0 and a page/frame nobody references
-    pages = kivi_page.quantize_pages(torch.randn(P, G, H, D, generator=gen) * 1.5,
-                                     torch.randn(P, G, H, D, generator=gen), bits, VG)
+    pages = kivi_page.pack_pages(torch.randn(P, G, H, D, generator=gen) * 1.5,
+                                 torch.randn(P, G, H, D, generator=gen), bits, VG)
     kv = LayerKV(
         k_codes=pages.k_codes.reshape(P * G, H, -1), k_scale=pages.k_scale, k_zero=pages.k_zero,
         v_codes=pages.v_codes.reshape(P * G, H, -1), v_scale=pages.v_scale.reshape(P * G, H, -1),

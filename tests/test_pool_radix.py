@@ -56,7 +56,7 @@ def expected_context(tokens, n, layer, plan, b, cfg):
     if n_base_pages:
         kp = k[:full].reshape(n_base_pages, G, H, D)
         vp = v[:full].reshape(n_base_pages, G, H, D)
-        kq, vq = kivi_page.dequantize_pages(kivi_page.quantize_pages(kp, vp, cfg.bits, min(cfg.value_group, D)),
+        kq, vq = kivi_page.dequantize_pages(kivi_page.pack_pages(kp, vp, cfg.bits, min(cfg.value_group, D)),
                                             cfg.bits)
         k = torch.cat([kq.reshape(-1, H, D)[:nb], k[nb:]])
         v = torch.cat([vq.reshape(-1, H, D)[:nb], v[nb:]])

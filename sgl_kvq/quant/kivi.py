@@ -27,9 +27,9 @@ def quantize_span(k: torch.Tensor, v: torch.Tensor, bits: int, group_size: int, 
     """k, v [n, H, D] with n a multiple of G -> (k_hat, v_hat, stored) of the KIVI pages."""
     n, H, D = k.shape
     vg = min(value_group, D)
-    pages = kivi_page.quantize_pages(k.reshape(n // group_size, group_size, H, D),
-                                     v.reshape(n // group_size, group_size, H, D), bits, vg,
-                                     specache_one_bit=specache_one_bit)
+    pages = kivi_page.pack_pages(k.reshape(n // group_size, group_size, H, D),
+                                 v.reshape(n // group_size, group_size, H, D), bits, vg,
+                                 specache_one_bit=specache_one_bit)
     k_hat, v_hat = kivi_page.dequantize_pages(pages, bits)
     stored = {"k.codes": pages.k_codes, "k.scale": pages.k_scale, "k.zero": pages.k_zero,
               "v.codes": pages.v_codes, "v.scale": pages.v_scale, "v.zero": pages.v_zero}
