@@ -24,6 +24,12 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def dot_in_fp32(dtype: torch.dtype) -> bool:
+    """Whether the attention kernels multiply in fp32: for fp32 data, and for bf16 under the Triton interpreter,
+    where bf16 tl.dot returns garbage (fp16 and fp32 are exact there)."""
+    return dtype == torch.float32 or (interpreting() and dtype == torch.bfloat16)
+
+
 def require(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(f"sgl_kvq kernels: {msg}")

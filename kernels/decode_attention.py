@@ -16,7 +16,7 @@ import triton
 
 from sgl_kvq.plan import DecodePlan, LayerKV, PagedPlan
 
-from .checks import MODEL_DTYPES, check_layer, check_paged, interpreting, require
+from .checks import MODEL_DTYPES, check_layer, check_paged, dot_in_fp32, require
 from .decode_attention_kernel import _decode_attention_kernel
 from .merge_state import merge_state
 
@@ -97,8 +97,6 @@ def decode_attention(q: torch.Tensor, kv: LayerKV, p: DecodePlan, sm_scale: floa
         out = torch.empty_like(q)
     group = p.num_qo_heads // H
     pg = p.paged
-    # bf16 tl.dot returns garbage in the Triton interpreter (cpu-dev-env.md): multiply in fp32 there.
-    dot_fp32 = q.dtype == torch.float32 or (interpreting() and q.dtype == torch.bfloat16)
     if p.batch_size:
         _decode_attention_kernel[(p.batch_size, H, p.max_splits)](
             q, kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes, kv.v_scale, kv.v_zero, kv.ov_k, kv.ov_v,
@@ -111,7 +109,7 @@ def decode_attention(q: torch.Tensor, kv: LayerKV, p: DecodePlan, sm_scale: floa
             p.o_partial.stride(0), p.o_partial.stride(1), p.o_partial.stride(2),
             p.lse_partial.stride(0), p.lse_partial.stride(1),
             GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=D, G=G, BITS=kv.bits, VG=VG,
-            DOT_FP32=dot_fp32,
+            DOT_FP32=dot_in_fp32(q.dtype),
         )
     return merge_state(p.o_partial, p.lse_partial, p.num_splits, out=out, lse_out=lse_out)
 

@@ -12,7 +12,7 @@ q.K^T = q.D^T + (q.B).A^T + q.S^T at the same byte cost).
 
 Which variant where (GEAR paper, Kang et al. 2024): the accuracy tables report both GEAR (s = 2%) and GEAR-L (no
 outliers); the system/throughput numbers come from GEAR-L on KIVI's kernels, since the official code only simulates
-the sparse part (prior-art.md). Rank defaults to 4 (the paper's prefill rank; 2 in decode).
+the sparse part. Rank defaults to 4 (the paper's prefill rank; 2 in decode).
 The fp16 window and open page are KIVI's (they play GEAR's streaming buffer n_b), so gear vs kivi compares only
 what GEAR adds.
 """
