@@ -35,8 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout works
 
 import triton  # noqa: E402
 
-from sgl_kvq.attention_ref import LayerKV, PagedPlan, ref_decode  # noqa: E402
+from sgl_kvq.attention_ref import ref_decode  # noqa: E402
 from sgl_kvq.kernels import decode_attention as dec  # noqa: E402
+from sgl_kvq.plan import LayerKV, PagedPlan  # noqa: E402
 
 try:  # the baseline SGLang serves with; absent on the GPU machine (no sglang there)
     from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd as sglang_decode

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from sgl_kvq.attention_ref import LayerKV, PagedPlan
+from sgl_kvq.plan import LayerKV, PagedPlan
 from sgl_kvq.quant.pack import packed_dim
 from sgl_kvq.quant.uniform import SCALE_DTYPE
 
@@ -22,6 +22,12 @@ MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def dot_in_fp32(dtype: torch.dtype) -> bool:
+    """Whether the attention kernels multiply in fp32: for fp32 data, and for bf16 under the Triton interpreter,
+    where bf16 tl.dot returns garbage (fp16 and fp32 are exact there)."""
+    return dtype == torch.float32 or (interpreting() and dtype == torch.bfloat16)
 
 
 def require(cond: bool, msg: str) -> None:

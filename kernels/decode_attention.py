@@ -3,7 +3,7 @@
     p = plan(paged, num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=G)   # per batch
     o = decode_attention(q, layer_kv, p, sm_scale)                                # per layer (alias: run)
 
-`paged` is sgl_kvq.attention_ref.PagedPlan (FlashInfer paged metadata split into base pages and overlay frames).
+`paged` is sgl_kvq.plan.PagedPlan (FlashInfer paged metadata split into base pages and overlay frames).
 plan() only launches device ops (no host sync), and max_splits depends on the batch size and the device alone,
 so the launch grid (B, num_kv_heads, max_splits) is static for a CUDA graph of a given batch size; with a
 DecodeWorkspace it allocates nothing either, so the graph captures fixed scratch addresses.
@@ -11,14 +11,12 @@ DecodeWorkspace it allocates nothing either, so the graph captures fixed scratch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 
-from sgl_kvq.attention_ref import LayerKV, PagedPlan
+from sgl_kvq.plan import DecodePlan, LayerKV, PagedPlan
 
-from .checks import MODEL_DTYPES, check_layer, check_paged, interpreting, require
+from .checks import MODEL_DTYPES, check_layer, check_paged, dot_in_fp32, require
 from .decode_attention_kernel import _decode_attention_kernel
 from .merge_state import merge_state
 
@@ -28,23 +26,6 @@ _PROGRAMS_PER_SM = 2
 _MAX_SPLITS_CAP = 64
 # A split reads at least this many tokens: below it the partial write + merge costs more than the parallelism buys.
 _MIN_TOKENS_PER_SPLIT = 256
-
-
-@dataclass
-class DecodePlan:
-    paged: PagedPlan  # the six int32 page-list tensors, on the pool's device
-    num_splits: torch.Tensor  # [B] int32, 1..max_splits: request b's pages are cut into this many contiguous runs
-    max_splits: int  # static grid extent along splits
-    num_qo_heads: int
-    num_kv_heads: int
-    head_dim: int
-    page_size: int
-    o_partial: torch.Tensor  # [B, Hq, max_splits, D] fp32 workspace (reused by every layer)
-    lse_partial: torch.Tensor  # [B, Hq, max_splits] fp32 workspace
-
-    @property
-    def batch_size(self) -> int:
-        return self.num_splits.numel()
 
 
 def default_max_splits(device: torch.device, batch_size: int, num_kv_heads: int) -> int:
@@ -116,8 +97,6 @@ def decode_attention(q: torch.Tensor, kv: LayerKV, p: DecodePlan, sm_scale: floa
         out = torch.empty_like(q)
     group = p.num_qo_heads // H
     pg = p.paged
-    # bf16 tl.dot returns garbage in the Triton interpreter (cpu-dev-env.md): multiply in fp32 there.
-    dot_fp32 = q.dtype == torch.float32 or (interpreting() and q.dtype == torch.bfloat16)
     if p.batch_size:
         _decode_attention_kernel[(p.batch_size, H, p.max_splits)](
             q, kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes, kv.v_scale, kv.v_zero, kv.ov_k, kv.ov_v,
@@ -130,7 +109,7 @@ def decode_attention(q: torch.Tensor, kv: LayerKV, p: DecodePlan, sm_scale: floa
             p.o_partial.stride(0), p.o_partial.stride(1), p.o_partial.stride(2),
             p.lse_partial.stride(0), p.lse_partial.stride(1),
             GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=D, G=G, BITS=kv.bits, VG=VG,
-            DOT_FP32=dot_fp32,
+            DOT_FP32=dot_in_fp32(q.dtype),
         )
     return merge_state(p.o_partial, p.lse_partial, p.num_splits, out=out, lse_out=lse_out)
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 import triton
 
-from sgl_kvq.attention_ref import LayerKV, PagedPlan
+from sgl_kvq.plan import LayerKV, PagedPlan
 
-from .checks import MODEL_DTYPES, check_layer, check_paged, interpreting, require
+from .checks import MODEL_DTYPES, check_layer, check_paged, dot_in_fp32, require
 from .extend_attention_kernel import _extend_attention_kernel
 
 LOG2E = 1.4426950408889634
@@ -44,7 +44,6 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     group = Hq // H
     gp = triton.next_power_of_2(group)
     block_m = max(1, _ROWS // gp)
-    dot_fp32 = q.dtype == torch.float32 or (interpreting() and q.dtype == torch.bfloat16)
     _extend_attention_kernel[(B, triton.cdiv(max_qo_len, block_m), H)](
         q, k_new, v_new, out, qo_indptr,
         kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes, kv.v_scale, kv.v_zero, kv.ov_k, kv.ov_v,
@@ -57,6 +56,6 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         kv.v_scale.stride(0), kv.v_scale.stride(1),
         kv.ov_k.stride(0), kv.ov_k.stride(1), kv.ov_k.stride(2),
         GROUP=group, GP=gp, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, D=D, G=G, BITS=kv.bits, VG=VG,
-        DOT_FP32=dot_fp32,
+        DOT_FP32=dot_in_fp32(q.dtype),
     )
     return out

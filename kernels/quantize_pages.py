@@ -1,21 +1,21 @@
-"""Quantize complete pages and write them into the packed base: the kernel twin of kivi_page.quantize_pages."""
+"""Quantize complete pages and write them into the packed base: the kernel twin of kivi_page.pack_pages."""
 
 from __future__ import annotations
 
 import torch
 
-from sgl_kvq.attention_ref import LayerKV
+from sgl_kvq.plan import LayerKV
 
 from .checks import MODEL_DTYPES, check_layer, require
 from .quantize_pages_kernel import _quantize_pages_kernel
 
 
-def quantize_pages(k: torch.Tensor, v: torch.Tensor, dst_pages: torch.Tensor, kv: LayerKV,
+def quantize_pages(k: torch.Tensor, v: torch.Tensor, dst_pages: torch.Tensor, kv: LayerKV, *,
                    src_ids: torch.Tensor | None = None, specache_one_bit: bool = True) -> None:
     """Write k_codes/k_scale/k_zero/v_codes/v_scale/v_zero of pool pages `dst_pages` [N] from fp K/V.
 
     k, v: [N, G, H, D] (page n is k[n]) or, with src_ids [N], the overlay frames [F, G, H, D] holding them
-    (page n is k[src_ids[n]]). fp16/bf16/fp32. Bit-exact with kivi_page.quantize_pages on the same data.
+    (page n is k[src_ids[n]]). fp16/bf16/fp32. Bit-exact with kivi_page.pack_pages on the same data.
     Destination page 0 (SGLang's dummy page) is skipped: a decode batch passes it for rows that complete no page."""
     H, D, G, VG = check_layer(kv)
     require(k.dim() == 4 and k.shape == v.shape and tuple(k.shape[1:]) == (G, H, D),

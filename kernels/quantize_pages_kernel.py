@@ -1,6 +1,6 @@
 """Jitted code of the quantize-and-pack write path (launcher: quantize_pages.py).
 
-Bit-exact with sgl_kvq.quant.kivi_page.quantize_pages: every fp32 step the reference takes is taken here in the
+Bit-exact with sgl_kvq.quant.kivi_page.pack_pages: every fp32 step the reference takes is taken here in the
 same order, the divisions are IEEE (`div_rn`: Triton's plain fp32 `/` is approximate on NVIDIA), and the launcher
 turns fp contraction off so `3 * lo + hi` is not fused into an fma.
 """

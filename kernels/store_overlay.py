@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from sgl_kvq.attention_ref import LayerKV
+from sgl_kvq.plan import LayerKV
 
 from .checks import MODEL_DTYPES, check_layer, require
 from .store_overlay_kernel import _store_overlay_kernel

@@ -103,7 +103,7 @@ def resolve(server_args, previous) -> None:
     declare_resolution(server_args, _SOURCE, **decided)
     logger.info("sgl_kvq: %s with %s", cfg, decided)
     previous(server_args)
-    # kvq_triton builds decode metadata on the device with fixed shapes (sgl_kvq/decode_metadata.py), so decode
+    # kvq_triton builds decode metadata on the device with fixed shapes (sgl_kvq/metadata/device.py), so decode
     # runs under SGLang's CUDA graphs; its extend plan and all of kvq_torch are host-built: those run eagerly.
     backend = resolving_view(server_args).attention_backend
     if backend in ("kvq_torch", "kvq_triton"):

@@ -3,67 +3,15 @@
 This is the oracle of the Triton kernels and the compute of the `kvq_torch` backend. It dequantizes per request,
 only the pages that request references: never the whole pool.
 
-The plan (FlashInfer's paged metadata, split in two page lists per request; built once per batch, used by every
-layer). A request's context is its base pages followed by its overlay frames, in position order:
-    kv_indptr         [B + 1] int32  request b's base pages are kv_indices[kv_indptr[b]:kv_indptr[b + 1]]
-    kv_indices        [nnz]   int32  pool page ids (quantized, immutable pages)
-    kv_last_page_len  [B]     int32  tokens used in b's last base page (G unless b has no overlay frames)
-    ov_indptr         [B + 1] int32  request b's overlay frames are ov_indices[ov_indptr[b]:ov_indptr[b + 1]]
-    ov_indices        [nnz_ov] int32 overlay frame ids (fp16 copies of b's most recent pages)
-    ov_last_page_len  [B]     int32  tokens used in b's last frame (1..G)
-Only a request's last page (base or overlay, whichever list ends its context) may be partial.
+The plan and layer types are in sgl_kvq/plan.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from sgl_kvq.plan import LayerKV, PagedPlan
 from sgl_kvq.quant import kivi_page
-
-
-@dataclass
-class PagedPlan:
-    kv_indptr: torch.Tensor
-    kv_indices: torch.Tensor
-    kv_last_page_len: torch.Tensor
-    ov_indptr: torch.Tensor
-    ov_indices: torch.Tensor
-    ov_last_page_len: torch.Tensor
-
-    @property
-    def batch_size(self) -> int:
-        return self.kv_indptr.numel() - 1
-
-    def base_len(self, b: int, G: int) -> int:
-        n = int(self.kv_indptr[b + 1] - self.kv_indptr[b])
-        return 0 if n == 0 else (n - 1) * G + int(self.kv_last_page_len[b])
-
-    def overlay_len(self, b: int, G: int) -> int:
-        n = int(self.ov_indptr[b + 1] - self.ov_indptr[b])
-        return 0 if n == 0 else (n - 1) * G + int(self.ov_last_page_len[b])
-
-    def seq_len(self, b: int, G: int) -> int:
-        return self.base_len(b, G) + self.overlay_len(b, G)
-
-
-@dataclass
-class LayerKV:
-    """One layer's view of the pool (shapes in sgl_kvq/layout.py, layer dim removed)."""
-    k_codes: torch.Tensor  # [S, H, Dp] uint8
-    k_scale: torch.Tensor  # [P, H, D] fp16
-    k_zero: torch.Tensor
-    v_codes: torch.Tensor  # [S, H, Dp] uint8
-    v_scale: torch.Tensor  # [S, H, D // VG] fp16
-    v_zero: torch.Tensor
-    ov_k: torch.Tensor  # [F, G, H, D] model dtype
-    ov_v: torch.Tensor
-    bits: int
-
-    @property
-    def G(self) -> int:
-        return self.ov_k.shape[1]
 
 
 def gather_context(kv: LayerKV, plan: PagedPlan, b: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,8 +21,8 @@ def gather_context(kv: LayerKV, plan: PagedPlan, b: int) -> tuple[torch.Tensor, 
     slots = (pages[:, None] * G + torch.arange(G, device=pages.device)).reshape(-1)
     n = pages.numel()
     H, D = kv.ov_k.shape[2], kv.ov_k.shape[3]
-    k_base = kivi_page.dequantize_keys(kv.k_codes[slots].view(n, G, H, kv.k_codes.shape[-1]), kv.k_scale[pages], kv.k_zero[pages],
-                                       kv.bits).reshape(n * G, H, D)
+    k_codes = kv.k_codes[slots].view(n, G, H, kv.k_codes.shape[-1])
+    k_base = kivi_page.dequantize_keys(k_codes, kv.k_scale[pages], kv.k_zero[pages], kv.bits).reshape(n * G, H, D)
     v_base = kivi_page.dequantize_values(kv.v_codes[slots], kv.v_scale[slots], kv.v_zero[slots], kv.bits)
     frames = plan.ov_indices[plan.ov_indptr[b]:plan.ov_indptr[b + 1]].long()
     k_ov = kv.ov_k[frames].float().reshape(-1, H, D)

@@ -17,7 +17,7 @@ Base (complete pages, immutable once quantized; shared by the radix tree):
 Overlay (fp16 tokens that override the base: the open page and the recent window), per running request:
     ov_k, ov_v [L, F, G, H, D]  model dtype; F = max_running_requests * cfg.ring_pages frames
   request slot r (SGLang's req_pool_idx) owns frames r * ring .. r * ring + ring - 1; its logical page n (positions
-  n*G .. n*G+G-1) uses frame r * ring + n % ring.
+  n*G .. n*G+G-1) uses frame frame_of(r, n, ring) = r * ring + n % ring, so its last `ring` pages never collide.
     ov_tag   [F]                int64   pool page whose tokens the frame holds (-1: empty)
     ov_gen   [F]                int64   that page's generation when the frame was written
     page_gen [P]                int64   bumped whenever offset 0 of a page is written, i.e. when a freed page is
@@ -34,6 +34,12 @@ import torch
 from sgl_kvq.config import KVQConfig
 from sgl_kvq.quant.pack import packed_dim
 from sgl_kvq.quant.uniform import SCALE_DTYPE
+
+
+def frame_of(req_slot, logical_page, ring: int):
+    """The overlay frame of request slot `req_slot`'s logical page `logical_page` (ints or integer tensors, which
+    broadcast); ring = KVQConfig.ring_pages. The one definition: builders on the host and the device call it."""
+    return req_slot * ring + logical_page % ring
 
 
 @dataclass(frozen=True)

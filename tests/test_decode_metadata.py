@@ -1,6 +1,6 @@
-"""kvq_triton's device-side decode metadata (sgl_kvq/decode_metadata.py) and its CUDA-graph protocol.
+"""kvq_triton's device-side decode metadata (sgl_kvq/metadata/device.py) and its CUDA-graph protocol.
 
-The oracle is the host path kvq_torch uses (QuantizedKVStore.begin_batch + plan, write_layer): two stores walk the
+The oracle is the host path kvq_torch uses (metadata.host.begin_batch + plan_contexts, write_layer): two stores walk the
 same random life of requests (pages allocated, completed, freed, reused; request slots reused; prefixes shared as
 the radix tree shares them), one through each path, and after every decode step they must hold the same pool
 state, plan the same pages and frames, and attend to the same result.
@@ -18,12 +18,13 @@ import pytest
 import torch
 
 from sgl_kvq import attention_ref
-from sgl_kvq.backends import metadata
 from sgl_kvq.config import KVQConfig
-from sgl_kvq.decode_metadata import DecodeBuffers, build_decode
 from sgl_kvq.kernels import decode_attention as dec
 from sgl_kvq.kv_store import QuantizedKVStore
-from sgl_kvq.layout import PoolShape
+from sgl_kvq.layout import PoolShape, frame_of
+from sgl_kvq.metadata.device import DecodeBuffers, build_decode
+from sgl_kvq.metadata.forward import build_forward_plan
+from sgl_kvq.plan import PagedPlan
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H, HQ, D = 2, 4, 16
@@ -102,7 +103,7 @@ class Life:
         return t(kept), t(lens), t(locs)
 
 
-def per_request(plan: attention_ref.PagedPlan, b: int):
+def per_request(plan: PagedPlan, b: int):
     kv = plan.kv_indices[plan.kv_indptr[b]:plan.kv_indptr[b + 1]].tolist()
     ov = plan.ov_indices[plan.ov_indptr[b]:plan.ov_indptr[b + 1]].tolist()
     return kv, ov, int(plan.kv_last_page_len[b]), int(plan.ov_last_page_len[b])
@@ -140,7 +141,7 @@ def test_device_decode_metadata_matches_the_host_path(G, bits, residual, triton_
             continue
         k, v, q = torch.randn(len(req), H, D), torch.randn(len(req), H, D), torch.randn(len(req), HQ, D)
         k, v, q = k.to(DEVICE), v.to(DEVICE), q.to(DEVICE)
-        ref = metadata.build(host, life.req_to_token, req, lens, locs, True).steps[0]
+        ref = build_forward_plan(host, life.req_to_token, req, lens, locs, is_decode=True).steps[0]
         host.write_layer(0, ref.write, k, v)
         want = attention_ref.ref_decode(q, host.layer_view(0), ref.plan, SCALE)
 
@@ -203,7 +204,7 @@ def test_one_set_of_buffers_serves_every_padded_replay(triton_interpret):
             a, b = getattr(eager, name), getattr(graph, name)
             rows = slice(G, None) if a.shape[1] == eager.shape.S else slice(1, None)
             assert torch.equal(a[:, rows], b[:, rows]), name  # everything but the dummy page 0
-        real = torch.arange(graph.ring, graph.ov_tag.numel(), device=DEVICE)  # frames of slots 1..
+        real = torch.arange(frame_of(1, 0, graph.ring), graph.ov_tag.numel(), device=DEVICE)  # frames of slots 1..
         assert torch.equal(eager.ov_tag[real], graph.ov_tag[real])
         assert torch.equal(eager.ov_gen[real], graph.ov_gen[real])
 

@@ -16,10 +16,11 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from sgl_kvq.attention_ref import LayerKV, PagedPlan, ref_decode, ref_extend  # noqa: E402
+from sgl_kvq.attention_ref import ref_decode, ref_extend  # noqa: E402
 from sgl_kvq.kernels import decode_attention as dec  # noqa: E402
 from sgl_kvq.kernels.extend_attention import extend_attention  # noqa: E402
 from sgl_kvq.kernels.merge_state import merge_state  # noqa: E402
+from sgl_kvq.plan import LayerKV, PagedPlan  # noqa: E402
 from sgl_kvq.quant import kivi_page  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -42,8 +43,8 @@ def make_pool(G, H, D, VG, bits, reqs, dtype, seed):
     n_base = [math.ceil(b / G) for b, _ in reqs]
     n_ov = [math.ceil(o / G) for _, o in reqs]
     P, F = sum(n_base) + 2, sum(n_ov) + 2  # spare page 0 and a page/frame nobody references
-    pages = kivi_page.quantize_pages(torch.randn(P, G, H, D, generator=gen) * 1.5,
-                                     torch.randn(P, G, H, D, generator=gen), bits, VG)
+    pages = kivi_page.pack_pages(torch.randn(P, G, H, D, generator=gen) * 1.5,
+                                 torch.randn(P, G, H, D, generator=gen), bits, VG)
     kv = LayerKV(
         k_codes=pages.k_codes.reshape(P * G, H, -1), k_scale=pages.k_scale, k_zero=pages.k_zero,
         v_codes=pages.v_codes.reshape(P * G, H, -1), v_scale=pages.v_scale.reshape(P * G, H, -1),

@@ -11,9 +11,9 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from sgl_kvq.attention_ref import LayerKV  # noqa: E402
 from sgl_kvq.kernels.quantize_pages import quantize_pages  # noqa: E402
 from sgl_kvq.kernels.store_overlay import store_overlay  # noqa: E402
+from sgl_kvq.plan import LayerKV  # noqa: E402
 from sgl_kvq.quant import kivi_page  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -68,7 +68,7 @@ def test_quantize_pages_bit_exact(bits, G, H, D, VG, dtype):
     dst = [5, 1, 3]
     kv = empty_layer(6, G, H, D, bits, VG)
     quantize_pages(k.to(DEVICE), v.to(DEVICE), torch.tensor(dst, dtype=torch.int32, device=DEVICE), kv)
-    assert_pages_equal(kv, dst, kivi_page.quantize_pages(k, v, bits, VG), G)
+    assert_pages_equal(kv, dst, kivi_page.pack_pages(k, v, bits, VG), G)
     assert_untouched(kv, dst, G)
 
 
@@ -85,7 +85,7 @@ def test_quantize_rounds_half_to_even(bits):
     v = v.expand(1, G, H, D).contiguous()
     kv = empty_layer(2, G, H, D, bits, VG=D, dtype=torch.float32)
     quantize_pages(k.to(DEVICE), v.to(DEVICE), torch.tensor([2], dtype=torch.int32, device=DEVICE), kv)
-    ref = kivi_page.quantize_pages(k, v, bits, D)
+    ref = kivi_page.pack_pages(k, v, bits, D)
     assert_pages_equal(kv, [2], ref, G)
 
 
@@ -102,7 +102,7 @@ def test_quantize_pages_from_overlay_frames():
     frames, dst = [4, 0], [2, 4]
     quantize_pages(kv.ov_k, kv.ov_v, torch.tensor(dst, device=DEVICE), kv,
                    src_ids=torch.tensor(frames, device=DEVICE))
-    ref = kivi_page.quantize_pages(kv.ov_k[frames].cpu(), kv.ov_v[frames].cpu(), bits, VG)
+    ref = kivi_page.pack_pages(kv.ov_k[frames].cpu(), kv.ov_v[frames].cpu(), bits, VG)
     assert_pages_equal(kv, dst, ref, G)
     assert_untouched(kv, dst, G)
 
@@ -114,7 +114,7 @@ def test_destination_page_zero_is_skipped():
     fill_frames(kv, seed=5)
     quantize_pages(kv.ov_k, kv.ov_v, torch.tensor([0, 2, 0], device=DEVICE), kv,
                    src_ids=torch.tensor([0, 1, 2], device=DEVICE))
-    assert_pages_equal(kv, [2], kivi_page.quantize_pages(kv.ov_k[[1]].cpu(), kv.ov_v[[1]].cpu(), bits, VG), G)
+    assert_pages_equal(kv, [2], kivi_page.pack_pages(kv.ov_k[[1]].cpu(), kv.ov_v[[1]].cpu(), bits, VG), G)
     assert_untouched(kv, [2], G)  # page 0 included
 
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from sgl_kvq import attention_ref
-from sgl_kvq.backends import metadata
 from sgl_kvq.config import KVQConfig
 from sgl_kvq.kv_store import QuantizedKVStore
 from sgl_kvq.layout import PoolShape
+from sgl_kvq.metadata.forward import build_forward_plan
 
 H, HQ, D = 2, 4, 16
 SCALE = 0.25
@@ -26,8 +26,8 @@ def make(G, bits, residual, prefill):
 
 
 def run_extend(store, r2t, q, k, v, start, end):
-    fp = metadata.build(store, r2t, torch.tensor([2]), torch.tensor([end]), r2t[2, start:end], False, [start],
-                        [end - start])
+    fp = build_forward_plan(store, r2t, torch.tensor([2]), torch.tensor([end]), r2t[2, start:end], is_decode=False,
+                            extend_prefix_lens=[start], extend_seq_lens=[end - start])
     out = torch.empty(end - start, HQ, D)
     for step in fp.steps:
         rows = torch.arange(end - start) if step.rows is None else step.rows
@@ -38,7 +38,7 @@ def run_extend(store, r2t, q, k, v, start, end):
 
 
 def run_decode(store, r2t, q, k, v, t):
-    fp = metadata.build(store, r2t, torch.tensor([2]), torch.tensor([t + 1]), r2t[2, t:t + 1], True)
+    fp = build_forward_plan(store, r2t, torch.tensor([2]), torch.tensor([t + 1]), r2t[2, t:t + 1], is_decode=True)
     step = fp.steps[0]
     store.write_layer(0, step.write, k[t:t + 1], v[t:t + 1])
     return attention_ref.ref_decode(q[t:t + 1], store.layer_view(0), step.plan, SCALE)[0]

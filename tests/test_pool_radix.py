@@ -29,6 +29,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey  # noqa: E402
 from sgl_kvq.attention_ref import gather_context  # noqa: E402
 from sgl_kvq.config import KVQConfig  # noqa: E402
 from sgl_kvq.layout import PoolShape  # noqa: E402
+from sgl_kvq.metadata.host import begin_batch, plan_contexts  # noqa: E402
 from sgl_kvq.pool import KVQTokenToKVPool  # noqa: E402
 from sgl_kvq.quant import kivi_page  # noqa: E402
 
@@ -56,7 +57,7 @@ def expected_context(tokens, n, layer, plan, b, cfg):
     if n_base_pages:
         kp = k[:full].reshape(n_base_pages, G, H, D)
         vp = v[:full].reshape(n_base_pages, G, H, D)
-        kq, vq = kivi_page.dequantize_pages(kivi_page.quantize_pages(kp, vp, cfg.bits, min(cfg.value_group, D)),
+        kq, vq = kivi_page.dequantize_pages(kivi_page.pack_pages(kp, vp, cfg.bits, min(cfg.value_group, D)),
                                             cfg.bits)
         k = torch.cat([kq.reshape(-1, H, D)[:nb], k[nb:]])
         v = torch.cat([vq.reshape(-1, H, D)[:nb], v[nb:]])
@@ -81,7 +82,7 @@ class Episode:
         store = self.pool.store
         G = self.G
         pages = self.r2t.req_to_token[r, : -(-n // G) * G: G].long() // G
-        plan = store.plan([pages], [r], [n])
+        plan = plan_contexts(store, [pages], [r], [n])
         for layer in range(L):
             got_k, got_v = gather_context(store.layer_view(layer), plan, 0)
             want_k, want_v = expected_context(tokens, n, layer, plan, 0, self.cfg)
@@ -103,8 +104,8 @@ class Episode:
     def write(self, r: int, tokens: list[int], start: int, locs: torch.Tensor):
         end = start + locs.numel()
         store = self.pool.store
-        bw = store.begin_batch(locs, torch.full((locs.numel(),), r), torch.arange(start, end),
-                               torch.full((locs.numel(),), end))
+        bw = begin_batch(store, locs, torch.full((locs.numel(),), r), torch.arange(start, end),
+                         torch.full((locs.numel(),), end))
         for layer in range(L):
             k, v = true_kv(tokens[:end], layer)
             store.write_layer(layer, bw, k[start:end], v[start:end])

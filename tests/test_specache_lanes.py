@@ -136,7 +136,7 @@ def test_two_lane_step_writes_real_rows_only_and_prefetches_the_speculative_top_
     sc.lanes = Lanes("two_lane", 2)
     fb = decode_batch(seqs, sc.lanes)
     backend.init_forward_metadata(fb)
-    plan = backend.fp.steps[0].plan
+    plan = backend.forward_plan.steps[0].plan
     for li in range(L):
         q = torch.cat([torch.stack([s.q[s.n] for s in seqs]), torch.stack([s.spec_q[s.n + 1] for s in seqs])])
         k = torch.cat([torch.stack([s.k[li][s.n] for s in seqs]), torch.stack([s.spec_k[li][s.n + 1] for s in seqs])])

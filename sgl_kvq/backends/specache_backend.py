@@ -18,8 +18,9 @@ import torch
 
 from sgl_kvq import attention_ref
 from sgl_kvq.attention_ref import gather_context
-from sgl_kvq.backends import metadata
 from sgl_kvq.backends.torch_backend import KVQTorchBackend
+from sgl_kvq.metadata.forward import build_forward_plan, read_plan
+from sgl_kvq.plan import ForwardPlan, Step
 from sgl_kvq.specache.attention import output_rows, speculative_rows
 
 
@@ -46,18 +47,18 @@ class KVQSpeCacheBackend(KVQTorchBackend):
         req = forward_batch.req_pool_indices
         if lanes.kind == "two_lane":
             n = lanes.n_real
-            self.fp = metadata.build(self.store, self.req_to_token, req, forward_batch.seq_lens,
-                                     forward_batch.out_cache_loc[:n], True)
+            self.forward_plan = build_forward_plan(self.store, self.req_to_token, req, forward_batch.seq_lens,
+                                                   forward_batch.out_cache_loc[:n], is_decode=True)
             self.req = req.long()
         else:
             req = req[lanes.rows]
-            plan = metadata.read_plan(self.store, self.req_to_token, req, forward_batch.seq_lens[lanes.rows] - 1)
-            self.fp = metadata.ForwardPlan(True, [metadata.Step(None, None, plan, None)])
+            plan = read_plan(self.store, self.req_to_token, req, forward_batch.seq_lens[lanes.rows] - 1)
+            self.forward_plan = ForwardPlan(is_decode=True, steps=[Step(plan=plan)])
             self.req = req.long()
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         q, k, v, li = self._views(q, k, v, layer)
-        step = self.fp.steps[0]  # specache extends are "full" (config.py): one step
+        step = self.forward_plan.steps[0]  # specache extends are "full" (config.py): one step
         contexts = [self.sc.host.rows(li, s) for s in self.prefix_slots]
         out = attention_ref.ref_extend(q, k, v, step.qo_indptr, self.store.layer_view(li), step.plan, layer.scaling,
                                        contexts=contexts)
@@ -74,7 +75,7 @@ class KVQSpeCacheBackend(KVQTorchBackend):
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         q, k, v, li = self._views(q, k, v, layer)
-        sc, step = self.sc, self.fp.steps[0]
+        sc, step = self.sc, self.forward_plan.steps[0]
         if sc.lanes.kind == "predecode":
             out, pos = speculative_rows(q, k, v, *self._contexts(li, step.plan), layer.scaling, sc.top_k)
             sc.prefetch(li, self.req, pos, self.req_to_token)

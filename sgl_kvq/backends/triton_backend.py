@@ -1,18 +1,18 @@
 """kvq_triton: fused-dequant Triton kernels over the packed pages (sgl_kvq/kernels); the default on CUDA.
 
-Decode builds its metadata on the device with fixed shapes (sgl_kvq/decode_metadata.py) into buffers allocated
+Decode builds its metadata on the device with fixed shapes (sgl_kvq/metadata/device.py) into buffers allocated
 once, and plans split-KV into a fixed workspace, so the same code runs eagerly and inside SGLang's decode CUDA
 graphs: `init_forward_metadata_in_graph` is recorded into the graph and replayed with it, reading the runner's
-static req_pool_indices / seq_lens / out_cache_loc. Extend keeps the host-built plan (sgl_kvq/backends/metadata.py)
+static req_pool_indices / seq_lens / out_cache_loc. Extend keeps the host-built plan (sgl_kvq/metadata/forward.py)
 and runs eagerly. Attention reads packed codes and dequantizes in registers."""
 
 from __future__ import annotations
 
-from sgl_kvq.backends import metadata
-from sgl_kvq.backends.torch_backend import KVQAttentionBackendBase
-from sgl_kvq.decode_metadata import DecodeBuffers, build_decode
+from sgl_kvq.backends.base import KVQAttentionBackendBase
 from sgl_kvq.kernels import decode_attention as decode_kernel
 from sgl_kvq.kernels.extend_attention import extend_attention
+from sgl_kvq.metadata.device import DecodeBuffers, build_decode
+from sgl_kvq.plan import ForwardPlan, Step
 
 
 class KVQTritonBackend(KVQAttentionBackendBase):
@@ -49,7 +49,7 @@ class KVQTritonBackend(KVQAttentionBackendBase):
             self._allocate_decode_state(max_bs)
 
     def get_cuda_graph_seq_len_fill_value(self):
-        return 1  # a padded row is a one-token context in request slot 0 / page 0 (decode_metadata.py)
+        return 1  # a padded row is a one-token context in request slot 0 / page 0 (metadata/device.py)
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         if not forward_batch.forward_mode.is_decode():
@@ -63,14 +63,14 @@ class KVQTritonBackend(KVQAttentionBackendBase):
                                               num_kv_heads=self.store.shape.heads,
                                               head_dim=self.store.shape.head_dim, page_size=self.store.G,
                                               workspace=self.decode_ws)
-        self.fp = metadata.ForwardPlan(True, [metadata.Step(None, write, paged, None)])
+        self.forward_plan = ForwardPlan(is_decode=True, steps=[Step(plan=paged, write=write)])
 
     # ---- compute ----
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         q, k, v, li = self._views(q, k, v, layer)
         if save_kv_cache:
-            self.store.write_decode_layer(li, self.fp.steps[0].write, k, v)
-        return self.decode(q, li, self.fp.steps[0], layer.scaling).reshape(q.shape[0], -1)
+            self.store.write_decode_layer(li, self.forward_plan.steps[0].write, k, v)
+        return self.decode(q, li, self.forward_plan.steps[0], layer.scaling).reshape(q.shape[0], -1)
 
     def extend(self, q, k, v, li, step, sm_scale):
         return extend_attention(q.contiguous(), k.contiguous(), v.contiguous(), step.qo_indptr,

@@ -125,7 +125,7 @@ def capture(model, input_ids: torch.Tensor, layers: list[int]) -> dict[int, Laye
             v = module.v_proj(h).view(shape).transpose(1, 2)
             q, k = rope(q, k, cos, sin)
             store[i] = LayerQKV(q[0].transpose(0, 1).contiguous(), k[0].transpose(0, 1).contiguous(),
-                                v[0].transpose(0, 1).contiguous(), None, float(module.scaling))
+                                v[0].transpose(0, 1).contiguous(), out=None, sm_scale=float(module.scaling))
 
         def attn_out(module, args, i=i):
             store[i].out = args[0][0].reshape(store[i].q.shape).clone()

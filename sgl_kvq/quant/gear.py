@@ -12,7 +12,7 @@ q.K^T = q.D^T + (q.B).A^T + q.S^T at the same byte cost).
 
 Which variant where (GEAR paper, Kang et al. 2024): the accuracy tables report both GEAR (s = 2%) and GEAR-L (no
 outliers); the system/throughput numbers come from GEAR-L on KIVI's kernels, since the official code only simulates
-the sparse part (prior-art.md). Rank defaults to 4 (the paper's prefill rank; 2 in decode).
+the sparse part. Rank defaults to 4 (the paper's prefill rank; 2 in decode).
 The fp16 window and open page are KIVI's (they play GEAR's streaming buffer n_b), so gear vs kivi compares only
 what GEAR adds.
 """
@@ -67,7 +67,7 @@ def _compress(x: torch.Tensor, name: str, outliers: torch.Tensor, rank: int, ite
     return x_hat, stored
 
 
-def gear(k: torch.Tensor, v: torch.Tensor, bits: int = 2, group_size: int = 64, value_group: int = 64,
+def gear(k: torch.Tensor, v: torch.Tensor, *, bits: int = 2, group_size: int = 64, value_group: int = 64,
          residual: int = 64, rank: int = 4, iters: int = 3, outlier_ratio: float = 0.02, seed: int = 0,
          specache_one_bit: bool = True) -> CompressedKV:
     """GEAR; outlier_ratio=0 gives GEAR-L (see gear_l)."""
@@ -78,7 +78,8 @@ def gear(k: torch.Tensor, v: torch.Tensor, bits: int = 2, group_size: int = 64, 
     v_out = outlier_mask(vq, outlier_ratio, dim=-1)  # per token: over the channels
     k_fill = torch.where(k_out, kq.median(dim=0, keepdim=True).values, kq) if n_q else kq
     v_fill = torch.where(v_out, vq.median(dim=-1, keepdim=True).values, vq) if n_q else vq
-    k_base, v_base, stored = quantize_span(k_fill, v_fill, bits, group_size, value_group, specache_one_bit)
+    k_base, v_base, stored = quantize_span(k_fill, v_fill, bits, group_size, value_group,
+                                           specache_one_bit=specache_one_bit)
     gen = torch.Generator().manual_seed(seed)
     k_hat, k_st = _compress(kq, "k", k_out, rank, iters, gen, (k_fill, k_base))
     v_hat, v_st = _compress(vq, "v", v_out, rank, iters, gen, (v_fill, v_base))

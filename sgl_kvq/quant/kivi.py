@@ -22,25 +22,27 @@ def quantized_len(T: int, group_size: int, residual: int) -> int:
     return group_size * max(0, T // group_size - residual // group_size)
 
 
-def quantize_span(k: torch.Tensor, v: torch.Tensor, bits: int, group_size: int, value_group: int,
+def quantize_span(k: torch.Tensor, v: torch.Tensor, bits: int, group_size: int, value_group: int, *,
                   specache_one_bit: bool = True) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """k, v [n, H, D] with n a multiple of G -> (k_hat, v_hat, stored) of the KIVI pages."""
     n, H, D = k.shape
     vg = min(value_group, D)
-    pages = kivi_page.quantize_pages(k.reshape(n // group_size, group_size, H, D),
-                                     v.reshape(n // group_size, group_size, H, D), bits, vg, specache_one_bit)
+    pages = kivi_page.pack_pages(k.reshape(n // group_size, group_size, H, D),
+                                 v.reshape(n // group_size, group_size, H, D), bits, vg,
+                                 specache_one_bit=specache_one_bit)
     k_hat, v_hat = kivi_page.dequantize_pages(pages, bits)
     stored = {"k.codes": pages.k_codes, "k.scale": pages.k_scale, "k.zero": pages.k_zero,
               "v.codes": pages.v_codes, "v.scale": pages.v_scale, "v.zero": pages.v_zero}
     return k_hat.reshape(n, H, D), v_hat.reshape(n, H, D), stored
 
 
-def kivi(k: torch.Tensor, v: torch.Tensor, bits: int = 2, group_size: int = 64, value_group: int = 64,
+def kivi(k: torch.Tensor, v: torch.Tensor, *, bits: int = 2, group_size: int = 64, value_group: int = 64,
          residual: int = 64, specache_one_bit: bool = True) -> CompressedKV:
     """KIVI at `bits` in {1, 2, 4}. 1-bit uses SpeCache's zero/scale unless specache_one_bit=False (plain min/max)."""
     T, H, D = check_kv(k, v)
     n_q = quantized_len(T, group_size, residual)
-    k_q, v_q, stored = quantize_span(k[:n_q], v[:n_q], bits, group_size, value_group, specache_one_bit)
+    k_q, v_q, stored = quantize_span(k[:n_q], v[:n_q], bits, group_size, value_group,
+                                     specache_one_bit=specache_one_bit)
     stored["k.fp16"] = k[n_q:].to(torch.float16)
     stored["v.fp16"] = v[n_q:].to(torch.float16)
     kept = torch.zeros(T, H, dtype=torch.bool)

@@ -23,13 +23,14 @@ class PackedPages(NamedTuple):
     v_zero: torch.Tensor  # [N, G, H, D // VG] fp16
 
 
-def quantize_pages(k: torch.Tensor, v: torch.Tensor, bits: int, value_group: int,
-                   specache_one_bit: bool = True) -> PackedPages:
-    """k, v: [N, G, H, D] (N complete pages) -> the packed base of those pages."""
+def pack_pages(k: torch.Tensor, v: torch.Tensor, bits: int, value_group: int, *,
+               specache_one_bit: bool = True) -> PackedPages:
+    """k, v: [N, G, H, D] (N complete pages) -> the packed base of those pages, returned (its kernel twin,
+    kernels.quantize_pages.quantize_pages, writes them into the pool in place)."""
     if k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"expected k, v [N, G, H, D] of one shape, got {tuple(k.shape)} {tuple(v.shape)}")
     kq = uniform.quantize(k, bits, dims=1, specache_one_bit=specache_one_bit)  # reduce over the G tokens
-    vq = uniform.quantize_channel_groups(v, bits, value_group, specache_one_bit)
+    vq = uniform.quantize_channel_groups(v, bits, value_group, specache_one_bit=specache_one_bit)
     return PackedPages(
         pack.pack(kq.codes, bits), kq.scale.squeeze(1), kq.zero.squeeze(1),
         pack.pack(vq.codes, bits), vq.scale, vq.zero,

@@ -10,12 +10,12 @@ been through more passes, each halving their density, so the gaps between kept p
 time (roughly doubling per W kept: log-spaced; tests/test_quant_logquant.py checks it); position 0 is never thinned
 (kept[0] leads every slice), which keeps the attention sink in fp16.
 
-As the pool stores it (architecture.md): every complete page is quantized 2-bit KIVI-style (selected positions
+Storage, page-shaped like the pool's base: every complete page is quantized 2-bit KIVI-style (selected positions
 included, as the official code also quantizes them and overwrites them on read); the selected positions and the
 open page are kept in fp16 and override the base; their int32 positions are stored (keys' account).
 Attention is permutation-invariant in the keys (LogQuant section 2.4): softmax(q K^T) V is unchanged when the rows
 of K and V are permuted together, so the fp16 overlay can sit in any order next to the base (the test checks it).
-Default W = R / 3, so the fp16 budget (< 3W) matches KIVI's window R (prior-art.md).
+Default W = R / 3, so the fp16 budget (< 3W) matches KIVI's window R.
 """
 
 from __future__ import annotations
@@ -35,11 +35,12 @@ def log_positions(T: int, window: int) -> list[int]:
     return kept
 
 
-def logquant(k: torch.Tensor, v: torch.Tensor, bits: int = 2, window: int = 21, group_size: int = 64,
+def logquant(k: torch.Tensor, v: torch.Tensor, *, bits: int = 2, window: int = 21, group_size: int = 64,
              value_group: int = 64, specache_one_bit: bool = True) -> CompressedKV:
     T, H, D = check_kv(k, v)
     n_q = group_size * (T // group_size)  # complete pages; the open page stays fp16
-    k_q, v_q, stored = quantize_span(k[:n_q], v[:n_q], bits, group_size, value_group, specache_one_bit)
+    k_q, v_q, stored = quantize_span(k[:n_q], v[:n_q], bits, group_size, value_group,
+                                     specache_one_bit=specache_one_bit)
     selected = set(log_positions(T, window)) | set(range(n_q, T))
     pos = torch.tensor(sorted(selected), dtype=torch.int64)
     stored["k.fp16"] = k[pos].to(torch.float16)

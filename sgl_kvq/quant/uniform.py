@@ -29,7 +29,7 @@ def levels(bits: int) -> int:
     return (1 << bits) - 1
 
 
-def scale_zero(lo: torch.Tensor, hi: torch.Tensor, bits: int, specache_one_bit: bool = True):
+def scale_zero(lo: torch.Tensor, hi: torch.Tensor, bits: int, *, specache_one_bit: bool = True):
     lo = lo.float()
     hi = hi.float()
     if bits == 1 and specache_one_bit:
@@ -45,13 +45,13 @@ def encode(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) 
     return q.clamp_(0, levels(bits)).to(torch.uint8)
 
 
-def quantize(x: torch.Tensor, bits: int, dims, specache_one_bit: bool = True) -> Quantized:
+def quantize(x: torch.Tensor, bits: int, dims, *, specache_one_bit: bool = True) -> Quantized:
     """Quantize x with one (scale, zero) per slice over `dims` (reduced dims are kept as size 1)."""
     dims = (dims,) if isinstance(dims, int) else tuple(dims)
     xf = x.float()
     lo = xf.amin(dim=dims, keepdim=True)
     hi = xf.amax(dim=dims, keepdim=True)
-    scale, zero = scale_zero(lo, hi, bits, specache_one_bit)
+    scale, zero = scale_zero(lo, hi, bits, specache_one_bit=specache_one_bit)
     return Quantized(encode(xf, scale, zero, bits), scale, zero)
 
 
@@ -59,14 +59,14 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dty
     return (codes.float() * scale.float() + zero.float()).to(dtype)
 
 
-def quantize_channel_groups(x: torch.Tensor, bits: int, group: int, specache_one_bit: bool = True) -> Quantized:
+def quantize_channel_groups(x: torch.Tensor, bits: int, group: int, *, specache_one_bit: bool = True) -> Quantized:
     """Per-vector quantization in groups of `group` consecutive channels of the last dim.
 
     Returns codes shaped like x and scale/zero shaped [..., D // group]."""
     d = x.shape[-1]
     if d % group:
         raise ValueError(f"last dim {d} is not a multiple of the channel group {group}")
-    q = quantize(x.reshape(*x.shape[:-1], d // group, group), bits, -1, specache_one_bit)
+    q = quantize(x.reshape(*x.shape[:-1], d // group, group), bits, -1, specache_one_bit=specache_one_bit)
     return Quantized(q.codes.reshape(x.shape), q.scale.squeeze(-1), q.zero.squeeze(-1))
 
 

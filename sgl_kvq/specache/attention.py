@@ -44,7 +44,7 @@ def output_rows(q: torch.Tensor, contexts: list[Context], n_base: list[int], top
     per request (hits, wanted) of the exact top-k when `exact` gives each request's 16-bit context K/V).
     The contexts are not modified."""
     B, H = q.shape[0], topk_pos.shape[1]
-    out = torch.empty_like(q)  # head_dim == v_head_dim (backends/torch_backend.py _check_layer)
+    out = torch.empty_like(q)  # head_dim == v_head_dim (backends/base.py _check_layer)
     recall = []
     for b in range(B):
         k, v = contexts[b][0].clone(), contexts[b][1].clone()

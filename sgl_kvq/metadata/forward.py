@@ -1,5 +1,6 @@
-"""One metadata builder for both kvq backends: per forward batch, where its tokens go (BatchWrite) and what each
-request attends to (PagedPlan), built once and reused by every layer (FlashInfer's plan/run split).
+"""A forward batch's steps for both kvq backends, from the host-side builders (sgl_kvq/metadata/host.py): per
+forward batch, where its tokens go (BatchWrite) and what each request attends to (PagedPlan), built once and
+reused by every layer (FlashInfer's plan/run split). kvq_triton's decode uses sgl_kvq/metadata/device.py instead.
 
 An extend is one step (prefill mode "full") or one step per page the new tokens touch (mode "paged"): step j
 holds every request's new tokens that fall in its j-th touched page, attends to everything before them as the
@@ -9,27 +10,11 @@ attention sees the earlier steps' pages exactly as a later decode will (quantize
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from sgl_kvq.attention_ref import PagedPlan
-from sgl_kvq.kv_store import BatchWrite, QuantizedKVStore
-
-
-@dataclass
-class Step:
-    rows: torch.Tensor | None  # rows of this batch's q/k/v in the step (None: all rows)
-    write: BatchWrite
-    plan: PagedPlan  # decode: the whole context after this token; extend: the context before the step's tokens
-    qo_indptr: torch.Tensor | None  # extend: request b's step tokens are step rows qo_indptr[b]:qo_indptr[b+1]
-    max_qo_len: int = 1
-
-
-@dataclass
-class ForwardPlan:
-    is_decode: bool
-    steps: list[Step]
+from sgl_kvq.kv_store import QuantizedKVStore
+from sgl_kvq.metadata.host import begin_batch, plan_contexts
+from sgl_kvq.plan import ForwardPlan, PagedPlan, Step
 
 
 def _tokens(reqs, starts, ends, dev):
@@ -51,20 +36,23 @@ def read_plan(store: QuantizedKVStore, req_to_token: torch.Tensor, req_pool_indi
               context_lens: torch.Tensor) -> PagedPlan:
     """The plan of contexts as they are (no token written, no frame claimed): a read-only lane."""
     reqs, lens = req_pool_indices.tolist(), context_lens.tolist()
-    return store.plan(page_tables(req_to_token, reqs, lens, store.G), reqs, lens)
+    return plan_contexts(store, page_tables(req_to_token, reqs, lens, store.G), reqs, lens)
 
 
-def build(store: QuantizedKVStore, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-          seq_lens: torch.Tensor, out_cache_loc: torch.Tensor, is_decode: bool,
-          extend_prefix_lens: list[int] | None = None, extend_seq_lens: list[int] | None = None) -> ForwardPlan:
+def build_forward_plan(store: QuantizedKVStore, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                       seq_lens: torch.Tensor, out_cache_loc: torch.Tensor, *, is_decode: bool,
+                       extend_prefix_lens: list[int] | None = None,
+                       extend_seq_lens: list[int] | None = None) -> ForwardPlan:
+    """seq_lens: [B] each request's length after the batch; out_cache_loc: the slots of its new tokens. An
+    extend also needs extend_prefix_lens/extend_seq_lens (host lists): the cached prefix and the new tokens."""
     G = store.G
     reqs = req_pool_indices.tolist()
     lens = seq_lens.tolist()
     dev = store.device
     tables = page_tables(req_to_token, reqs, lens, G)
     if is_decode:
-        write = store.begin_batch(out_cache_loc, *_tokens(reqs, [n - 1 for n in lens], lens, dev))
-        return ForwardPlan(True, [Step(None, write, store.plan(tables, reqs, lens), None)])
+        write = begin_batch(store, out_cache_loc, *_tokens(reqs, [n - 1 for n in lens], lens, dev))
+        return ForwardPlan(is_decode=True, steps=[Step(plan=plan_contexts(store, tables, reqs, lens), write=write)])
     prefix, new = list(extend_prefix_lens), list(extend_seq_lens)
     if any(p + n != s for p, n, s in zip(prefix, new, lens)):
         raise AssertionError("sgl_kvq: extend prefix + new lengths != seq_lens")
@@ -85,9 +73,10 @@ def build(store: QuantizedKVStore, req_to_token: torch.Tensor, req_pool_indices:
                           for i, (a, e, p) in enumerate(zip(starts, ends, prefix))])
         # Read the context as it is before this step, then let the step's tokens claim their frames. "paged"
         # steps see the fp16 window of their own page (as decode will); "full" sees the prefix's own window.
-        plan = store.plan(tables, reqs, starts, starts if store.cfg.prefill == "paged" else None)
-        write = store.begin_batch(out_cache_loc[rows], *_tokens(reqs, starts, ends, dev))
+        plan = plan_contexts(store, tables, reqs, starts, query_pos=starts if store.cfg.prefill == "paged" else None)
+        write = begin_batch(store, out_cache_loc[rows], *_tokens(reqs, starts, ends, dev))
         counts = [e - a for a, e in zip(starts, ends)]
         qo = torch.tensor([0] + counts, dtype=torch.int32, device=dev).cumsum(0).to(torch.int32)
-        steps.append(Step(None if one_step else rows, write, plan, qo, max(counts)))
-    return ForwardPlan(False, steps)
+        steps.append(Step(plan=plan, write=write, rows=None if one_step else rows, qo_indptr=qo,
+                          max_qo_len=max(counts)))
+    return ForwardPlan(is_decode=False, steps=steps)

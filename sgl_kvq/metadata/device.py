@@ -1,13 +1,14 @@
 """Decode metadata built on the device with fixed shapes and no host sync: kvq_triton's decode path, eager and
 under CUDA graphs alike.
 
-For a decode batch (one new token per request) `build_decode` does what QuantizedKVStore.begin_batch followed by
-QuantizedKVStore.plan do on the host (the reference; tests/test_decode_metadata.py compares the two on random pool
-states), as static-shape torch ops over capacity-sized buffers, so the same code runs eagerly and inside a captured
-graph (SGLang's `init_forward_metadata_in_graph` contract: no .item() / .tolist() / dynamic shapes):
+For a decode batch (one new token per request) `build_decode` does what host.begin_batch followed by
+host.plan_contexts do on the host (the reference, sgl_kvq/metadata/host.py; tests/test_decode_metadata.py compares
+the two on random pool states), as static-shape torch ops over capacity-sized buffers, so the same code runs
+eagerly and inside a captured graph (SGLang's `init_forward_metadata_in_graph` contract: no .item() / .tolist() /
+dynamic shapes):
 
     begin  page_gen[page] += 1 where the token opens a page (offset 0): frames of a reused page stop matching it;
-           the token's frame (req_slot * ring + logical_page % ring) is tagged with (page, page_gen[page])
+           the token's frame (layout.frame_of) is tagged with (page, page_gen[page])
     write  frame_ids [B], frame_offs [B]: where each token's fp16 row goes; done_pages [B]: the pool page the token
            completes (offset G - 1), 0 when none (page 0 is SGLang's dummy page: the quantize kernel skips it)
     plan   the PagedPlan of every request's context after its token: the longest suffix of its last `ring` logical
@@ -19,19 +20,10 @@ slot 0's frames and page 0, both reserved and never read by a real request.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from sgl_kvq.attention_ref import PagedPlan
-
-
-@dataclass
-class DecodeWrite:
-    """Where one decode batch's new tokens go; every row is written (all of a decode token's pages are recent)."""
-    frame_ids: torch.Tensor  # [B] int32 overlay frame of row b's token
-    frame_offs: torch.Tensor  # [B] int32 its offset in the page
-    done_pages: torch.Tensor  # [B] int32 pool page row b completes, 0 if none (quantized after the frame write)
+from sgl_kvq.layout import frame_of
+from sgl_kvq.plan import DecodeWrite, PagedPlan
 
 
 class DecodeBuffers:
@@ -77,7 +69,7 @@ def build_decode(store, req_to_token: torch.Tensor, req_pool_indices: torch.Tens
     lpage = (lens - 1) // G
     # begin: one token per request, so frames never collide within the batch (padded rows share slot 0's frame).
     store.page_gen.index_add_(0, pages, (offs == 0).long())
-    frames = req * ring + lpage % ring
+    frames = frame_of(req, lpage, ring)
     store.ov_tag[frames] = pages
     store.ov_gen[frames] = store.page_gen[pages]
     write.frame_ids.copy_(frames)
@@ -93,7 +85,7 @@ def build_decode(store, req_to_token: torch.Tensor, req_pool_indices: torch.Tens
     in_ctx = cand >= 0
     cand_c = cand.clamp(min=0)
     cand_page = table.gather(1, cand_c)
-    cand_frame = req[:, None] * ring + cand_c % ring
+    cand_frame = frame_of(req[:, None], cand_c, ring)
     valid = in_ctx & (store.ov_tag[cand_frame] == cand_page) & (store.ov_gen[cand_frame] == store.page_gen[cand_page])
     n_ov = valid.long().cumprod(1).sum(1)  # longest valid suffix
     n_base = n_pages - n_ov
@@ -110,5 +102,5 @@ def build_decode(store, req_to_token: torch.Tensor, req_pool_indices: torch.Tens
     ov_page = n_base[:, None] + bufs.ring_cols[None, :]
     dest = torch.where(bufs.ring_cols[None, :] < n_ov[:, None], plan.ov_indptr[:-1, None].long() + bufs.ring_cols,
                        trash_ov)
-    bufs.ov_indices.scatter_(0, dest.reshape(-1), (req[:, None] * ring + ov_page % ring).to(torch.int32).reshape(-1))
+    bufs.ov_indices.scatter_(0, dest.reshape(-1), frame_of(req[:, None], ov_page, ring).to(torch.int32).reshape(-1))
     return write, plan

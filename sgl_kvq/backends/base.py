@@ -1,0 +1,97 @@
+"""The base class the kvq attention backends share (kvq_torch, kvq_triton and kvq_torch's specache subclass)."""
+
+from __future__ import annotations
+
+import abc
+
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+
+from sgl_kvq.metadata.forward import build_forward_plan
+from sgl_kvq.plan import ForwardPlan
+
+
+class KVQAttentionBackendBase(AttentionBackend):
+    """The forward plan built once per batch (sgl_kvq/metadata/), the write order per layer, the layer checks.
+    Subclasses supply the attention compute (`extend`, `decode`) and whether writes use the Triton kernels."""
+
+    name = "kvq"
+    write_kernels = False
+
+    def __init__(self, model_runner):
+        super().__init__()
+        from sgl_kvq.pool import KVQTokenToKVPool
+
+        pool = model_runner.token_to_kv_pool
+        if not isinstance(pool, KVQTokenToKVPool):
+            raise ValueError(f"sgl_kvq: the {self.name} attention backend needs a quantized KV cache "
+                             f"(--kv-cache-dtype kivi2 ...); this server's pool is {type(pool).__name__}")
+        self.pool = pool
+        self.store = pool.store
+        self.req_to_token = model_runner.req_to_token_pool.req_to_token
+        self.forward_plan: ForwardPlan | None = None
+
+    def init_forward_metadata(self, forward_batch):
+        mode = forward_batch.forward_mode
+        if mode.is_idle():
+            self.forward_plan = None
+            return
+        fb = forward_batch
+        if mode.is_decode():
+            self.forward_plan = build_forward_plan(self.store, self.req_to_token, fb.req_pool_indices, fb.seq_lens,
+                                                   fb.out_cache_loc, is_decode=True)
+        elif mode.is_extend() and not mode.is_mixed() and not mode.is_target_verify():
+            self.forward_plan = build_forward_plan(self.store, self.req_to_token, fb.req_pool_indices, fb.seq_lens,
+                                                   fb.out_cache_loc, is_decode=False,
+                                                   extend_prefix_lens=fb.extend_prefix_lens_cpu,
+                                                   extend_seq_lens=fb.extend_seq_lens_cpu)
+        else:
+            raise NotImplementedError(f"sgl_kvq: forward mode {mode.name} is not supported by {self.name}")
+
+    @staticmethod
+    def _check_layer(layer):
+        if layer.is_cross_attention or (layer.sliding_window_size is not None and layer.sliding_window_size > -1) \
+                or (layer.logit_cap or 0) > 0 or layer.qk_head_dim != layer.v_head_dim:
+            raise NotImplementedError("sgl_kvq: cross attention, sliding windows, logit caps and qk/v head dims "
+                                      "that differ are not supported")
+
+    def _views(self, q, k, v, layer):
+        self._check_layer(layer)
+        q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        if k is not None:
+            k = k.reshape(-1, layer.tp_k_head_num, layer.qk_head_dim)
+            v = v.reshape(-1, layer.tp_v_head_num, layer.v_head_dim)
+        return q, k, v, self.pool.layer_index(layer.layer_id)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        q, k, v, li = self._views(q, k, v, layer)
+        out = None
+        for step in self.forward_plan.steps:
+            sq, sk, sv = (q, k, v) if step.rows is None else (q[step.rows], k[step.rows], v[step.rows])
+            # Attend first: the prefix's fp16 frames may be reused by this step's own tokens, so read them before
+            # this layer's write (sgl_kvq/kv_store.py).
+            o = self.extend(sq, sk, sv, li, step, layer.scaling)
+            if save_kv_cache:
+                self.store.write_layer(li, step.write, sk, sv, kernels=self.write_kernels)
+            if step.rows is None:
+                out = o
+            else:
+                if out is None:
+                    out = o.new_empty(q.shape[0], *o.shape[1:])
+                out[step.rows] = o
+        return out.reshape(q.shape[0], -1)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        q, k, v, li = self._views(q, k, v, layer)
+        step = self.forward_plan.steps[0]
+        if save_kv_cache:
+            self.store.write_layer(li, step.write, k, v, kernels=self.write_kernels)
+        return self.decode(q, li, step, layer.scaling).reshape(q.shape[0], -1)
+
+    @abc.abstractmethod
+    def extend(self, q, k, v, li, step, sm_scale):
+        """q [N, Hq, D], fresh k/v [N, H, D] -> [N, Hq, D]: the context before the step (step.plan) plus the
+        step's own tokens, causally."""
+
+    @abc.abstractmethod
+    def decode(self, q, li, step, sm_scale):
+        """q [B, Hq, D] -> [B, Hq, D] over each request's whole context (step.plan)."""

@@ -1,0 +1,93 @@
+"""Host-side metadata of one batch over a QuantizedKVStore: where its tokens go (begin_batch -> BatchWrite) and
+what each request attends to (plan_contexts -> PagedPlan). Any batch shape (decode, extend, a paged-prefill step);
+reads tensors back to the host (.tolist()), so it runs eagerly only. The reference of the device-side decode
+builder (sgl_kvq/metadata/device.py); sgl_kvq/metadata/forward.py composes the two into a forward's steps.
+
+Frames are layer-independent metadata (tags, generations) updated once per batch in begin_batch; their contents are
+per layer and written by QuantizedKVStore.write_layer.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from sgl_kvq.layout import frame_of
+from sgl_kvq.plan import BatchWrite, PagedPlan
+
+if TYPE_CHECKING:
+    from sgl_kvq.kv_store import QuantizedKVStore
+
+
+def begin_batch(store: QuantizedKVStore, slots: torch.Tensor, req_slots: torch.Tensor, positions: torch.Tensor,
+                seq_lens_after: torch.Tensor) -> BatchWrite:
+    """slots/req_slots/positions: [T] per written token; seq_lens_after: [T] the length of the token's request
+    after this batch (decides which of its tokens stay in the fp16 window)."""
+    G = store.G
+    slots, req_slots, positions = slots.long(), req_slots.long(), positions.long()
+    pages, offs = slots // G, slots % G
+    if bool(((positions % G) != offs).any()):
+        raise AssertionError("sgl_kvq: token slot offsets do not follow position % G (page size != G?)")
+    lpage = positions // G
+    frames = frame_of(req_slots, lpage, store.ring)
+    # A freed page that is reused starts at offset 0: bump its generation so stale frames stop matching it.
+    starts = pages[offs == 0]
+    store.page_gen[starts] += 1
+    # Tokens in the request's last `ring` pages stay in the overlay; older ones would be overwritten in this same
+    # batch (their frame is reused by a later page) so they go straight to the base.
+    last_lpage = (seq_lens_after.long() - 1) // G
+    keep = lpage > last_lpage - store.ring
+    frame_rows = keep.nonzero().squeeze(1)
+    kf, kp = frames[frame_rows], pages[frame_rows]
+    store.ov_tag[kf] = kp
+    store.ov_gen[kf] = store.page_gen[kp]
+    # Pages completed by this batch: the batch wrote their last slot.
+    done_rows = (offs == G - 1).nonzero().squeeze(1)
+    done_pages = pages[done_rows]
+    done_frames = frames[done_rows]
+    tok_in_done = torch.isin(pages, done_pages)
+    done_tok_rows = tok_in_done.nonzero().squeeze(1)
+    page_index = {int(p): i for i, p in enumerate(done_pages.tolist())}
+    done_tok_page = torch.tensor([page_index[int(p)] for p in pages[done_tok_rows].tolist()], dtype=torch.int64,
+                                 device=store.device)
+    return BatchWrite(slots=slots, frame_rows=frame_rows, frame_ids=kf, frame_offs=offs[frame_rows],
+                      done_pages=done_pages, done_frames=done_frames, done_tok_rows=done_tok_rows,
+                      done_tok_page=done_tok_page, done_tok_off=offs[done_tok_rows])
+
+
+def plan_contexts(store: QuantizedKVStore, page_tables: list[torch.Tensor], req_slots: list[int], seq_lens: list[int],
+                  *, query_pos: list[int] | None = None) -> PagedPlan:
+    """FlashInfer-style plan for requests whose contexts are the first seq_lens[b] positions of page_tables[b]
+    (pool page ids of logical pages 0, 1, ...). Pages of the fp16 window of a query at query_pos[b] (default:
+    the context's last position, as in decode) whose frames still hold them (tag and generation match) are
+    read from the overlay, as the longest such suffix; the rest from the packed base."""
+    G, ring = store.G, store.ring
+    kv_indptr, kv_indices, kv_last, ov_indptr, ov_indices, ov_last = [0], [], [], [0], [], []
+    tags, gens, pgen = store.ov_tag.tolist(), store.ov_gen.tolist(), store.page_gen
+    query_pos = query_pos or [n - 1 for n in seq_lens]
+    for pages, r, n_tok, qp in zip(page_tables, req_slots, seq_lens, query_pos):
+        n_pages = -(-n_tok // G)
+        pages = pages[:n_pages].tolist()
+        n_ov = 0
+        for n in range(n_pages - 1, max(qp // G - ring + 1, 0) - 1, -1):
+            f = frame_of(r, n, ring)
+            if tags[f] != pages[n] or gens[f] != int(pgen[pages[n]]):
+                break
+            n_ov += 1
+        n_base = n_pages - n_ov
+        tail = n_tok - (n_pages - 1) * G if n_pages else 0
+        if n_ov == 0 and tail != G and n_pages:
+            raise RuntimeError(f"sgl_kvq: request slot {r}: its open page {pages[-1]} has no fp16 frame "
+                               "(pool state inconsistent)")
+        kv_indices += pages[:n_base]
+        kv_indptr.append(len(kv_indices))
+        kv_last.append(G if n_ov else (tail if n_base else 0))
+        ov_indices += [frame_of(r, n, ring) for n in range(n_base, n_pages)]
+        ov_indptr.append(len(ov_indices))
+        ov_last.append(tail if n_ov else 0)
+
+    def i32(x):
+        return torch.tensor(x, dtype=torch.int32, device=store.device)
+
+    return PagedPlan(i32(kv_indptr), i32(kv_indices), i32(kv_last), i32(ov_indptr), i32(ov_indices), i32(ov_last))
