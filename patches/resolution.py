@@ -16,7 +16,7 @@ _SOURCE = "sgl_kvq"
 
 def kvq_backend_for(device: str | None, cfg=None) -> str:
     # kvq_triton reads packed pages in fused Triton kernels on CUDA; kvq_torch is the reference and the CPU path,
-    # and the only backend with SpeCache's two lanes so far.
+    # and the only backend with SpeCache's two lanes.
     from sgl_kvq.patches.backends import triton_backend_available
 
     if cfg is not None and cfg.is_specache:

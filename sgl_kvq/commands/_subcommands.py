@@ -1,7 +1,7 @@
 """Shared plumbing for `sgl-kvq eval <what>` and `sgl-kvq bench <what>`: one sub-parser per module that exists.
 
 Each evaluation/benchmark is a module with `add_arguments(p)` and `run(args) -> int`. Modules that are not
-installed (yet) are left out of the parser; the others are imported whenever `sgl-kvq eval`/`bench` runs, so
+installed are left out of the parser; the others are imported whenever `sgl-kvq eval`/`bench` runs, so
 they keep heavy imports (torch, sglang) inside run().
 """
 
