@@ -48,6 +48,8 @@ def load() -> None:
                           sizing.profile_available_bytes, HookType.AROUND)
     HookRegistry.register("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.resolve_max_num_reqs",
                           sizing.resolve_max_num_reqs, HookType.AROUND)
+    HookRegistry.register("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._apply_token_constraints",
+                          sizing.apply_token_constraints, HookType.AROUND)
     HookRegistry.register("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_token_to_kv_pool",
                           pool_build.build_token_to_kv_pool, HookType.AROUND)
     HookRegistry.register("sglang.srt.mem_cache.common.release_kv_cache", retraction.release_kv_cache, HookType.AROUND)

@@ -60,9 +60,15 @@ def profile_available_bytes(orig, self, *args, **kwargs):
     _budget["bytes"] = budget
     shape = kvq_pool_shape(self)
     if shape is not None:
-        split = split_budget(budget, shape, self.model_dtype, host_is_device=str(self.device).startswith("cpu"),
+        host_is_device = str(self.device).startswith("cpu")
+        host_budget = None
+        if shape.cfg.is_specache and not host_is_device:
+            from sgl_kvq.specache.host_tier import available_host_bytes
+
+            host_budget = int(available_host_bytes() * env.host_mem_fraction())
+        split = split_budget(budget, shape, self.model_dtype, host_is_device=host_is_device,
                              requested=requested_max_running_requests(self),
-                             context_len=self.model_config.context_len)
+                             context_len=self.model_config.context_len, host_budget_bytes=host_budget)
         _splits[id(self)] = split
         logger.info("%s", split.describe(shape.cfg.name))
     return budget
@@ -74,6 +80,16 @@ def pool_configurator_init(orig, self, kvc, *args, **kwargs):
         split = budget_split(kvc)
         self._cell_size = split.per_token_bytes
         self._fixed_overhead_bytes += split.request_bytes
+
+
+def apply_token_constraints(orig, self, token_capacity: int) -> int:
+    """SpeCache on a GPU: no more tokens than the host tier can hold (SGLang's own token cap, like
+    --max-total-tokens)."""
+    tokens = orig(self, token_capacity)
+    split = _splits.get(id(self)) if is_kvq_dtype(self.kv_cache_dtype_str) else None
+    if split is not None and split.host_token_cap is not None:
+        tokens = min(tokens, split.host_token_cap)
+    return tokens
 
 
 def resolve_max_num_reqs(orig, self, token_capacity: int) -> int:

@@ -14,6 +14,7 @@ HOOK_TARGETS = (
     "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_token_to_kv_pool",
     "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes",
     "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.resolve_max_num_reqs",
+    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._apply_token_constraints",
     "sglang.srt.mem_cache.common.release_kv_cache",
     "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController._add_memory_usage",
     "sglang.srt.model_executor.runner.eager_runner.EagerRunner._execute_decode",

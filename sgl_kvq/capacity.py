@@ -10,12 +10,15 @@ it (min. 1). An explicit --max-running-requests is honoured while the pool still
 same budget; beyond that it is refused with the largest value that fits. Mamba-style hybrid models in SGLang size
 their per-request state the same way: a share of the budget, with the request count derived from it.
 
-On the CPU engine a SpeCache host tier lives in the same RAM as the "device" pool, so it is charged per token here
-(16-bit + packed > bf16: SpeCache cannot hold more tokens than bf16 where host and device memory are one).
+SpeCache's host tier holds every pool token in 16 bits. On a GPU it lives in host RAM, so the pool's tokens are
+capped at what KVQ_HOST_MEM_FRACTION of the host's available RAM holds (the device memory beyond that stays free).
+On the CPU engine host and "device" are one RAM: the host row is charged per token here (16-bit + packed > bf16:
+SpeCache cannot hold more tokens than bf16 where host and device memory are one).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -59,6 +62,7 @@ class BudgetSplit:
     dense_per_token_bytes: int  # the model dtype's bytes per token (SGLang's bf16 cell)
     page_size: int
     chosen_by: str  # "share" (derived from cfg.overlay_share) or "--max-running-requests"
+    host_token_cap: int | None = None  # SpeCache on a GPU: the tokens whose 16-bit rows the host RAM allowed holds
 
     @property
     def request_slots(self) -> int:
@@ -72,6 +76,8 @@ class BudgetSplit:
     def tokens(self) -> int:
         """Tokens the pool holds (SGLang rounds down to whole pages)."""
         n = max(self.budget_bytes - self.request_bytes, 0) // self.per_token_bytes
+        if self.host_token_cap is not None:
+            n = min(n, self.host_token_cap)
         return n // self.page_size * self.page_size
 
     @property
@@ -88,7 +94,8 @@ class BudgetSplit:
                 f"{self.per_token_bytes} B + {self.request_slots} request slots x {self.per_request_bytes / 2**20:.2f} "
                 f"MiB of fp16 state ({self.request_bytes / max(self.budget_bytes, 1):.1%} of the budget); "
                 f"max_running_requests {self.max_running_requests} ({self.chosen_by}); "
-                f"{self.ratio:.2f}x the {self.dense_tokens} tokens of the model dtype")
+                f"{self.ratio:.2f}x the {self.dense_tokens} tokens of the model dtype"
+                + ("" if self.host_token_cap is None else f"; host tier caps the pool at {self.host_token_cap} tokens"))
 
 
 def largest_fitting_requests(budget_bytes: int, per_request: int, per_token: int, dense_per_token: int,
@@ -100,18 +107,28 @@ def largest_fitting_requests(budget_bytes: int, per_request: int, per_token: int
 
 
 def split_budget(budget_bytes: int, shape: PoolShape, model_dtype: torch.dtype, *, host_is_device: bool,
-                 requested: int | None = None, context_len: int | None = None) -> BudgetSplit:
+                 requested: int | None = None, context_len: int | None = None,
+                 host_budget_bytes: int | None = None) -> BudgetSplit:
     """Decide max_running_requests for a kvq pool of `shape` in `budget_bytes` (see the module doc).
     requested: the user's --max-running-requests per worker, or None. context_len: the model's, for SGLang's own
-    cap on the default (2048..4096 requests, tokens // 2)."""
+    cap on the default (2048..4096 requests, tokens // 2). host_budget_bytes: the host RAM SpeCache's host tier may
+    take where it is not the device's memory."""
     cfg: KVQConfig = shape.cfg
     per_req = per_request_bytes(shape, model_dtype)
     per_tok = per_token_bytes(shape, model_dtype, host_is_device)
     dense = dense_bytes_per_token(shape, model_dtype)
     largest = largest_fitting_requests(budget_bytes, per_req, per_tok, dense, cfg.overlay_share)
 
+    host_cap = None
+    if cfg.is_specache and not host_is_device and host_budget_bytes is not None:
+        from sgl_kvq.specache.host_tier import host_bytes_per_token
+
+        # The host tier also holds page 0's rows (SGLang's dummy page).
+        rows = host_budget_bytes // host_bytes_per_token(shape.layers, shape.heads, shape.head_dim, model_dtype)
+        host_cap = max(rows // cfg.page_size - 1, 0) * cfg.page_size
+
     def split(n: int, how: str) -> BudgetSplit:
-        return BudgetSplit(budget_bytes, n, per_req, per_tok, dense, cfg.page_size, how)
+        return BudgetSplit(budget_bytes, n, per_req, per_tok, dense, cfg.page_size, how, host_cap)
 
     if requested is not None:
         if requested > largest:
@@ -144,8 +161,7 @@ def _capped(s: BudgetSplit) -> BudgetSplit:
     cap = max(s.tokens // 2, 1)
     if s.max_running_requests <= cap:
         return s
-    return BudgetSplit(s.budget_bytes, cap, s.per_request_bytes, s.per_token_bytes, s.dense_per_token_bytes,
-                       s.page_size, s.chosen_by)
+    return dataclasses.replace(s, max_running_requests=cap)
 
 
 def _budget_for_one(per_req: int, per_tok: int, dense: int, share: float) -> int:

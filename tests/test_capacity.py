@@ -124,3 +124,21 @@ def test_overlay_share_knob_is_validated(monkeypatch):
     monkeypatch.setenv("KVQ_OVERLAY_SHARE", "0.2")
     assert parse_kv_cache_dtype("kivi2").overlay_share == 0.2
     assert parse_kv_cache_dtype("kivi2") is parse_kv_cache_dtype("kivi2")  # parsed once per name and knobs
+
+
+def test_specache_on_a_gpu_is_capped_by_the_host_ram_its_tier_may_take():
+    """Default flags on a GPU must not fail on the host tier: the pool holds what the host RAM allowed holds."""
+    from sgl_kvq.specache.host_tier import check_host_budget, host_bytes_per_token
+
+    shape, model_dtype = shape_of("llama-3-8b", "specache2")
+    host_budget = 64 * GIB
+    s = split_budget(60 * GIB, shape, model_dtype, host_is_device=False, context_len=8192,
+                     host_budget_bytes=host_budget)
+    per_host_token = host_bytes_per_token(32, 8, 128, model_dtype)
+    assert s.tokens == s.host_token_cap < split_budget(60 * GIB, shape, model_dtype, host_is_device=False).tokens
+    assert s.tokens % 64 == 0 and "host tier caps" in s.describe("specache2")
+    # The tier the pool then builds (its tokens plus page 0) passes the startup check at the same budget.
+    check_host_budget("specache2", s.tokens + 64, per_host_token, 1.0, available=host_budget)
+    kivi = shape_of("llama-3-8b", "kivi2")[0]
+    assert split_budget(60 * GIB, kivi, model_dtype, host_is_device=False,
+                        host_budget_bytes=host_budget).host_token_cap is None
