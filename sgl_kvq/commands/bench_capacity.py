@@ -103,6 +103,7 @@ def table(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], path: str) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -111,17 +112,23 @@ def plot(rows: list[dict], path: str) -> None:
     for ax, kind, title in ((axes[0], "mem_fraction_static", "SGLang's default sizing (--mem-fraction-static)"),
                             (axes[1], "kv_cache_gb", "pinned KV budget (KVQ_KV_CACHE_GB)")):
         for dtype in dict.fromkeys(r["kv_cache_dtype"] for r in rows):
-            pts = sorted((r["kv_budget_bytes"] / 2**30, r["x_bf16"]) for r in rows
-                         if r["kv_cache_dtype"] == dtype and kind in r["budget"] and "x_bf16" in r)
+            # Tokens per byte of each server's own budget: a profiled budget moves with other processes' memory.
+            pts = sorted((r["kv_budget_bytes"] / 2**30, r["x_bf16_per_budget"]) for r in rows
+                         if r["kv_cache_dtype"] == dtype and kind in r["budget"] and "x_bf16_per_budget" in r)
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=dtype)
+                ax.plot(*zip(*pts), marker="o", label="bf16" if dtype == "auto" else dtype)
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("KV budget of the server (GiB)")
         ax.set_title(title, fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].set_ylabel("capacity / bf16 capacity (max_total_num_tokens)")
+    axes[0].set_ylabel("tokens per GiB of budget / bf16's")
     axes[1].legend()
-    fig.tight_layout()
+    refused = {r["kv_cache_dtype"]: r["refused"] for r in rows if "refused" in r}
+    if refused:
+        fig.text(0.01, 0.01, "did not start: " + "; ".join(f"{d}: {why}" for d, why in refused.items()), fontsize=8)
+    fig.tight_layout(rect=(0, 0.04 if refused else 0, 1, 1))
     fig.savefig(path, dpi=110)
 
 
