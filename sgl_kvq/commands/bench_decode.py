@@ -137,14 +137,22 @@ def ratios(rows: list[dict]) -> None:
             r["x_bf16_read_bytes"] = r["kv_read_bytes_per_step"] / b["kv_read_bytes_per_step"]
 
 
+COLUMNS = [  # (header, cell of a row)
+    ("kv dtype", lambda r: r["kv_cache_dtype"]),
+    ("batch", lambda r: r["batch"]),
+    ("context", lambda r: r["context"]),
+    ("ms/step", lambda r: f"{r['ms_per_step']:.0f}"),
+    ("tok/s", lambda r: f"{r['tok_per_s']:.1f}"),
+    ("x bf16 tok/s", lambda r: f"{r.get('x_bf16_tok_per_s', float('nan')):.2f}"),
+    ("KV MB read/step", lambda r: f"{r['kv_read_bytes_per_step'] / 1e6:.1f}"),
+    ("x bf16 bytes", lambda r: f"{r.get('x_bf16_read_bytes', float('nan')):.2f}"),
+]
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["| kv dtype | batch | context | ms/step | tok/s | x bf16 tok/s | KV MB read/step | x bf16 bytes |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['kv_cache_dtype']} | {r['batch']} | {r['context']} | {r['ms_per_step']:.0f} | "
-                     f"{r['tok_per_s']:.1f} | {r.get('x_bf16_tok_per_s', float('nan')):.2f} | "
-                     f"{r['kv_read_bytes_per_step'] / 1e6:.1f} | {r.get('x_bf16_read_bytes', float('nan')):.2f} |")
-    return "\n".join(lines)
+    head = "| " + " | ".join(h for h, _ in COLUMNS) + " |"
+    rule = "|" + "---|" * len(COLUMNS)
+    return "\n".join([head, rule] + ["| " + " | ".join(str(cell(r)) for _, cell in COLUMNS) + " |" for r in rows])
 
 
 def plot(rows: list[dict], path: str) -> None:
