@@ -87,7 +87,7 @@ def time_point(server, batch: int, context: int, steps: int, reps: int, vocab: i
             "max_new_tokens": n, "ignore_eos": True, "temperature": 0.0}})
         return time.perf_counter() - t
 
-    server.post("/flush_cache", {})
+    server.get("/flush_cache")  # answers in plain text
     generate(1)  # prefill into the radix cache
     best = float("inf")
     for _ in range(reps):
