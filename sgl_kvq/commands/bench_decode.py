@@ -11,8 +11,11 @@ the fp16 window of the kvq dtypes and SpeCache's top-k 16-bit rows.
 --tree DTYPE=DIR also runs DTYPE with the sgl_kvq package of checkout DIR (e.g. the commit before a change),
 labelled DTYPE@DIR: a before/after comparison in one run against the same bf16 baseline.
 
-Default grid (SmolLM2 allows 8192 positions, so its longest context is 8192 - N - 8): about 12 minutes on the
-2-core CPU machine for 4 dtypes; --quick (1k and 4k, B = 1 and 8, N = 8) about 5.
+Default grid (SmolLM2 allows 8192 positions, so its longest context is 8192 - N - 8): B=1 at 1k, 2k, 4k and the
+longest, B=8 at 1k and 2k. Cost is dominated by prefill (kvq extends run the per-request reference) and by the
+slowest dtype: on the shared 2-core machine under load (load average 8-10) one server took 4-5 minutes for B=8 and
+B=1 at 1k with N=8, so the default grid needs well over the 10-15 minutes budgeted; pass --quick, or --context/
+--batch/--skip, there.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ def add_arguments(p) -> None:
                    help="comma list of context lengths in tokens; max = the model's limit less the new tokens")
     p.add_argument("--batch", default="1,8", help="comma list of batch sizes")
     p.add_argument("--skip", default="8x4096,8xmax",
-                   help="BxC points of the grid left out (B=8 at 4k and 8k takes most of an hour on 2 cores)")
+                   help="BxC points of the grid left out (B=8 at 4k and 8k: prefill alone takes many minutes on 2 cores)")
     p.add_argument("--steps", type=int, default=16, help="decode steps N timed per point")
     p.add_argument("--reps", type=int, default=2, help="timed repetitions per point; the fastest counts")
     p.add_argument("--quick", action="store_true", help="contexts 1024,4096, batches 1,8, N=8, one repetition")
