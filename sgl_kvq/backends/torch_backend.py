@@ -1,21 +1,29 @@
-"""kvq_torch: the reference attention backend over the quantized pool; any device, the CPU default.
+"""kvq_torch: the torch attention backend over the quantized pool; any device, the CPU default.
 
-It dequantizes per request, only the pages that request references (sgl_kvq/attention_ref.py), never the pool."""
+Decode runs batched (sgl_kvq/attention_batched.py: one padded attention over the batch, its index built once per
+batch); extend runs the per-request reference (sgl_kvq/attention_ref.py). Both dequantize only the pages the
+batch references, never the pool."""
 
 from __future__ import annotations
 
-from sgl_kvq import attention_ref
+from sgl_kvq import attention_batched, attention_ref
 from sgl_kvq.backends.base import KVQAttentionBackendBase
 
 
 class KVQTorchBackend(KVQAttentionBackendBase):
     name = "kvq_torch"
 
+    def __init__(self, model_runner):
+        super().__init__(model_runner)
+        self._batched = None  # (plan, BatchedContext) of the current decode batch, shared by its layers
+
     def extend(self, q, k, v, li, step, sm_scale):
         return attention_ref.ref_extend(q, k, v, step.qo_indptr, self.store.layer_view(li), step.plan, sm_scale)
 
     def decode(self, q, li, step, sm_scale):
-        return attention_ref.ref_decode(q, self.store.layer_view(li), step.plan, sm_scale)
+        if self._batched is None or self._batched[0] is not step.plan:
+            self._batched = (step.plan, attention_batched.prepare(step.plan, self.store.G))
+        return attention_batched.decode(q, self.store.layer_view(li), self._batched[1], sm_scale)
 
     def support_triton(self):
         return False

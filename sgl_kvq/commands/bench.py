@@ -1,4 +1,5 @@
-"""`sgl-kvq bench <what>`: `multiturn`, `capacity` (sgl_kvq/commands/bench_*.py) and `kernels` (bench/kernels.py)."""
+"""`sgl-kvq bench <what>`: `multiturn`, `capacity`, `decode` (sgl_kvq/commands/bench_*.py) and `kernels`
+(bench/kernels.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ BENCHMARKS = {
     "multiturn": ("sgl_kvq.commands.bench_multiturn", "multi-turn ShareGPT clients against a server"),
     "kernels": ("sgl_kvq.commands.bench_kernels", "Triton kernel microbenchmarks (bench/kernels.py, from a checkout)"),
     "capacity": ("sgl_kvq.commands.bench_capacity", "KV token capacity per dtype at the same KV memory, from servers"),
+    "decode": ("sgl_kvq.commands.bench_decode", "decode ms/step and tok/s vs context length per dtype, from servers"),
 }
 
 

@@ -1,0 +1,220 @@
+"""`sgl-kvq bench decode`: per-step decode time against context length, per KV dtype, through SGLang's server.
+
+One server per KV dtype (bf16 first: the baseline every ratio is taken against, measured in the same run), all
+with the same KV budget and --max-running-requests. For each (batch B, context C): B prompts of C random tokens
+are prefilled once (into the radix cache), then sent again with 1 and with 1 + N new tokens (greedy, EOS ignored):
+both runs hit the cache, so their time difference is N decode steps of the B-request batch at context ~C
+(ms/step = difference / N; the best of --reps). KV bytes a step reads: B x (C x the pool's bytes per token), the
+packed base for kvq dtypes (the pool's base_bytes_per_token; bf16: 2 x layers x KV heads x head_dim x 2 B), plus
+the fp16 window of the kvq dtypes and SpeCache's top-k 16-bit rows.
+
+--tree DTYPE=DIR also runs DTYPE with the sgl_kvq package of checkout DIR (e.g. the commit before a change),
+labelled DTYPE@DIR: a before/after comparison in one run against the same bf16 baseline.
+
+Default grid (SmolLM2 allows 8192 positions, so its longest context is 8192 - N - 8): B=1 at 1k, 2k, 4k and the
+longest, B=8 at 1k and 2k. Cost is dominated by prefill (kvq extends run the per-request reference) and by the
+slowest dtype: on the shared 2-core machine under load (load average 8-10) one server took 4-5 minutes for B=8 and
+B=1 at 1k with N=8, so the default grid needs well over the 10-15 minutes budgeted; pass --quick, or --context/
+--batch/--skip, there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DEFAULT_DTYPES = "auto,kivi4,kivi2,specache2"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="smollm2", help="smollm2 | tiny | a model folder")
+    p.add_argument("--kv-cache-dtype", default=DEFAULT_DTYPES, help="comma list; auto = the model's bf16 (first)")
+    p.add_argument("--context", default="1024,2048,4096,max",
+                   help="comma list of context lengths in tokens; max = the model's limit less the new tokens")
+    p.add_argument("--batch", default="1,8", help="comma list of batch sizes")
+    p.add_argument("--skip", default="8x4096,8xmax",
+                   help="BxC points of the grid left out (B=8 at 4k and 8k: prefill alone takes many minutes on 2 cores)")
+    p.add_argument("--steps", type=int, default=16, help="decode steps N timed per point")
+    p.add_argument("--reps", type=int, default=2, help="timed repetitions per point; the fastest counts")
+    p.add_argument("--quick", action="store_true", help="contexts 1024,4096, batches 1,8, N=8, one repetition")
+    p.add_argument("--tree", action="append", default=[], metavar="DTYPE=DIR",
+                   help="also run DTYPE with the sgl_kvq of checkout DIR (labelled DTYPE@DIR)")
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--plot", metavar="PATH", help="PNG: ms/step and tok/s ratio to bf16 vs context length")
+
+
+def grid(args, limit: int) -> list[tuple[int, int]]:
+    if args.quick:
+        args.context, args.batch, args.steps, args.reps, args.skip = "1024,4096", "1,8", 8, 1, "8x4096"
+    top = limit - args.steps - 8
+    ctxs = [top if c == "max" else min(int(c), top) for c in args.context.split(",") if c]
+    skip = {s.replace("max", str(top)) for s in args.skip.split(",") if s}
+    return [(b, c) for b in map(int, args.batch.split(",")) for c in ctxs if f"{b}x{c}" not in skip]
+
+
+def model_geometry(model: Path) -> dict:
+    cfg = json.loads((model / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    return {"layers": cfg["num_hidden_layers"], "kv_heads": cfg.get("num_key_value_heads", heads),
+            "head_dim": cfg.get("head_dim", cfg["hidden_size"] // heads),
+            "max_positions": cfg.get("max_position_embeddings", 8192), "vocab": cfg["vocab_size"]}
+
+
+def read_bytes_per_step(stats: dict, geo: dict, batch: int, context: int) -> int:
+    """KV bytes one decode step reads: each request's context in the pool's format."""
+    fp16_token = 2 * geo["layers"] * geo["kv_heads"] * geo["head_dim"] * 2
+    if "base_bytes_per_token" not in stats:
+        return batch * context * fp16_token
+    cfg = stats["config"]
+    window = min(context, cfg["residual"] + (context - 1) % cfg["group_size"] + 1)  # open page + R recent tokens
+    per_req = (context - window) * stats["base_bytes_per_token"] + window * fp16_token
+    if "specache" in stats:  # top-k rows per (layer, KV head) in 16 bits, read from the host tier
+        per_req += stats["specache"].get("top_k", 0) * fp16_token
+    return int(batch * per_req)
+
+
+def time_point(server, batch: int, context: int, steps: int, reps: int, vocab: int) -> float:
+    """Seconds per decode step of `batch` requests at `context` tokens (prefix cached; see the module doc)."""
+    rng = random.Random(context * 31 + batch)
+    ids = [[rng.randrange(100, vocab) for _ in range(context)] for _ in range(batch)]
+
+    def generate(n: int) -> float:
+        t = time.perf_counter()
+        server.post("/generate", {"input_ids": ids, "sampling_params": {
+            "max_new_tokens": n, "ignore_eos": True, "temperature": 0.0}})
+        return time.perf_counter() - t
+
+    server.get("/flush_cache")  # answers in plain text
+    generate(1)  # prefill into the radix cache
+    best = float("inf")
+    for _ in range(reps):
+        best = min(best, (generate(1 + steps) - generate(1)) / steps)
+    return best
+
+
+def measure(model: Path, label: str, dtype: str, tree: str | None, points, args, budget_gb: float, geo: dict,
+            log_dir: Path) -> list[dict]:
+    from sgl_kvq.launch import ServerProcess, baseline_page_size
+
+    server_args = ["--model-path", str(model), "--max-running-requests", str(max(b for b, _ in points))]
+    server_args += ["--page-size", str(baseline_page_size())] if dtype == "auto" else ["--kv-cache-dtype", dtype]
+    env = dict(os.environ)
+    os.environ["KVQ_KV_CACHE_GB"] = f"{budget_gb:.3f}"
+    if tree:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(tree).resolve())] + ([env["PYTHONPATH"]]
+                                                                                  if env.get("PYTHONPATH") else []))
+    rows = []
+    try:
+        print(f"[decode] {label}: starting a server (log {log_dir / (label.replace('/', '_') + '.log')})",
+              flush=True)
+        with ServerProcess(server_args, log_path=log_dir / f"{label.replace('/', '_')}.log") as server:
+            stats = server.kv_pool_stats()
+            for batch, context in points:
+                sec = time_point(server, batch, context, args.steps, args.reps, geo["vocab"])
+                row = {"kv_cache_dtype": label, "batch": batch, "context": context, "ms_per_step": sec * 1e3,
+                       "tok_per_s": batch / sec, "kv_read_bytes_per_step": read_bytes_per_step(stats, geo, batch,
+                                                                                                context)}
+                rows.append(row)
+                print(f"[decode] {label} B={batch} C={context}: {row['ms_per_step']:.0f} ms/step, "
+                      f"{row['tok_per_s']:.1f} tok/s", flush=True)
+            for r in rows:
+                r["pool"] = {k: stats.get(k) for k in ("capacity_tokens", "kv_bytes_per_token", "base_bytes_per_token")}
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+    return rows
+
+
+def ratios(rows: list[dict]) -> None:
+    base = {(r["batch"], r["context"]): r for r in rows if r["kv_cache_dtype"] == "auto"}
+    for r in rows:
+        b = base.get((r["batch"], r["context"]))
+        if b:
+            r["x_bf16_tok_per_s"] = r["tok_per_s"] / b["tok_per_s"]
+            r["x_bf16_read_bytes"] = r["kv_read_bytes_per_step"] / b["kv_read_bytes_per_step"]
+
+
+COLUMNS = [  # (header, cell of a row)
+    ("kv dtype", lambda r: r["kv_cache_dtype"]),
+    ("batch", lambda r: r["batch"]),
+    ("context", lambda r: r["context"]),
+    ("ms/step", lambda r: f"{r['ms_per_step']:.0f}"),
+    ("tok/s", lambda r: f"{r['tok_per_s']:.1f}"),
+    ("x bf16 tok/s", lambda r: f"{r.get('x_bf16_tok_per_s', float('nan')):.2f}"),
+    ("KV MB read/step", lambda r: f"{r['kv_read_bytes_per_step'] / 1e6:.1f}"),
+    ("x bf16 bytes", lambda r: f"{r.get('x_bf16_read_bytes', float('nan')):.2f}"),
+]
+
+
+def table(rows: list[dict]) -> str:
+    head = "| " + " | ".join(h for h, _ in COLUMNS) + " |"
+    rule = "|" + "---|" * len(COLUMNS)
+    return "\n".join([head, rule] + ["| " + " | ".join(str(cell(r)) for _, cell in COLUMNS) + " |" for r in rows])
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(2, len(batches), figsize=(6 * len(batches), 8), squeeze=False)
+    for j, batch in enumerate(batches):
+        for label in dict.fromkeys(r["kv_cache_dtype"] for r in rows):
+            pts = sorted((r["context"], r["ms_per_step"], r.get("x_bf16_tok_per_s")) for r in rows
+                         if r["kv_cache_dtype"] == label and r["batch"] == batch)
+            if not pts:
+                continue
+            name = "bf16" if label == "auto" else label
+            axes[0][j].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+            axes[1][j].plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=name)
+        axes[0][j].set_title(f"batch {batch}: decode ms/step", fontsize=10)
+        axes[1][j].set_title(f"batch {batch}: output tok/s / bf16's (same run)", fontsize=10)
+        axes[1][j].axhline(0.9, color="gray", lw=0.8, ls="--")
+        for ax in (axes[0][j], axes[1][j]):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("context tokens")
+            ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def run(args) -> int:
+    from sgl_kvq.commands.bench_multiturn import resolve_model
+
+    model = resolve_model(args.model)
+    geo = model_geometry(model)
+    points = grid(args, geo["max_positions"])
+    # The budget holds bf16's largest batch x context with room to spare (SpeCache holds 0.86x bf16's tokens).
+    need = max(b * (c + args.steps + 64) for b, c in points)
+    budget_gb = 1.3 * need * 2 * geo["layers"] * geo["kv_heads"] * geo["head_dim"] * 2 / 2**30
+    runs = [(d, d, None) for d in args.kv_cache_dtype.split(",") if d]
+    for spec in args.tree:
+        dtype, tree = spec.split("=", 1)
+        runs.append((f"{dtype}@{tree}", dtype, tree))
+    log_dir = Path(tempfile.mkdtemp(prefix="sgl-kvq-decode-"))
+    print(f"[decode] {len(runs)} servers x {len(points)} points {points}; KV budget {budget_gb:.2f} GiB; "
+          f"logs in {log_dir}", flush=True)
+    rows = []
+    t0 = time.time()
+    for label, dtype, tree in runs:
+        rows += measure(model, label, dtype, tree, points, args, budget_gb, geo, log_dir)
+    ratios(rows)
+    print(table(rows))
+    print(f"[decode] {time.time() - t0:.0f}s")
+    if args.json:
+        command = "sgl-kvq " + shlex.join(getattr(args, "_argv", None) or sys.argv[1:])
+        Path(args.json).write_text(json.dumps({"model": args.model, "command": command, "steps": args.steps,
+                                               "reps": args.reps, "kv_budget_gb": budget_gb,
+                                               "host": f"{os.cpu_count()} CPUs", "runs": rows}, indent=1) + "\n")
+    if args.plot:
+        plot(rows, args.plot)
+    return 0

@@ -1,0 +1,45 @@
+"""`sgl-kvq bench decode` without servers: its grid, the KV bytes a step reads, the ratios, table and plot."""
+
+from __future__ import annotations
+
+import argparse
+
+from sgl_kvq.commands import bench, bench_decode
+
+GEO = {"layers": 30, "kv_heads": 3, "head_dim": 64, "max_positions": 8192, "vocab": 49152}  # SmolLM2
+
+
+def args(*argv):
+    p = argparse.ArgumentParser()
+    bench_decode.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_registered():
+    assert "decode" in bench.BENCHMARKS
+
+
+def test_grid_respects_the_model_limit_and_skips():
+    pts = bench_decode.grid(args("--steps", "16"), GEO["max_positions"])
+    assert (1, 8192 - 16 - 8) in pts and (8, 1024) in pts
+    assert (8, 4096) not in pts and (8, 8192 - 16 - 8) not in pts  # the default skips
+    assert bench_decode.grid(args("--quick"), 8192) == [(1, 1024), (1, 4096), (8, 1024)]
+
+
+def test_read_bytes():
+    bf16 = {"kv_bytes_per_token": 23056.0}
+    assert bench_decode.read_bytes_per_step(bf16, GEO, 8, 1024) == 8 * 1024 * 23040
+    kivi2 = {"base_bytes_per_token": 3600.0, "config": {"residual": 64, "group_size": 64}}
+    # 1000 tokens: the open page holds 1000 % 64 = 40, the window 64 more; the rest is packed.
+    assert bench_decode.read_bytes_per_step(kivi2, GEO, 1, 1000) == (1000 - 104) * 3600 + 104 * 23040
+
+
+def test_ratios_table_plot(tmp_path):
+    rows = [{"kv_cache_dtype": d, "batch": 8, "context": c, "ms_per_step": ms, "tok_per_s": 8000 / ms,
+             "kv_read_bytes_per_step": b} for d, c, ms, b in
+            [("auto", 1024, 200, 100), ("kivi2", 1024, 100, 20), ("auto", 2048, 400, 200), ("kivi2", 2048, 400, 30)]]
+    bench_decode.ratios(rows)
+    assert [r["x_bf16_tok_per_s"] for r in rows] == [1.0, 2.0, 1.0, 1.0]
+    assert "| kivi2 | 8 | 1024 | 100 | 80.0 | 2.00 | 0.0 | 0.20 |" in bench_decode.table(rows)
+    bench_decode.plot(rows, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 0
