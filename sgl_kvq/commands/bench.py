@@ -1,4 +1,5 @@
-"""`sgl-kvq bench <what>`: `multiturn`, `capacity` (sgl_kvq/commands/bench_*.py) and `kernels` (bench/kernels.py)."""
+"""`sgl-kvq bench <what>`: `multiturn`, `capacity`, `serving` (sgl_kvq/commands/bench_*.py) and `kernels`
+(bench/kernels.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ BENCHMARKS = {
     "multiturn": ("sgl_kvq.commands.bench_multiturn", "multi-turn ShareGPT clients against a server"),
     "kernels": ("sgl_kvq.commands.bench_kernels", "Triton kernel microbenchmarks (bench/kernels.py, from a checkout)"),
     "capacity": ("sgl_kvq.commands.bench_capacity", "KV token capacity per dtype at the same KV memory, from servers"),
+    "serving": ("sgl_kvq.commands.bench_serving", "SGLang's load generator against one server per dtype, two KV "
+                "budget regimes, several concurrencies"),
 }
 
 

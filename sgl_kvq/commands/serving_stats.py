@@ -73,13 +73,13 @@ def specache_delta(before: dict | None, after: dict | None) -> dict | None:
 
 
 def server_summary(info: dict) -> dict:
-    """From /get_server_info: SGLang's scheduler state and our pool stats (internal_states[0]["kv_pool"])."""
+    """From /get_server_info: our pool stats (internal_states[0]["kv_pool"]; capacity_tokens is the scheduler's
+    max_total_num_tokens) and the scheduler's own max_running_requests."""
     state = info["internal_states"][0]
     pool = state["kv_pool"]
     keys = ("kv_cache_dtype", "capacity_tokens", "max_running_requests", "kv_budget_bytes", "kv_bytes_per_token",
             "base_bytes_per_token", "request_state_bytes", "host_bytes_per_token")
     out = {k: pool[k] for k in keys if k in pool}
-    out["max_total_num_tokens"] = state.get("max_total_num_tokens")
     out["effective_max_running_requests"] = state.get("effective_max_running_requests_per_dp")
     return out
 
