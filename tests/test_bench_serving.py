@@ -16,7 +16,8 @@ def test_bench_serving_tiny_writes_loadgen_metrics_server_stats_and_plots(venv_b
     out = tmp_path / "serving-tiny.json"
     cmd = [str(venv_bin / "sgl-kvq"), "bench", "serving", "--model", "tiny", "--kv-cache-dtype", "auto,kivi2",
            "--concurrency", "2", "--waves", "1", "--regime", "tight", "--groups", "1", "--turns", "2",
-           "--system-prompt-len", "64", "--question-len", "16", "--output-len", "4", "--sharegpt-context-len", "256", "--server-args", "--dtype float32", "--json", str(out)]
+           "--system-prompt-len", "64", "--question-len", "16", "--output-len", "4", "--sharegpt-context-len", "256",
+           "--server-args", "--dtype float32", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())

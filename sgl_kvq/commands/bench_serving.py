@@ -182,22 +182,27 @@ def run(args) -> int:
                     for kind in range(len(loads[top])):  # each workload, at every concurrency
                         for c in concurrencies:
                             load = loads[c][kind]
-                            out = measure(server, model, load, c, tmp / f"loadgen-{regime}-{dtype}-{load.name}-c{c}.jsonl")
+                            result_file = tmp / f"loadgen-{regime}-{dtype}-{load.name}-c{c}.jsonl"
+                            out = measure(server, model, load, c, result_file)
                             report["runs"].append({**row, "workload": load.name, "concurrency": c, **out})
                             print(f"{label} {load.name} c={c}: {brief(out)}", flush=True)
             except (RuntimeError, TimeoutError) as e:  # a server that does not start: its reason, then the next
                 report["servers"].append({**row, "refused": startup_error(log) or str(e).splitlines()[0]})
             print(f"{label}: done in {time.time() - t0:.0f}s", flush=True)
-    add_ratios(report["runs"])
-    path = Path(args.json or f"serving-{args.model}.json")
-    path.write_text(json.dumps(report, indent=1) + "\n")
-    for load in loads[top]:
-        for regime in budgets:
-            stats.plot(report["runs"], load.name, regime, f"{args.model}: {load.name}, {regime} KV budget "
-                       f"({budgets[regime] / 2**30:.3f} GiB per server)", path.with_name(f"{path.stem}-{load.name}-"
-                                                                                          f"{regime}.png"))
+            save(report, Path(args.json or f"serving-{args.model}.json"), [w.name for w in loads[top]], budgets)
     print(stats.table(report))
     return 0
+
+
+def save(report: dict, path: Path, workload_names: list[str], budgets: dict[str, int]) -> None:
+    """The JSON and one plot per workload x regime; rewritten after every server, so a run cut short keeps what it
+    measured."""
+    add_ratios(report["runs"])
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    for name in workload_names:
+        for regime, budget in budgets.items():
+            stats.plot(report["runs"], name, regime, f"{report['model']}: {name}, {regime} KV budget "
+                       f"({budget / 2**30:.3f} GiB per server)", path.with_name(f"{path.stem}-{name}-{regime}.png"))
 
 
 def workload_info(load: wl.Workload, concurrency: int) -> dict:

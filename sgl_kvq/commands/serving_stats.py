@@ -126,7 +126,8 @@ def table(report: dict) -> str:
                 if sc else "")
         lines.append(f"| {r['regime']} | {r['workload']} | {r['kv_cache_dtype']} | "
                      f"{capacity.get((r['regime'], r['kv_cache_dtype']))} | {r['concurrency']} | "
-                     f"{m.get('output_throughput', float('nan')):.1f} | {r.get('output_throughput_vs_bf16', float('nan')):.2f} | "
+                     f"{m.get('output_throughput', float('nan')):.1f} | "
+                     f"{r.get('output_throughput_vs_bf16', float('nan')):.2f} | "
                      f"{m.get('p99_ttft_ms', float('nan')):.0f} | {m.get('p99_itl_ms', float('nan')):.0f} | "
                      f"{s['peak_running_requests']} | {s['retracted_requests']} | "
                      f"{'-' if hit is None else f'{hit:.0f}%'} | {spec} |")

@@ -91,7 +91,8 @@ class ModelShape:
     def dense_bytes_per_token(self) -> int:
         import torch
 
-        return 2 * self.layers * self.kv_heads * self.head_dim * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        element = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return 2 * self.layers * self.kv_heads * self.head_dim * element
 
 
 def predicted_pool(shape: ModelShape, dtype: str, budget_bytes: int, concurrency: int) -> dict:
