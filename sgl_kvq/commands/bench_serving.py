@@ -201,6 +201,8 @@ def save(report: dict, path: Path, workload_names: list[str], budgets: dict[str,
     path.write_text(json.dumps(report, indent=1) + "\n")
     for name in workload_names:
         for regime, budget in budgets.items():
+            if not any(r["workload"] == name and r["regime"] == regime for r in report["runs"]):
+                continue  # not measured (yet)
             stats.plot(report["runs"], name, regime, f"{report['model']}: {name}, {regime} KV budget "
                        f"({budget / 2**30:.3f} GiB per server)", path.with_name(f"{path.stem}-{name}-{regime}.png"))
 
