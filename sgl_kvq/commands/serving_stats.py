@@ -100,8 +100,10 @@ def plot(runs: list[dict], workload: str, regime: str, title: str, path: Path) -
                      key=lambda p: p[0])
         for ax, (key, _) in zip(axes, panels):
             ax.plot([c for c, _ in pts], [m.get(key) for _, m in pts], marker="o", label=dtype)
+    concurrencies = sorted({r["concurrency"] for r in mine})
     for ax, (_, label) in zip(axes, panels):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
         ax.set_xlabel("max concurrency (load generator)")
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
