@@ -1,4 +1,4 @@
-"""`sgl-kvq bench <what>`: `multiturn`, `capacity`, `decode` (sgl_kvq/commands/bench_*.py) and `kernels`
+"""`sgl-kvq bench <what>`: `multiturn`, `capacity`, `decode`, `serving` (sgl_kvq/commands/bench_*.py) and `kernels`
 (bench/kernels.py)."""
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ BENCHMARKS = {
     "kernels": ("sgl_kvq.commands.bench_kernels", "Triton kernel microbenchmarks (bench/kernels.py, from a checkout)"),
     "capacity": ("sgl_kvq.commands.bench_capacity", "KV token capacity per dtype at the same KV memory, from servers"),
     "decode": ("sgl_kvq.commands.bench_decode", "decode ms/step and tok/s vs context length per dtype, from servers"),
+    "serving": ("sgl_kvq.commands.bench_serving", "SGLang's load generator against one server per dtype, two KV "
+                "budget regimes, several concurrencies"),
 }
 
 

@@ -1,0 +1,140 @@
+"""What `sgl-kvq bench serving` reads back: the load generator's JSON line, the server's scheduler log (slice per run),
+the pool's counters from /get_server_info, and the plots. Pure functions except `plot`."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+# The load generator's own numbers kept per run (its JSON has these keys; "server_info" and the per-request arrays
+# are dropped: the server's state is read separately, before and after the run).
+LOADGEN_KEYS = ("completed", "duration", "total_input_tokens", "total_output_tokens", "request_throughput",
+                "input_throughput", "output_throughput", "total_throughput", "max_concurrent_requests",
+                "mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
+                "p99_tpot_ms", "mean_itl_ms", "median_itl_ms", "p90_itl_ms", "p99_itl_ms", "mean_e2e_latency_ms",
+                "p99_e2e_latency_ms", "cache_report")
+
+_RUNNING = re.compile(r"(Decode|Prefill) batch\b.*?#running-req: (\d+)")
+_QUEUE = re.compile(r"(?:Decode|Prefill) batch\b.*?#queue-req: (\d+)")
+_USAGE = re.compile(r"(?:Decode|Prefill) batch\b.*?\btoken usage: ([0-9.]+)")
+_PREFILL = re.compile(r"Prefill batch\b.*?#new-token: (\d+), #cached-token: (\d+)")
+_RETRACT = re.compile(r"Retract requests\. #retracted_reqs: (\d+)")
+
+
+def scheduler_log_stats(text: str) -> dict:
+    """SGLang's scheduler log lines (with --decode-log-interval 1, every decode step logs): the most requests running
+    at once (`#running-req` of "Decode batch"/"Prefill batch" lines), the longest waiting queue, the highest pool
+    usage, retraction events and retracted requests ("KV cache pool is full. Retract requests" warnings), and the
+    prefill tokens the radix cache served (`#cached-token` over `#new-token` + `#cached-token` of "Prefill batch")."""
+    new = sum(int(a) for a, _ in _PREFILL.findall(text))
+    cached = sum(int(b) for _, b in _PREFILL.findall(text))
+    retracts = [int(n) for n in _RETRACT.findall(text)]
+    return {
+        "peak_running_requests": max((int(n) for _, n in _RUNNING.findall(text)), default=0),
+        "peak_queued_requests": max((int(n) for n in _QUEUE.findall(text)), default=0),
+        "peak_token_usage": max((float(u) for u in _USAGE.findall(text)), default=0.0),
+        "retraction_events": len(retracts),
+        "retracted_requests": sum(retracts),
+        "prefill_new_tokens": new,
+        "prefill_cached_tokens": cached,
+        "cached_token_share": cached / (new + cached) if new + cached else 0.0,
+    }
+
+
+def loadgen_result(path: Path) -> dict:
+    """The last JSON line the load generator appended to its --output-file, reduced to LOADGEN_KEYS."""
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
+    if not lines:
+        return {}
+    result = json.loads(lines[-1])
+    return {k: result[k] for k in LOADGEN_KEYS if k in result}
+
+
+def specache_delta(before: dict | None, after: dict | None) -> dict | None:
+    """SpeCache's counters (kv_pool["specache"], cumulative over the server's life) over one run: prefetched bytes
+    per decode step, the speculative token's hit rate and the top-k recall of that run alone."""
+    if not before or not after:
+        return None
+    steps = after["decode_steps"] - before["decode_steps"]
+    guesses = after["spec_token_guesses"] - before["spec_token_guesses"]
+    hits = (after["spec_token_hit_rate"] or 0) * after["spec_token_guesses"] - \
+        (before["spec_token_hit_rate"] or 0) * before["spec_token_guesses"]
+    wanted = after["recall_wanted"] - before["recall_wanted"]
+    found = (after["recall"] or 0) * after["recall_wanted"] - (before["recall"] or 0) * before["recall_wanted"]
+    return {
+        "top_k": after["top_k"],
+        "decode_steps": steps,
+        "prefetched_bytes": after["prefetched_bytes"] - before["prefetched_bytes"],
+        "prefetched_bytes_per_step": (after["prefetched_bytes"] - before["prefetched_bytes"]) / steps if steps else 0,
+        "spec_token_hit_rate": hits / guesses if guesses else None,
+        "recall": found / wanted if wanted else None,
+    }
+
+
+def server_summary(info: dict) -> dict:
+    """From /get_server_info: our pool stats (internal_states[0]["kv_pool"]; capacity_tokens is the scheduler's
+    max_total_num_tokens) and the scheduler's own max_running_requests."""
+    state = info["internal_states"][0]
+    pool = state["kv_pool"]
+    keys = ("kv_cache_dtype", "capacity_tokens", "max_running_requests", "kv_budget_bytes", "kv_bytes_per_token",
+            "base_bytes_per_token", "request_state_bytes", "host_bytes_per_token")
+    out = {k: pool[k] for k in keys if k in pool}
+    out["effective_max_running_requests"] = state.get("effective_max_running_requests_per_dp")
+    return out
+
+
+def plot(runs: list[dict], workload: str, regime: str, title: str, path: Path) -> None:
+    """Output throughput, p99 TTFT and p99 ITL against concurrency, one line per dtype."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = (("output_throughput", "output tokens/s"), ("p99_ttft_ms", "p99 TTFT (ms)"),
+              ("p99_itl_ms", "p99 ITL (ms)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(15, 4.2))
+    mine = [r for r in runs if r["workload"] == workload and r["regime"] == regime and r.get("loadgen")]
+    for dtype in dict.fromkeys(r["kv_cache_dtype"] for r in mine):
+        pts = sorted(((r["concurrency"], r["loadgen"]) for r in mine if r["kv_cache_dtype"] == dtype),
+                     key=lambda p: p[0])
+        for ax, (key, _) in zip(axes, panels):
+            ax.plot([c for c, _ in pts], [m.get(key) for _, m in pts], marker="o", label=dtype)
+    concurrencies = sorted({r["concurrency"] for r in mine})
+    for ax, (_, label) in zip(axes, panels):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
+        ax.set_xlabel("max concurrency (load generator)")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def table(report: dict) -> str:
+    """One markdown row per run: the load generator's numbers beside the server's."""
+    capacity = {(s["regime"], s["kv_cache_dtype"]): s.get("capacity_tokens", s.get("refused", "-"))
+                for s in report["servers"]}
+    lines = ["| regime | workload | kv dtype | capacity tok | conc. | out tok/s | x bf16 | p99 TTFT ms | p99 ITL ms | "
+             "peak running | retracted | cached (loadgen) | specache B/step, hit, recall |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["runs"]:
+        m, s, sc = r["loadgen"], r["server"], r.get("specache")
+        hit = m.get("cache_report", {}).get("cache_hit_rate_pct")
+        spec = (f"{sc['prefetched_bytes_per_step']:,.0f}, {_pct(sc['spec_token_hit_rate'])}, {_pct(sc['recall'])}"
+                if sc else "")
+        lines.append(f"| {r['regime']} | {r['workload']} | {r['kv_cache_dtype']} | "
+                     f"{capacity.get((r['regime'], r['kv_cache_dtype']))} | {r['concurrency']} | "
+                     f"{m.get('output_throughput', float('nan')):.1f} | "
+                     f"{r.get('output_throughput_vs_bf16', float('nan')):.2f} | "
+                     f"{m.get('p99_ttft_ms', float('nan')):.0f} | {m.get('p99_itl_ms', float('nan')):.0f} | "
+                     f"{s['peak_running_requests']} | {s['retracted_requests']} | "
+                     f"{'-' if hit is None else f'{hit:.0f}%'} | {spec} |")
+    return "\n".join(lines)
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{x:.0%}"
