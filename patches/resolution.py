@@ -39,11 +39,10 @@ def _check_pinned_budget(cfg, model_config, view, requested: int | None) -> None
     if budget is None or requested is None:
         return
     from sgl_kvq.capacity import split_budget
-    from sgl_kvq.layout import PoolShape
+    from sgl_kvq.patches.sizing import pool_shape
 
     dp = max(getattr(view, "attn_dp_size", 1) or 1, 1)
-    shape = PoolShape(layers=model_config.num_hidden_layers, heads=model_config.get_num_kv_heads(view.tp_size // dp),
-                      head_dim=model_config.head_dim, num_pages=0, cfg=cfg)
+    shape = pool_shape(model_config, cfg, layers=model_config.num_hidden_layers, attn_tp_size=view.tp_size // dp)
     split_budget(budget, shape, model_config.dtype, host_is_device=view.device == "cpu",
                  requested=max(1, requested // dp))
 

@@ -24,17 +24,23 @@ def profiled_budget_bytes() -> int | None:
     return _budget["bytes"]
 
 
+def pool_shape(model_config, cfg, *, layers: int, attn_tp_size: int, attn_dcp_size: int = 1,
+               num_pages: int = 0) -> PoolShape:
+    """A kvq pool's geometry from SGLang's ModelConfig: the one place the KV heads of a rank and the head dim are
+    read (before the model loads for a pinned budget's check, and where the pool is sized and built)."""
+    heads = model_config.get_num_kv_heads(attn_tp_size, attn_dcp_size)
+    return PoolShape(layers=layers, heads=heads, head_dim=model_config.head_dim, num_pages=num_pages, cfg=cfg)
+
+
 def kvq_pool_shape(kvc, num_pages: int = 0) -> PoolShape | None:
-    """The kvq pool's geometry from SGLang's KVCacheConfigurator (None for other dtypes): the one place the layer
-    count, the KV heads of this rank and the head dim are read."""
+    """The kvq pool's geometry from SGLang's KVCacheConfigurator (None for other dtypes)."""
     if not is_kvq_dtype(kvc.kv_cache_dtype_str):
         return None
     from sglang.srt.runtime_context import get_parallel
 
-    mc = kvc.model_config
-    heads = mc.get_num_kv_heads(get_parallel().attn_tp_size, get_parallel().attn_dcp_size)
-    return PoolShape(layers=kvc.layer_info.num_effective_layers, heads=heads, head_dim=mc.head_dim,
-                     num_pages=num_pages, cfg=parse_kv_cache_dtype(kvc.kv_cache_dtype_str))
+    return pool_shape(kvc.model_config, parse_kv_cache_dtype(kvc.kv_cache_dtype_str),
+                      layers=kvc.layer_info.num_effective_layers, attn_tp_size=get_parallel().attn_tp_size,
+                      attn_dcp_size=get_parallel().attn_dcp_size, num_pages=num_pages)
 
 
 def budget_split(kvc) -> BudgetSplit:
