@@ -4,7 +4,9 @@
     k_scale, k_zero   [P, H, D]         fp16
     v_scale, v_zero   [S, H, D // VG]   fp16
     ov_k, ov_v        [F, G, H, D]      model dtype
-Kernels index dims 0 and 1 through strides and assume the last dim is contiguous.
+Kernels index dims 0 and 1 through strides and assume the last dim is contiguous. GEAR's correction buffers
+(kv.corr: k_u, v_u [P, H, r, G]; k_w, v_w [P, H, r, D]; k_out_* [P, H, NK, D]; v_out_* [S, H, NV]) are indexed by
+their contiguous shape (correction_args).
 """
 
 from __future__ import annotations
@@ -70,6 +72,31 @@ def check_layer(kv: LayerKV) -> tuple[int, int, int, int]:
     require(kv.k_codes.stride() == kv.v_codes.stride(), "k_codes and v_codes strides differ")
     require(kv.ov_k.stride() == kv.ov_v.stride(), "ov_k and ov_v strides differ")
     return H, D, G, D // NG
+
+
+def correction_args(kv: LayerKV) -> tuple[tuple[torch.Tensor, ...], dict[str, int]]:
+    """The kernels' correction pointers (KU, KW, VU, VW, KOV, KOI, VOV, VOI) and constexprs (RANK, NK, NV) after
+    checking kv.corr against the layout; for a format without one, RANK = 0 and the pointers are never read."""
+    c = kv.corr
+    if c is None:
+        return (kv.k_scale,) * 8, dict(RANK=0, NK=0, NV=0)
+    S, H, _ = kv.k_codes.shape
+    F, G, _, D = kv.ov_k.shape
+    P, r, NK, NV = S // G, c.k_u.shape[2], c.k_out_val.shape[2], c.v_out_val.shape[-1]
+    require(r >= 1, "a GEAR correction needs rank >= 1")
+    want = {
+        "k_u": ((P, H, r, G), SCALE_DTYPE), "k_w": ((P, H, r, D), SCALE_DTYPE),
+        "v_u": ((P, H, r, G), SCALE_DTYPE), "v_w": ((P, H, r, D), SCALE_DTYPE),
+        "k_out_val": ((P, H, NK, D), SCALE_DTYPE), "k_out_idx": ((P, H, NK, D), torch.uint8),
+        "v_out_val": ((S, H, NV), SCALE_DTYPE), "v_out_idx": ((S, H, NV), torch.uint8),
+    }
+    for name, (shape, dtype) in want.items():
+        t = getattr(c, name)
+        require(tuple(t.shape) == shape and t.dtype == dtype,
+                f"corr.{name}: got {tuple(t.shape)} {t.dtype}, layout says {shape} {dtype}")
+        require(t.is_contiguous() and t.device == kv.ov_k.device, f"corr.{name} must be contiguous on the pool's device")
+    tensors = tuple(getattr(c, n) if getattr(c, n).numel() else kv.k_scale for n in want)  # no null pointers
+    return tensors, dict(RANK=r, NK=NK, NV=NV)
 
 
 def check_paged(p: PagedPlan, device: torch.device) -> None:

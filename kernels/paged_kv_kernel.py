@@ -3,6 +3,9 @@ registers, or an fp16 overlay frame) and fold a tile of scores into an online so
 
 Packed codes: element d of a token-head row sits in byte d // (8 // BITS) at bit (d % (8 // BITS)) * BITS
 (sgl_kvq.quant.pack). Keys dequantize per channel with the page's scale/zero, values per token and VG-channel group.
+GEAR pages (RANK > 0) then get their correction in registers, in sgl_kvq.quant.gear_page.correct_keys' order: the
+rank-RANK term u^T w, then each row's NK / NV outliers replace their entries. Correction buffers are contiguous
+(kernels/checks.py): per page [P, H, RANK, G|D] and [P, H, NK, D], per slot [S, H, NV].
 """
 
 import triton
@@ -53,6 +56,40 @@ def _base_page_v(VC, VS, VZ, page, kvh, offs_t, offs_d, n_valid, stride_vc_slot,
 
 
 @triton.jit
+def _correct_kt(kt, KU, KW, KOV, KOI, page, kvh, n_heads, offs_t, offs_d, G: tl.constexpr, D: tl.constexpr,
+                RANK: tl.constexpr, NK: tl.constexpr):
+    # kt [D, G] fp32 of base page `page`, head kvh -> with the page's GEAR correction
+    ph = page * n_heads + kvh
+    for j in tl.static_range(RANK):
+        u = tl.load(KU + (ph * RANK + j) * G + offs_t).to(tl.float32)
+        w = tl.load(KW + (ph * RANK + j) * D + offs_d).to(tl.float32)
+        kt += w[:, None] * u[None, :]
+    for j in tl.static_range(NK):
+        tok = tl.load(KOI + (ph * NK + j) * D + offs_d).to(tl.int32)  # channel d's outlier sits at token tok[d]
+        val = tl.load(KOV + (ph * NK + j) * D + offs_d).to(tl.float32)
+        kt = tl.where(offs_t[None, :] == tok[:, None], val[:, None], kt)
+    return kt
+
+
+@triton.jit
+def _correct_v(v, VU, VW, VOV, VOI, page, kvh, n_heads, offs_t, offs_d, n_valid, G: tl.constexpr,
+               D: tl.constexpr, RANK: tl.constexpr, NV: tl.constexpr):
+    # v [G, D] fp32 of base page `page`, head kvh -> with its GEAR correction; rows >= n_valid stay 0, never loaded
+    ph = page * n_heads + kvh
+    rows = offs_t < n_valid
+    for j in tl.static_range(RANK):
+        u = tl.load(VU + (ph * RANK + j) * G + offs_t, mask=rows, other=0.0).to(tl.float32)
+        w = tl.load(VW + (ph * RANK + j) * D + offs_d).to(tl.float32)
+        v += u[:, None] * w[None, :]
+    slot_heads = (page * G + offs_t) * n_heads + kvh
+    for j in tl.static_range(NV):
+        ch = tl.load(VOI + slot_heads * NV + j, mask=rows, other=0).to(tl.int32)
+        val = tl.load(VOV + slot_heads * NV + j, mask=rows, other=0.0).to(tl.float32)
+        v = tl.where((offs_d[None, :] == ch[:, None]) & rows[:, None], val[:, None], v)
+    return v
+
+
+@triton.jit
 def _softmax_step(qk, valid, m, l, acc, v, DOT_FP32: tl.constexpr):
     # qk [M, N] scores already in log2 units, valid [M, N] bool; v [N, D] -> updated (m, l, acc).
     # Every caller's first tile has a valid key in every row, so m is finite after it and alpha never sees
@@ -67,15 +104,21 @@ def _softmax_step(qk, valid, m, l, acc, v, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
-def _base_page_step(q, m, l, acc, KC, KS, KZ, VC, VS, VZ, page, n_valid, kvh, offs_t, offs_d, stride_kc_slot,
-                    stride_kc_head, stride_ks_page, stride_ks_head, stride_vs_slot, stride_vs_head, sm_scale_log2,
-                    G: tl.constexpr, BITS: tl.constexpr, VG: tl.constexpr, DOT_FP32: tl.constexpr):
+def _base_page_step(q, m, l, acc, KC, KS, KZ, VC, VS, VZ, KU, KW, VU, VW, KOV, KOI, VOV, VOI, page, n_valid, kvh,
+                    n_heads, offs_t, offs_d, stride_kc_slot, stride_kc_head, stride_ks_page, stride_ks_head,
+                    stride_vs_slot, stride_vs_head, sm_scale_log2, G: tl.constexpr, D: tl.constexpr,
+                    BITS: tl.constexpr, VG: tl.constexpr, RANK: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr,
+                    DOT_FP32: tl.constexpr):
     # One packed base page into the online softmax of q [M, D] (already in the dot dtype): -> updated (m, l, acc).
     kt = _base_page_kt(KC, KS, KZ, page, kvh, offs_t, offs_d, stride_kc_slot, stride_kc_head,
                        stride_ks_page, stride_ks_head, G, BITS)
+    if RANK > 0:
+        kt = _correct_kt(kt, KU, KW, KOV, KOI, page, kvh, n_heads, offs_t, offs_d, G, D, RANK, NK)
     qk = _dot(q, kt.to(q.dtype), DOT_FP32) * sm_scale_log2
     v = _base_page_v(VC, VS, VZ, page, kvh, offs_t, offs_d, n_valid, stride_kc_slot,
                      stride_kc_head, stride_vs_slot, stride_vs_head, G, BITS, VG)
+    if RANK > 0:
+        v = _correct_v(v, VU, VW, VOV, VOI, page, kvh, n_heads, offs_t, offs_d, n_valid, G, D, RANK, NV)
     return _softmax_step(qk, (offs_t < n_valid)[None, :], m, l, acc, v.to(q.dtype), DOT_FP32)
 
 

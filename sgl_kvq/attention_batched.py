@@ -21,6 +21,7 @@ import torch
 
 from sgl_kvq.plan import LayerKV, PagedPlan
 from sgl_kvq.quant import pack
+from sgl_kvq.quant.gear_page import PageCorrection
 
 
 @dataclass
@@ -103,10 +104,31 @@ def context(kv: LayerKV, ctx: BatchedContext) -> tuple[torch.Tensor, torch.Tenso
     vs = kv.v_scale[ctx.slots].float().masked_fill_(off, 0).transpose(0, 1)[..., None]  # [H, B * T, D/VG, 1]
     vz = kv.v_zero[ctx.slots].float().masked_fill_(off, 0).transpose(0, 1)[..., None]
     v.view(H, B * units * G, vs.shape[2], -1).mul_(vs).add_(vz)
+    if kv.corr is not None:
+        _correct(k.view(H, B, units, G, D), v.view(H, B, units, G, D), kv.corr, ctx)
     if ctx.ov_dst.numel():
         for dst, ov in ((k, kv.ov_k), (v, kv.ov_v)):
             dst.index_copy_(1, ctx.ov_dst, ov.reshape(-1, H, D)[ctx.ov_rows].float().transpose(0, 1))
     return k.view(H, B, units * G, D), v.view(H, B, units * G, D)
+
+
+def _correct(k: torch.Tensor, v: torch.Tensor, c: PageCorrection, ctx: BatchedContext) -> None:
+    """GEAR's per-page correction (sgl_kvq/quant/gear_page.py) added to the padded k, v [H, B, U, G, D] in place,
+    in correct_keys' order: low rank, then outliers replace their entries. Zeroed outside base pages/tokens (the
+    overlay copy overwrites those positions; padding must stay finite)."""
+    off_page = ~ctx.is_base_page[..., None, None, None]  # [B, U, 1, 1, 1]
+    for x, u, w in ((k, c.k_u, c.k_w), (v, c.v_u, c.v_w)):
+        uu = u[ctx.pages].float().masked_fill_(off_page, 0).permute(2, 0, 1, 4, 3)  # [H, B, U, G, r]
+        x += uu @ w[ctx.pages].float().masked_fill_(off_page, 0).permute(2, 0, 1, 3, 4)  # [H, B, U, r, D]
+    if c.k_out_val.shape[2]:
+        idx = c.k_out_idx[ctx.pages].long().masked_fill_(off_page, 0).permute(2, 0, 1, 3, 4)  # [H, B, U, NK, D]
+        k.scatter_(3, idx, c.k_out_val[ctx.pages].float().masked_fill_(off_page, 0).permute(2, 0, 1, 3, 4))
+    if c.v_out_val.shape[-1]:
+        off_tok = ~ctx.is_base_tok[:, None, None]
+        idx = c.v_out_idx[ctx.slots].long().masked_fill_(off_tok, 0).transpose(0, 1)  # [H, B * T, NV]
+        val = c.v_out_val[ctx.slots].float().masked_fill_(off_tok, 0).transpose(0, 1)
+        H, D = v.shape[0], v.shape[-1]
+        v.view(H, -1, D).scatter_(2, idx, val)
 
 
 def decode(q: torch.Tensor, kv: LayerKV, ctx: BatchedContext, sm_scale: float) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The one frozen config that flows from `--kv-cache-dtype` to the pool, the backends and the kernels.
 
-A dtype name is `<method><bits>` (kivi1, kivi2, kivi4, specache1, specache2). Knobs that SGLang's command line has
+A dtype name is `<method><bits>` (kivi1, kivi2, kivi4, specache1, specache2, gear2, gearl2). Knobs that SGLang's command line has
 no room for come from environment variables with the `KVQ_` prefix (read in one place, `sgl_kvq.env`), so they reach
 SGLang's spawned scheduler processes unchanged. Defaults are the papers': G = 64, residual window R = 64 (SpeCache's
 G and R; KIVI's paper uses G = 32 and R = 32..128).
@@ -13,11 +13,13 @@ import re
 from dataclasses import dataclass
 
 from sgl_kvq import env
+from sgl_kvq.quant.gear_page import outliers_per_row
 
 # kivi: the packed base plus the fp16 open page and recent window. specache: the same low-bit base on the device,
 # every token's 16-bit K/V in host RAM, and a speculative decode lane whose top-k picks the host rows each step
-# reads in 16 bits (sgl_kvq/specache/).
-METHOD_BITS = {"kivi": (1, 2, 4), "specache": (1, 2)}
+# reads in 16 bits (sgl_kvq/specache/). gearl: KIVI's base plus, per page and KV head, a rank-r approximation of its
+# quantization residual (GEAR-L); gear: the same plus each row's sparse fp16 outliers (sgl_kvq/quant/gear_page.py).
+METHOD_BITS = {"kivi": (1, 2, 4), "specache": (1, 2), "gear": (2,), "gearl": (2,)}
 METHODS = tuple(METHOD_BITS)
 BITS = (1, 2, 4)
 # The dtype names SGLang's --kv-cache-dtype gains. Every one is served by the same pool and backends.
@@ -34,7 +36,7 @@ class KVQConfigError(ValueError):
 
 @dataclass(frozen=True)
 class KVQConfig:
-    method: str  # "kivi" or "specache"
+    method: str  # a METHOD_BITS key
     bits: int  # code width of keys and values in the packed base: 1, 2 or 4 (specache: 1 or 2)
     group_size: int = 64  # G: tokens per page = key quantization group (keys per-channel over a page)
     value_group: int = 64  # channels per value quantization group (values per-token); clipped to head_dim
@@ -56,6 +58,13 @@ class KVQConfig:
     # when --max-running-requests is not given; it sets the default max_running_requests (sgl_kvq/capacity.py).
     # 0.06 keeps kivi4 at 3.34x and kivi2 at 6.0x bf16's tokens (packed ratios 3.56x / 6.4x).
     overlay_share: float = 0.06
+    # GEAR / GEAR-L (gear_rank, gear_iters used by both; gear_outliers by gear only). Each page of G = 64 tokens is
+    # compressed once, when it completes: GEAR's streaming buffer (n_b = 64) at its decode-phase rank 2.
+    gear_rank: int = 2
+    gear_iters: int = 3  # power-iteration steps
+    # Share of each row kept as fp16 outliers (GEAR's s = 2%): keys per channel over the page's G tokens, values
+    # per token over its D channels, at least one per row.
+    gear_outliers: float = 0.02
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -76,6 +85,13 @@ class KVQConfig:
             raise KVQConfigError(f"sgl_kvq: top-k {self.top_k} must be at least 1")
         if not 0 < self.overlay_share < 1:
             raise KVQConfigError(f"sgl_kvq: KVQ_OVERLAY_SHARE={self.overlay_share} must be in (0, 1), e.g. 0.06")
+        if not 1 <= self.gear_rank <= g:
+            raise KVQConfigError(f"sgl_kvq: KVQ_GEAR_RANK={self.gear_rank} must be in 1..G={g}, e.g. 2")
+        if self.gear_iters < 1:
+            raise KVQConfigError(f"sgl_kvq: KVQ_GEAR_ITERS={self.gear_iters} must be at least 1, e.g. 3")
+        if not 0 < self.gear_outliers < 0.5:
+            raise KVQConfigError(f"sgl_kvq: KVQ_GEAR_OUTLIERS={self.gear_outliers} must be in (0, 0.5), e.g. 0.02 "
+                                 "(for no outliers use gearl2)")
         if self.is_specache and self.prefill != "full":
             raise KVQConfigError("sgl_kvq: specache extends read the cached prefix in 16 bits from the host tier; "
                                  f"KVQ_PREFILL={self.prefill} applies to kivi only")
@@ -83,6 +99,20 @@ class KVQConfig:
     @property
     def is_specache(self) -> bool:
         return self.method == "specache"
+
+    @property
+    def lowrank_rank(self) -> int:
+        """Rank of the per-page residual approximation stored with each base page (0: none)."""
+        return self.gear_rank if self.method in ("gear", "gearl") else 0
+
+    def outliers_per_row(self, row_length: int) -> int:
+        """fp16 outliers kept per row of `row_length` entries (0: none)."""
+        return outliers_per_row(self.gear_outliers, row_length) if self.method == "gear" else 0
+
+    @property
+    def has_correction(self) -> bool:
+        """Whether base pages carry a correction beyond KIVI's codes (sgl_kvq/quant/gear_page.py)."""
+        return self.lowrank_rank > 0
 
     @property
     def name(self) -> str:

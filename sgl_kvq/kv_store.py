@@ -21,7 +21,7 @@ import torch
 from sgl_kvq.config import KVQConfig
 from sgl_kvq.layout import PoolShape
 from sgl_kvq.plan import BatchWrite, DecodeWrite, LayerKV
-from sgl_kvq.quant import kivi_page
+from sgl_kvq.quant import gear_page, kivi_page
 
 
 class QuantizedKVStore:
@@ -55,6 +55,7 @@ class QuantizedKVStore:
                     kernels: bool = False) -> None:
         """k, v: [T, H, D] this batch's fresh keys/values for `layer`. kernels=True quantizes and scatters with the
         Triton kernels (bit-exact with the torch path, tests/test_kernels_quantize.py)."""
+        kernels = kernels and not self.cfg.has_correction  # GEAR's pages are compressed in torch on both backends
         if bw.done_pages.numel():
             # Earlier batches' tokens of a completing page are in its frame (same request, and its frame is reused
             # only by a later page); this batch's tokens come from k/v. A page begun in this batch writes every
@@ -89,15 +90,28 @@ class QuantizedKVStore:
 
         kv = self.layer_view(layer)
         store_overlay(k, v, dw.frame_ids, dw.frame_offs, kv)
+        if self.cfg.has_correction:
+            # Every row's frame is compressed (static shapes, no sync); rows that complete no page write dummy
+            # page 0, which no plan reads.
+            frames = dw.frame_ids.long()
+            self.store_pages(layer, dw.done_pages.long(), kv.ov_k[frames], kv.ov_v[frames])
+            return
         quantize_pages(kv.ov_k, kv.ov_v, dw.done_pages, kv, src_ids=dw.frame_ids,
                        specache_one_bit=self.cfg.specache_one_bit)
 
     def store_pages(self, layer: int, pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize complete pages k, v [N, G, H, D] into the base at pool pages `pages`."""
-        p = kivi_page.pack_pages(k, v, self.cfg.bits, self.shape.VG, specache_one_bit=self.cfg.specache_one_bit)
-        G = self.G
+        cfg, G, n = self.cfg, self.G, pages.numel()
         slots = (pages[:, None] * G + torch.arange(G, device=pages.device)).reshape(-1)
-        n = pages.numel()
+        if cfg.has_correction:
+            p, c = gear_page.pack_gear_pages(k, v, cfg.bits, self.shape.VG, cfg.lowrank_rank, cfg.gear_iters,
+                                             self.shape.NK, self.shape.NV, specache_one_bit=cfg.specache_one_bit)
+            for name in ("k_u", "k_w", "v_u", "v_w", "k_out_val", "k_out_idx"):
+                getattr(self, name)[layer, pages] = getattr(c, name)
+            self.v_out_val[layer, slots] = c.v_out_val.reshape(n * G, *c.v_out_val.shape[2:])
+            self.v_out_idx[layer, slots] = c.v_out_idx.reshape(n * G, *c.v_out_idx.shape[2:])
+        else:
+            p = kivi_page.pack_pages(k, v, cfg.bits, self.shape.VG, specache_one_bit=cfg.specache_one_bit)
         self.k_codes[layer, slots] = p.k_codes.reshape(n * G, *p.k_codes.shape[2:])
         self.v_codes[layer, slots] = p.v_codes.reshape(n * G, *p.v_codes.shape[2:])
         self.v_scale[layer, slots] = p.v_scale.reshape(n * G, *p.v_scale.shape[2:])
@@ -106,5 +120,9 @@ class QuantizedKVStore:
         self.k_zero[layer, pages] = p.k_zero
 
     def layer_view(self, layer: int) -> LayerKV:
+        corr = None
+        if self.cfg.has_correction:
+            corr = gear_page.PageCorrection(*(getattr(self, f)[layer] for f in gear_page.PageCorrection._fields))
         return LayerKV(self.k_codes[layer], self.k_scale[layer], self.k_zero[layer], self.v_codes[layer],
-                       self.v_scale[layer], self.v_zero[layer], self.ov_k[layer], self.ov_v[layer], self.cfg.bits)
+                       self.v_scale[layer], self.v_zero[layer], self.ov_k[layer], self.ov_v[layer], self.cfg.bits,
+                       corr)

@@ -13,6 +13,14 @@ Base (complete pages, immutable once quantized; shared by the radix tree):
     v_scale  [L, S, H, D // VG] fp16    per token, per group of VG channels
     v_zero   [L, S, H, D // VG] fp16
   with P = num_pages + 1 (page 0 included) and S = P * G token slots.
+  gear2 / gearl2 pages also carry their correction (sgl_kvq/quant/gear_page.py; r = cfg.gear_rank, NK / NV =
+  outliers per key channel / value token, 0 for gearl2):
+    k_u, v_u  [L, P, H, r, G]   fp16    low-rank factor over the page's tokens
+    k_w, v_w  [L, P, H, r, D]   fp16    ... over channels: correction = u^T @ w
+    k_out_val [L, P, H, NK, D]  fp16    key channel d's outliers over the page
+    k_out_idx [L, P, H, NK, D]  uint8   their token offsets
+    v_out_val [L, S, H, NV]     fp16    value token's outliers over its channels
+    v_out_idx [L, S, H, NV]     uint8   their channels
 
 Overlay (fp16 tokens that override the base: the open page and the recent window), per running request:
     ov_k, ov_v [L, F, G, H, D]  model dtype; F = max_running_requests * cfg.ring_pages frames
@@ -70,9 +78,17 @@ class PoolShape:
     def VG(self) -> int:
         return self.cfg.value_group_for(self.head_dim)
 
+    @property
+    def NK(self) -> int:
+        return self.cfg.outliers_per_row(self.G)
+
+    @property
+    def NV(self) -> int:
+        return self.cfg.outliers_per_row(self.head_dim)
+
     def base_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        L, H, D, P, S = self.layers, self.heads, self.head_dim, self.P, self.S
-        return {
+        L, H, D, P, S, G = self.layers, self.heads, self.head_dim, self.P, self.S, self.G
+        shapes = {
             "k_codes": ((L, S, H, self.Dp), torch.uint8),
             "k_scale": ((L, P, H, D), SCALE_DTYPE),
             "k_zero": ((L, P, H, D), SCALE_DTYPE),
@@ -80,6 +96,15 @@ class PoolShape:
             "v_scale": ((L, S, H, D // self.VG), SCALE_DTYPE),
             "v_zero": ((L, S, H, D // self.VG), SCALE_DTYPE),
         }
+        if self.cfg.has_correction:
+            r = self.cfg.lowrank_rank
+            shapes.update({
+                "k_u": ((L, P, H, r, G), SCALE_DTYPE), "k_w": ((L, P, H, r, D), SCALE_DTYPE),
+                "v_u": ((L, P, H, r, G), SCALE_DTYPE), "v_w": ((L, P, H, r, D), SCALE_DTYPE),
+                "k_out_val": ((L, P, H, self.NK, D), SCALE_DTYPE), "k_out_idx": ((L, P, H, self.NK, D), torch.uint8),
+                "v_out_val": ((L, S, H, self.NV), SCALE_DTYPE), "v_out_idx": ((L, S, H, self.NV), torch.uint8),
+            })
+        return shapes
 
     def base_bytes_per_token(self) -> float:
         """Bytes the base stores per token over all layers (codes + scales/zeros), page 0 not counted."""

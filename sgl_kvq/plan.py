@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sgl_kvq.quant.gear_page import PageCorrection
+
 
 @dataclass
 class LayerKV:
@@ -36,6 +38,9 @@ class LayerKV:
     ov_k: torch.Tensor  # [F, G, H, D] model dtype: the fp16 overlay frames
     ov_v: torch.Tensor  # [F, G, H, D]
     bits: int  # code width b of k_codes and v_codes
+    # gear2 / gearl2: each base page's correction, PageCorrection's tensors with pages P for N (v_out_val and
+    # v_out_idx slot-indexed, [S, H, NV]); None for formats without one.
+    corr: PageCorrection | None = None
 
     @property
     def G(self) -> int:

@@ -70,8 +70,12 @@ class KVQTokenToKVPool(KVCache):
     def get_kv_size_bytes(self):
         """Device bytes of K and of V (SpeCache's host tier is not device memory: see host_bytes())."""
         s = self.store
-        k = sum(t.numel() * t.element_size() for t in (s.k_codes, s.k_scale, s.k_zero, s.ov_k))
-        v = sum(t.numel() * t.element_size() for t in (s.v_codes, s.v_scale, s.v_zero, s.ov_v))
+
+        def nbytes(prefix: str) -> int:
+            names = [n for n in self.shape.base_shapes() if n.startswith(prefix)] + [f"ov_{prefix[0]}"]
+            return sum(getattr(s, n).numel() * getattr(s, n).element_size() for n in names)
+
+        k, v = nbytes("k_"), nbytes("v_")
         if self.specache is not None:
             k += self.specache.device_bytes() // 2
             v += self.specache.device_bytes() - self.specache.device_bytes() // 2
@@ -92,7 +96,9 @@ class KVQTokenToKVPool(KVCache):
             request_state_bytes=self.request_state_bytes(),
             base_bytes_per_token=self.shape.base_bytes_per_token(),
             config={"group_size": self.cfg.group_size, "value_group": self.shape.VG, "residual": self.cfg.residual,
-                    "bits": self.cfg.bits, "prefill": self.cfg.prefill},
+                    "bits": self.cfg.bits, "prefill": self.cfg.prefill,
+                    **({"gear_rank": self.cfg.lowrank_rank, "outliers_per_key_channel": self.shape.NK,
+                        "outliers_per_value_token": self.shape.NV} if self.cfg.has_correction else {})},
         )
         if self.specache is not None:
             stats["specache"] = self.specache.stats()

@@ -8,24 +8,34 @@ import math
 import torch
 
 from sgl_kvq.plan import LayerKV, PagedPlan
-from sgl_kvq.quant import kivi_page
+from sgl_kvq.quant import gear_page, kivi_page
 
 
-def make_pool(G, H, D, VG, bits, reqs, dtype, seed):
-    """A layer whose pages hold quantized random K/V, and a PagedPlan giving each request shuffled pages/frames."""
+def make_pool(G, H, D, VG, bits, reqs, dtype, seed, gear=None):
+    """A layer whose pages hold quantized random K/V, and a PagedPlan giving each request shuffled pages/frames.
+    gear=(rank, NK, NV): the pages are GEAR pages (sgl_kvq/quant/gear_page.py) carrying their correction."""
     gen = torch.Generator().manual_seed(seed)
     n_base = [math.ceil(b / G) for b, _ in reqs]
     n_ov = [math.ceil(o / G) for _, o in reqs]
     P, F = sum(n_base) + 2, sum(n_ov) + 2  # spare page 0 and a page/frame nobody references
-    pages = kivi_page.pack_pages(torch.randn(P, G, H, D, generator=gen) * 1.5,
-                                 torch.randn(P, G, H, D, generator=gen), bits, VG)
+    k_pages, v_pages = torch.randn(P, G, H, D, generator=gen) * 1.5, torch.randn(P, G, H, D, generator=gen)
+    corr = None
+    if gear is None:
+        pages = kivi_page.pack_pages(k_pages, v_pages, bits, VG)
+    else:
+        # a low-rank component and a few large entries, so the correction has something to correct
+        k_pages += torch.randn(P, G, H, 1, generator=gen) * torch.randn(P, 1, H, D, generator=gen)
+        k_pages[:, 3, :, 5] += 20
+        pages, corr = gear_page.pack_gear_pages(k_pages, v_pages, bits, VG, *gear[:1], 2, *gear[1:])
+        corr = corr._replace(v_out_val=corr.v_out_val.reshape(P * G, H, -1),
+                             v_out_idx=corr.v_out_idx.reshape(P * G, H, -1))
     kv = LayerKV(
         k_codes=pages.k_codes.reshape(P * G, H, -1), k_scale=pages.k_scale, k_zero=pages.k_zero,
         v_codes=pages.v_codes.reshape(P * G, H, -1), v_scale=pages.v_scale.reshape(P * G, H, -1),
         v_zero=pages.v_zero.reshape(P * G, H, -1),
         ov_k=(torch.randn(F, G, H, D, generator=gen) * 1.5).to(dtype),
         ov_v=torch.randn(F, G, H, D, generator=gen).to(dtype),
-        bits=bits,
+        bits=bits, corr=corr,
     )
     page_ids = (torch.randperm(P - 1, generator=gen) + 1)[: sum(n_base)]
     frame_ids = torch.randperm(F, generator=gen)[: sum(n_ov)]
@@ -47,4 +57,6 @@ def make_pool(G, H, D, VG, bits, reqs, dtype, seed):
             tail = slice(int(kvx[kvi[b + 1] - 1]) * G + int(kvl[b]), (int(kvx[kvi[b + 1] - 1]) + 1) * G)
             kv.v_scale[tail] = float("nan")
             kv.v_zero[tail] = float("nan")
+            if corr is not None:
+                corr.v_out_val[tail] = float("nan")
     return kv, PagedPlan(kvi, kvx, kvl, ovi, ovx, ovl)

@@ -83,3 +83,17 @@ def test_batched_decode_model_dtypes(dtype):
     out = attention_batched.decode(q, kv, attention_batched.prepare(plan, G), D ** -0.5)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), ref_decode(q, kv, plan, D ** -0.5).float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("B", [1, 3, 8])
+@pytest.mark.parametrize("gear", [(2, 1, 1), (2, 0, 0), (3, 2, 3)], ids=["gear2", "gearl2", "rank3-more-outliers"])
+def test_batched_decode_with_gear_correction_matches_reference(B, gear):
+    rng = random.Random(B + 31 * gear[0] + gear[1])
+    for G, H, D, VG in SHAPES:
+        reqs = random_requests(rng, B, G)
+        kv, plan = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=B, gear=gear)
+        q = torch.randn(B, H * 2, D, generator=torch.Generator().manual_seed(B))
+        ref = ref_decode(q, kv, plan, D ** -0.5)
+        out = attention_batched.decode(q, kv, attention_batched.prepare(plan, G), D ** -0.5)
+        assert not out.isnan().any()
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -36,9 +36,12 @@ CASES = {
 
 
 def to_device(obj):
-    fields = obj.__dataclass_fields__
-    return type(obj)(**{f: getattr(obj, f).to(DEVICE) if torch.is_tensor(getattr(obj, f)) else getattr(obj, f)
-                        for f in fields})
+    def move(x):
+        if torch.is_tensor(x):
+            return x.to(DEVICE)
+        return type(x)(*(t.to(DEVICE) for t in x)) if isinstance(x, tuple) else x  # GEAR's PageCorrection
+
+    return type(obj)(**{f: move(getattr(obj, f)) for f in obj.__dataclass_fields__})
 
 
 def assert_close_written(out, ref, dtype):
@@ -141,3 +144,49 @@ def test_extend_matches_reference(case, bits, dtype):
     extend_attention(q.to(DEVICE), k_new.to(DEVICE), v_new.to(DEVICE), qo_indptr.to(DEVICE), to_device(kv),
                      to_device(paged), sm_scale, out=out)
     assert_close_written(out, ref, dtype)
+
+
+# GEAR pages (rank, outliers per key channel NK, per value token NV): the correction in registers vs
+# gear_page.correct_keys / correct_values in the reference, over odd shapes (GQA 3 and 4, D 128 and 256, partial
+# last pages, contexts shorter than a page).
+GEAR = {"gear2": (2, 1, 1), "gearl2": (2, 0, 0), "rank3-nk2-nv3": (3, 2, 3)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("gear", list(GEAR))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_gear_matches_reference(case, gear, dtype):
+    G, H, group, D, VG, reqs = CASES[case]
+    kv, paged = make_pool(G, H, D, VG, 2, reqs, dtype, seed=3, gear=GEAR[gear])
+    q = torch.randn(len(reqs), H * group, D, generator=torch.Generator().manual_seed(1)).to(dtype)
+    ref = ref_decode(q, kv, paged, D ** -0.5)
+    p = dec.plan(to_device(paged), num_qo_heads=H * group, num_kv_heads=H, head_dim=D, page_size=G,
+                 max_splits=3, min_pages_per_split=1)
+    out = torch.full_like(q, float("nan"), device=DEVICE)
+    dec.decode_attention(q.to(DEVICE), to_device(kv), p, D ** -0.5, out=out)
+    assert_close_written(out, ref, dtype)
+
+
+@pytest.mark.parametrize("case", list(EXTEND_CASES))
+@pytest.mark.parametrize("gear", list(GEAR))
+def test_extend_gear_matches_reference(case, gear):
+    G, H, group, D, VG, reqs = EXTEND_CASES[case]
+    kv, paged = make_pool(G, H, D, VG, 2, [(b, o) for b, o, _ in reqs], torch.float32, seed=4, gear=GEAR[gear])
+    gen = torch.Generator().manual_seed(2)
+    qo_indptr = torch.tensor([0] + [n for _, _, n in reqs]).cumsum(0).int()
+    N = int(qo_indptr[-1])
+    q, k_new, v_new = (torch.randn(N, h, D, generator=gen) for h in (H * group, H, H))
+    ref = ref_extend(q, k_new, v_new, qo_indptr, kv, paged, D ** -0.5)
+    out = torch.full_like(q, float("nan"), device=DEVICE)
+    extend_attention(q.to(DEVICE), k_new.to(DEVICE), v_new.to(DEVICE), qo_indptr.to(DEVICE), to_device(kv),
+                     to_device(paged), D ** -0.5, out=out)
+    assert_close_written(out, ref, torch.float32)
+
+
+def test_gear_correction_layout_is_checked():
+    G, H, group, D, VG, reqs = CASES["G16-mha-odd"]
+    kv, paged = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=3, gear=GEAR["gear2"])
+    kv.corr = kv.corr._replace(k_w=kv.corr.k_w[:, :, :1])
+    p = dec.plan(to_device(paged), num_qo_heads=H, num_kv_heads=H, head_dim=D, page_size=G)
+    with pytest.raises(ValueError, match="corr.k_w"):
+        dec.run(torch.zeros(len(reqs), H, D, device=DEVICE), to_device(kv), p, 0.125)

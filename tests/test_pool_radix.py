@@ -31,7 +31,7 @@ from sgl_kvq.config import KVQConfig  # noqa: E402
 from sgl_kvq.layout import PoolShape  # noqa: E402
 from sgl_kvq.metadata.host import begin_batch, plan_contexts  # noqa: E402
 from sgl_kvq.pool import KVQTokenToKVPool  # noqa: E402
-from sgl_kvq.quant import kivi_page  # noqa: E402
+from sgl_kvq.quant import gear_page, kivi_page  # noqa: E402
 
 H, D, L = 2, 16, 2
 
@@ -57,8 +57,13 @@ def expected_context(tokens, n, layer, plan, b, cfg):
     if n_base_pages:
         kp = k[:full].reshape(n_base_pages, G, H, D)
         vp = v[:full].reshape(n_base_pages, G, H, D)
-        kq, vq = kivi_page.dequantize_pages(kivi_page.pack_pages(kp, vp, cfg.bits, min(cfg.value_group, D)),
-                                            cfg.bits)
+        vg = min(cfg.value_group, D)
+        if cfg.has_correction:
+            kq, vq = gear_page.dequantize_gear_pages(*gear_page.pack_gear_pages(
+                kp, vp, cfg.bits, vg, cfg.lowrank_rank, cfg.gear_iters, cfg.outliers_per_row(G),
+                cfg.outliers_per_row(D)), cfg.bits)
+        else:
+            kq, vq = kivi_page.dequantize_pages(kivi_page.pack_pages(kp, vp, cfg.bits, vg), cfg.bits)
         k = torch.cat([kq.reshape(-1, H, D)[:nb], k[nb:]])
         v = torch.cat([vq.reshape(-1, H, D)[:nb], v[nb:]])
     return k, v
@@ -187,6 +192,25 @@ def test_pool_through_radix_tree(seed, bits, G, window_pages):
                        slot=rng.randrange(1, 5))
         if rng.random() < 0.3:
             ep.tree.evict(EvictParams(num_tokens=rng.randrange(1, 6) * G))
+    assert ep.checked > 0
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31), method=st.sampled_from(["gear", "gearl"]), window_pages=st.sampled_from([0, 1]))
+def test_gear_pool_through_radix_tree(seed, method, window_pages):
+    """GEAR pages (codes + low-rank factors + outliers) shared, evicted and reused behind the radix tree read back
+    as the reference compression of their true K/V."""
+    rng = random.Random(seed)
+    cfg = KVQConfig(method=method, bits=2, group_size=8, value_group=8, residual=window_pages * 8)
+    ep = Episode(cfg, num_pages=14, rng=rng)
+    trunks = [[rng.randrange(100) for _ in range(rng.randrange(8, 40))] for _ in range(3)]
+    for _ in range(6):
+        trunk = rng.choice(trunks)
+        tokens = trunk[: rng.randrange(1, len(trunk) + 1)] + [rng.randrange(100) for _ in range(rng.randrange(0, 16))]
+        ep.run_request(tokens, decode_steps=rng.randrange(0, 11), chunk=rng.choice([3, 7, 8, 21]),
+                       slot=rng.randrange(1, 5))
+        if rng.random() < 0.3:
+            ep.tree.evict(EvictParams(num_tokens=rng.randrange(1, 6) * 8))
     assert ep.checked > 0
 
 

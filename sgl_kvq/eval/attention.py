@@ -57,8 +57,8 @@ def methods(group_size: int = 64, value_group: int = 64, residual: int = 64, win
         "kivi2": lambda k, v, q, s: kivi(k, v, bits=2, **kv),
         "kivi1": lambda k, v, q, s: kivi(k, v, bits=1, **kv),
         "kivi1-plain": lambda k, v, q, s: kivi(k, v, bits=1, specache_one_bit=False, **kv),
-        "gear-l-2": lambda k, v, q, s: gear_l(k, v, bits=2, seed=seed, **kv),
-        "gear-2": lambda k, v, q, s: gear(k, v, bits=2, seed=seed, **kv),
+        "gear-l-2": lambda k, v, q, s: gear_l(k, v, bits=2, **kv),  # the served gearl2's pages
+        "gear-2": lambda k, v, q, s: gear(k, v, bits=2, **kv),  # gear2's
         "zipcache": lambda k, v, q, s: zipcache(k, v, q, s, seed=seed, **kv),
         "logquant-2": lambda k, v, q, s: logquant(k, v, bits=2, window=w, **page),
     }

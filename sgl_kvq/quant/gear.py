@@ -1,20 +1,16 @@
-"""GEAR and GEAR-L on a KIVI backbone: X ~= D + L (+ S).
+"""GEAR and GEAR-L over a whole [T, H, D] sequence, as the pool stores it: the served page format
+(sgl_kvq/quant/gear_page.py) on every complete page outside the fp16 window, KIVI's fp16 window and open page after.
 
-    S  sparse outliers (GEAR only): the s% entries farthest from their row's median, kept as fp16 value + int32 flat
-       index and removed BEFORE quantization (their slot is filled with the row median, so they no longer stretch
-       the quantization range). Rows: per channel over the quantized tokens for keys (key outliers live in channels),
-       per token over the D channels for values. round(s * row_length) entries per row.
-    D  the KIVI pages of the filled tensor (keys per channel over G tokens, values per token in VG-channel groups).
-    L  rank-r approximation, per KV head, of the residual R = X_filled - D (zero at outlier slots), by a few steps
-       of seeded power iteration; its factors are stored as fp16 ([H, n, r] and [H, D, r]).
-At outlier slots the stored fp16 value replaces D + L (storing S - D - L there instead gives the additive form
-q.K^T = q.D^T + (q.B).A^T + q.S^T at the same byte cost).
+    X ~= D + L (+ S) per page of G tokens and KV head
+D is KIVI's page of the outlier-filled page, L a rank-r approximation of its residual, S (GEAR only) each row's
+sparse fp16 outliers: keys per channel over the page's tokens, values per token over the channels.
 
 Which variant where (GEAR paper, Kang et al. 2024): the accuracy tables report both GEAR (s = 2%) and GEAR-L (no
 outliers); the system/throughput numbers come from GEAR-L on KIVI's kernels, since the official code only simulates
-the sparse part. Rank defaults to 4 (the paper's prefill rank; 2 in decode).
-The fp16 window and open page are KIVI's (they play GEAR's streaming buffer n_b), so gear vs kivi compares only
-what GEAR adds.
+the sparse part. The official code counts outliers per token over all H * D entries (2 * int(s * H * D / 2)); here
+a row is one KV head's channels, so every page and head has the same count and the layout stays static.
+The fp16 window and open page are KIVI's (they play GEAR's streaming buffer), so gear vs kivi compares only what
+GEAR adds.
 """
 
 from __future__ import annotations
@@ -22,75 +18,34 @@ from __future__ import annotations
 import torch
 
 from sgl_kvq.quant.compressed import CompressedKV, check_kv
-from sgl_kvq.quant.kivi import quantize_span, quantized_len
-
-
-def outlier_mask(x: torch.Tensor, ratio: float, dim: int) -> torch.Tensor:
-    """Boolean mask of the round(ratio * x.shape[dim]) entries of each row along `dim` farthest from the row median."""
-    n = round(ratio * x.shape[dim])
-    mask = torch.zeros_like(x, dtype=torch.bool)
-    if n == 0 or x.numel() == 0:
-        return mask
-    dev = (x - x.median(dim=dim, keepdim=True).values).abs()
-    return mask.scatter_(dim, dev.topk(n, dim=dim).indices, True)
-
-
-def power_iteration(a: torch.Tensor, rank: int, iters: int, generator: torch.Generator):
-    """a [H, n, d] -> (u [H, n, r] orthonormal columns, w [H, d, r]) with u @ w^T ~= a (rank r per head)."""
-    H, n, d = a.shape
-    r = min(rank, n, d)
-    w = torch.randn(H, d, r, generator=generator, dtype=a.dtype)
-    for _ in range(max(1, iters)):
-        u = torch.linalg.qr(a @ w).Q  # [H, n, r]
-        w = a.transpose(1, 2) @ u  # [H, d, r]: u u^T a, the projection of a on u's span
-    return u, w
-
-
-def _compress(x: torch.Tensor, name: str, outliers: torch.Tensor, rank: int, iters: int,
-              generator: torch.Generator, quantized: tuple) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Second half of GEAR for one of k/v, after the backbone `quantized` = (filled x, x_hat of the backbone)."""
-    filled, base = quantized
-    residual = torch.where(outliers, torch.zeros_like(filled), filled - base)  # [n, H, D]
-    stored = {}
-    x_hat = base
-    if rank > 0 and x.shape[0] > 0:
-        u, w = power_iteration(residual.transpose(0, 1), rank, iters, generator)
-        stored[f"{name}.lowrank_u"] = u.to(torch.float16)
-        stored[f"{name}.lowrank_w"] = w.to(torch.float16)
-        low = stored[f"{name}.lowrank_u"].float() @ stored[f"{name}.lowrank_w"].float().transpose(1, 2)
-        x_hat = base + low.transpose(0, 1)
-    if outliers.any():
-        idx = outliers.reshape(-1).nonzero().squeeze(1)
-        stored[f"{name}.outlier_val"] = x.reshape(-1)[idx].to(torch.float16)
-        stored[f"{name}.outlier_idx"] = idx.to(torch.int32)
-        x_hat = x_hat.reshape(-1).index_copy(0, idx, stored[f"{name}.outlier_val"].float()).reshape(x.shape)
-    return x_hat, stored
+from sgl_kvq.quant.gear_page import dequantize_gear_pages, outliers_per_row, pack_gear_pages
+from sgl_kvq.quant.kivi import quantized_len
 
 
 def gear(k: torch.Tensor, v: torch.Tensor, *, bits: int = 2, group_size: int = 64, value_group: int = 64,
-         residual: int = 64, rank: int = 4, iters: int = 3, outlier_ratio: float = 0.02, seed: int = 0,
+         residual: int = 64, rank: int = 2, iters: int = 3, outlier_ratio: float = 0.02,
          specache_one_bit: bool = True) -> CompressedKV:
-    """GEAR; outlier_ratio=0 gives GEAR-L (see gear_l)."""
+    """GEAR; outlier_ratio=0 gives GEAR-L (see gear_l). Defaults are the served gear2's (sgl_kvq.config)."""
     T, H, D = check_kv(k, v)
-    n_q = quantized_len(T, group_size, residual)
-    kq, vq = k[:n_q].float(), v[:n_q].float()
-    k_out = outlier_mask(kq, outlier_ratio, dim=0)  # per channel: over the tokens
-    v_out = outlier_mask(vq, outlier_ratio, dim=-1)  # per token: over the channels
-    k_fill = torch.where(k_out, kq.median(dim=0, keepdim=True).values, kq) if n_q else kq
-    v_fill = torch.where(v_out, vq.median(dim=-1, keepdim=True).values, vq) if n_q else vq
-    k_base, v_base, stored = quantize_span(k_fill, v_fill, bits, group_size, value_group,
-                                           specache_one_bit=specache_one_bit)
-    gen = torch.Generator().manual_seed(seed)
-    k_hat, k_st = _compress(kq, "k", k_out, rank, iters, gen, (k_fill, k_base))
-    v_hat, v_st = _compress(vq, "v", v_out, rank, iters, gen, (v_fill, v_base))
-    stored.update(k_st)
-    stored.update(v_st)
+    G = group_size
+    n_q = quantized_len(T, G, residual)
+    n = n_q // G
+    base, corr = pack_gear_pages(k[:n_q].reshape(n, G, H, D), v[:n_q].reshape(n, G, H, D), bits,
+                                 min(value_group, D), rank, iters, outliers_per_row(outlier_ratio, G),
+                                 outliers_per_row(outlier_ratio, D), specache_one_bit=specache_one_bit)
+    k_q, v_q = dequantize_gear_pages(base, corr, bits)
+    stored = {"k.codes": base.k_codes, "k.scale": base.k_scale, "k.zero": base.k_zero,
+              "v.codes": base.v_codes, "v.scale": base.v_scale, "v.zero": base.v_zero,
+              "k.lowrank_u": corr.k_u, "k.lowrank_w": corr.k_w, "v.lowrank_u": corr.v_u, "v.lowrank_w": corr.v_w}
+    if outlier_ratio > 0:
+        stored.update({"k.outlier_val": corr.k_out_val, "k.outlier_idx": corr.k_out_idx,
+                       "v.outlier_val": corr.v_out_val, "v.outlier_idx": corr.v_out_idx})
     stored["k.fp16"] = k[n_q:].to(torch.float16)
     stored["v.fp16"] = v[n_q:].to(torch.float16)
     kept = torch.zeros(T, H, dtype=torch.bool)
     kept[n_q:] = True
-    return CompressedKV(torch.cat([k_hat, stored["k.fp16"].float()]), torch.cat([v_hat, stored["v.fp16"].float()]),
-                        stored, kept)
+    return CompressedKV(torch.cat([k_q.reshape(n_q, H, D), stored["k.fp16"].float()]),
+                        torch.cat([v_q.reshape(n_q, H, D), stored["v.fp16"].float()]), stored, kept)
 
 
 def gear_l(k: torch.Tensor, v: torch.Tensor, **kw) -> CompressedKV:
