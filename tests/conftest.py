@@ -41,12 +41,12 @@ def venv_bin() -> Path:
 
 @pytest.fixture(scope="session")
 def frontend_fork():
-    """fn(base_url, text) -> answers: SGLang's frontend language against a running server, a shared prefix forked
-    into two generated branches."""
-    return _frontend_fork_answers
+    """fn(base_url, text) -> [(answer, meta_info)] per branch: SGLang's frontend language against a running server,
+    a shared prefix forked into two generated branches."""
+    return _frontend_fork
 
 
-def _frontend_fork_answers(base_url: str, text: str) -> list:
+def _frontend_fork(base_url: str, text: str) -> list[tuple[str, dict]]:
     import sglang as sgl
 
     @sgl.function
@@ -55,6 +55,7 @@ def _frontend_fork_answers(base_url: str, text: str) -> list:
         forks = s.fork(2)
         for i, f in enumerate(forks):
             f += f" branch {i}:" + sgl.gen("answer", max_tokens=8, temperature=0)
-        s["answers"] = [f["answer"] for f in forks]
+        s["branches"] = [(f["answer"], f.get_meta_info("answer")) for f in forks]
 
-    return two_branches.run(text=text, backend=sgl.RuntimeEndpoint(base_url))["answers"]
+    return two_branches.run(text=text, backend=sgl.RuntimeEndpoint(base_url))["branches"]
+

@@ -17,6 +17,7 @@ import pytest
 from sgl_kvq.launch import ServerProcess, engine_kwargs
 from sgl_kvq.models import tiny_llama
 from sgl_kvq.workload import common_prefix_share
+from multiturn import multiturn_cached_tokens
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -114,14 +115,7 @@ def test_http_server_multiturn_radix_hits_abort_and_frontend_language(tiny, tmp_
     args = ["--model-path", str(tiny), "--kv-cache-dtype", "kivi2", "--dtype", "float32",
             "--max-total-tokens", "4096", "--mem-fraction-static", "0.3"]
     with ServerProcess(args, log_path=tmp_path / "server.log") as server:
-        history = "system: you are terse\n"
-        cached = []
-        for turn in range(4):
-            history += f"user: question {turn} " + "about the code below " * 30 + "\nassistant:"
-            out = server.post("/generate", {"text": history, "sampling_params": {"temperature": 0,
-                                                                                 "max_new_tokens": 16}})
-            cached.append(out["meta_info"]["cached_tokens"])
-            history += out["text"] + "\n"
+        cached, history = multiturn_cached_tokens(server, turns=4)
         assert cached[0] == 0 and all(c >= 64 for c in cached[1:]), cached
         assert all(c % 64 == 0 for c in cached), "prefix hits come in whole quantized pages (G = 64)"
 
@@ -139,8 +133,8 @@ def test_http_server_multiturn_radix_hits_abort_and_frontend_language(tiny, tmp_
         after = server.post("/generate", prompt)["output_ids"]
         assert after == before
 
-        answers = frontend_fork(server.base, "shared prefix for both branches " * 40)
-        assert len(answers) == 2 and all(isinstance(a, str) for a in answers)
+        branches = frontend_fork(server.base, "shared prefix for both branches " * 40)
+        assert len(branches) == 2 and all(isinstance(a, str) for a, _ in branches)
         stats = server.kv_pool_stats()
         assert stats["kv_cache_dtype"] == "kivi2"
         # 2-bit codes plus fp16 scales/zeros: under a quarter of 16-bit KV (2 layers x 2 KV heads x D 16 x K,V x 2 B).

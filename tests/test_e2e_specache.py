@@ -98,10 +98,10 @@ def test_http_server_and_frontend_language_on_specache2(tiny, tmp_path, frontend
         server.post("/generate", {"text": prefix + "first", "sampling_params": sampling})
         second = server.post("/generate", {"text": prefix + "second", "sampling_params": sampling})
 
-        answers = frontend_fork(server.base, prefix)
+        branches = frontend_fork(server.base, prefix)
         pool = server.kv_pool_stats()
     assert second["meta_info"]["cached_tokens"] >= 128 and len(second["output_ids"]) == 12
-    assert len(answers) == 2 and all(isinstance(a, str) for a in answers)
+    assert len(branches) == 2 and all(isinstance(a, str) for a, _ in branches)
     assert pool["kv_cache_dtype"] == "specache2" and pool["specache"]["decode_steps"] > 0
     assert pool["specache"]["predecode_rows"] >= 4 and pool["specache"]["recall_wanted"] > 0
 

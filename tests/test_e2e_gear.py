@@ -1,0 +1,101 @@
+"""gear2 / gearl2 through the real SGLang engine and HTTP server on CPU with the tiny random Llama (float32, so
+greedy tokens are exact): kvq_triton == kvq_torch, radix hits across turns and on a forked frontend-language
+program, eviction + retraction under a pool too small for the workload, bad GEAR knobs refused before the model
+loads, and the pool's bytes per token."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+
+from sgl_kvq.launch import ServerProcess
+from sgl_kvq.models import tiny_llama
+from multiturn import multiturn_cached_tokens
+from test_e2e_serving import GREEDY, agreement, run_engine
+
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
+
+GEAR_DTYPES = ["gear2", "gearl2"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_llama()
+
+
+def _prompts(n: int, words: int = 120) -> list[str]:
+    rng = random.Random(0)
+    vocab = "def class return import from self lambda yield while for if else try except with as print".split()
+    return [" ".join(rng.choice(vocab) for _ in range(words)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("dtype", GEAR_DTYPES)
+def test_kvq_triton_gives_the_same_tokens_as_kvq_torch(tiny, dtype):
+    prompts = _prompts(3)
+    torch_out, stats = run_engine(tiny, dtype, prompts, attention_backend="kvq_torch", max_total_tokens=4096)
+    triton_out, _ = run_engine(tiny, dtype, prompts, attention_backend="kvq_triton", max_total_tokens=4096,
+                               env={"TRITON_INTERPRET": "1"})
+    assert stats["kv_cache_dtype"] == dtype and stats["config"]["gear_rank"] == 2
+    assert triton_out == torch_out
+
+
+@pytest.mark.parametrize("dtype", GEAR_DTYPES)
+def test_http_server_multiturn_and_forked_program_hit_the_radix_cache(tiny, tmp_path, dtype, frontend_fork):
+    args = ["--model-path", str(tiny), "--kv-cache-dtype", dtype, "--dtype", "float32",
+            "--max-total-tokens", "4096", "--mem-fraction-static", "0.3"]
+    with ServerProcess(args, log_path=tmp_path / "server.log") as server:
+        cached, _ = multiturn_cached_tokens(server, turns=3)
+        assert cached[0] == 0 and all(c >= 64 and c % 64 == 0 for c in cached[1:]), cached
+        # A forked frontend-language program: its shared prefix lands in the radix tree as quantized pages that a
+        # later request matches whole. (Its two branches themselves report 0 cached tokens, on bf16 too: SGLang
+        # 0.5.23's RuntimeEndpoint sends them before the prefix request has been inserted.)
+        shared = "shared prefix for both branches " * 40
+        branches = frontend_fork(server.base, shared)
+        assert len(branches) == 2 and all(meta["completion_tokens"] == 8 for _, meta in branches), branches
+        again = server.post("/generate", {"text": shared, "sampling_params": {"max_new_tokens": 1}})
+        assert again["meta_info"]["cached_tokens"] == 64 * (again["meta_info"]["prompt_tokens"] // 64), again
+        stats = server.kv_pool_stats()
+        assert stats["kv_cache_dtype"] == dtype
+        # tiny: 2 layers x 2 KV heads x D 16, G 64. Per token and head: codes 2 x 4 B, key scale+zero 2 x 16 x 2 / 64,
+        # value scale+zero 2 x 2, rank-2 factors 2 x 2 x (64 + 16) x 2 / 64, gear2's outliers (fp16 + uint8 index;
+        # one per key channel per page, one per value token) 16 x 3 / 64 + 3.
+        per_head = 8 + 1 + 4 + 10 + (48 / 64 + 3 if dtype == "gear2" else 0)
+        assert stats["base_bytes_per_token"] == pytest.approx(2 * 2 * per_head)
+
+
+def test_pool_too_small_completes_every_request_and_is_exact_in_the_deterministic_mode(capfd):
+    """As tests/test_e2e_serving.py's kivi2 case, for gear2: 12 requests x 160 tokens against a 16-page pool with
+    retraction forced. With KVQ_PREFILL=paged and KVQ_RESIDUAL=0 a page's compression is a function of its tokens
+    alone (power iteration from a fixed start), so the contended run must agree with the uncontended one at least
+    as well as bf16's does."""
+    model = tiny_llama(dtype="bfloat16")
+    prompts = _prompts(12)
+    exact = {"KVQ_PREFILL": "paged", "KVQ_RESIDUAL": "0"}
+    contended = {}
+    for name, (dtype, env) in {"auto": ("auto", {}), "gear2-paged-r0": ("gear2", exact)}.items():
+        free, _ = run_engine(model, dtype, prompts, max_total_tokens=4096, dtype="bfloat16", env=env)
+        tight, stats = run_engine(model, dtype, prompts, max_total_tokens=1024, dtype="bfloat16",
+                                  env={**env, "SGLANG_TEST_RETRACT": "1"})
+        assert stats["capacity_tokens"] == 1024
+        assert all(len(o) == GREEDY["max_new_tokens"] for o in tight), "a request did not complete"
+        contended[name] = agreement(free, tight)
+    assert re.search(r"#retracted_reqs: [1-9]", capfd.readouterr().err), "no request was retracted"
+    assert contended["gear2-paged-r0"] >= contended["auto"], contended
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"KVQ_GEAR_RANK": "0"}, "KVQ_GEAR_RANK=0 must be in 1..G=64"),
+    ({"KVQ_GEAR_OUTLIERS": "0.7"}, "KVQ_GEAR_OUTLIERS=0.7 must be in"),
+    ({"KVQ_GEAR_ITERS": "two"}, "KVQ_GEAR_ITERS='two' is not a"),
+])
+def test_bad_gear_knobs_fail_before_the_model_loads(tiny, env, message, monkeypatch):
+    import sglang
+
+    from sgl_kvq.config import KVQConfigError
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(KVQConfigError, match=re.escape(message)):
+        sglang.Engine(model_path=str(tiny), device="cpu", log_level="error", kv_cache_dtype="gear2")
