@@ -21,7 +21,7 @@ import torch
 
 from sgl_kvq.plan import LayerKV, PagedPlan
 from sgl_kvq.quant import pack
-from sgl_kvq.quant.gear_page import PageCorrection
+from sgl_kvq.quant.gear_page import PageCorrection, add_low_rank
 
 
 @dataclass
@@ -118,8 +118,8 @@ def _correct(k: torch.Tensor, v: torch.Tensor, c: PageCorrection, ctx: BatchedCo
     overlay copy overwrites those positions; padding must stay finite)."""
     off_page = ~ctx.is_base_page[..., None, None, None]  # [B, U, 1, 1, 1]
     for x, u, w in ((k, c.k_u, c.k_w), (v, c.v_u, c.v_w)):
-        uu = u[ctx.pages].float().masked_fill_(off_page, 0).permute(2, 0, 1, 4, 3)  # [H, B, U, G, r]
-        x += uu @ w[ctx.pages].float().masked_fill_(off_page, 0).permute(2, 0, 1, 3, 4)  # [H, B, U, r, D]
+        add_low_rank(x, u[ctx.pages].float().masked_fill_(off_page, 0).permute(2, 0, 1, 3, 4),  # [H, B, U, r, G]
+                     w[ctx.pages].float().masked_fill_(off_page, 0).permute(2, 0, 1, 3, 4))  # [H, B, U, r, D]
     if c.k_out_val.shape[2]:
         idx = c.k_out_idx[ctx.pages].long().masked_fill_(off_page, 0).permute(2, 0, 1, 3, 4)  # [H, B, U, NK, D]
         k.scatter_(3, idx, c.k_out_val[ctx.pages].float().masked_fill_(off_page, 0).permute(2, 0, 1, 3, 4))

@@ -34,7 +34,7 @@ def test_power_iteration_recovers_an_exact_low_rank_matrix():
     u, w = low_rank(a, rank=2, iters=3)
     assert u.shape == (3, 2, 100) and w.shape == (3, 2, 24)
     assert (u.transpose(1, 2) @ w - a).norm() < 1e-4 * a.norm()
-    assert torch.allclose(u @ u.transpose(1, 2), torch.eye(2).expand(3, 2, 2), atol=1e-5)  # orthonormal rows
+    assert torch.allclose(u @ u.transpose(1, 2), torch.eye(2, dtype=u.dtype).expand(3, 2, 2), atol=1e-5)  # orthonormal
 
 
 def test_zero_residual_gives_zero_factors():

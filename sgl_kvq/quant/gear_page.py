@@ -55,7 +55,7 @@ def select_pages(pool: PageCorrection, pages: torch.Tensor) -> PageCorrection:
 def _start(d: int, rank: int, device: torch.device) -> torch.Tensor:
     """The fixed power-iteration start [d, r] (GEAR starts from a random matrix; a seeded one keeps a page's
     compression a function of its contents)."""
-    return torch.randn(d, rank, generator=torch.Generator().manual_seed(0)).to(device)
+    return torch.randn(d, rank, generator=torch.Generator().manual_seed(0), dtype=torch.float64).to(device)
 
 
 def _orthonormal_columns(y: torch.Tensor) -> torch.Tensor:
@@ -76,7 +76,13 @@ def outliers_per_row(ratio: float, row_length: int) -> int:
 
 
 def low_rank(a: torch.Tensor, rank: int, iters: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """a [B, n, d] fp32 -> (u [B, r, n], w [B, r, d]) with u^T w ~= a, by power iteration (rank 0: empty)."""
+    """a [B, n, d] -> (u [B, r, n], w [B, r, d]) float64 with u^T w ~= a, by power iteration (rank 0: empty).
+
+    In float64 so that a page's factors, once rounded to fp16, do not depend on how many pages were compressed
+    with it: a batched fp32 matmul may round differently at another batch size (cuBLAS picks its kernel by shape),
+    and a contended server (retraction, chunked prefill) compresses a page in another batch than an uncontended
+    one."""
+    a = a.double()
     if rank == 0:
         return a.new_zeros(a.shape[0], 0, a.shape[1]), a.new_zeros(a.shape[0], 0, a.shape[2])
     w = _start(a.shape[-1], rank, a.device).expand(a.shape[0], -1, -1)
@@ -128,9 +134,18 @@ def pack_gear_pages(k: torch.Tensor, v: torch.Tensor, bits: int, value_group: in
     return base, PageCorrection(*factors, k_val.contiguous(), k_pos.contiguous(), v_val, v_pos)
 
 
+def add_low_rank(x: torch.Tensor, u: torch.Tensor, w: torch.Tensor) -> None:
+    """x [..., G, D] fp32 += u^T w with u [..., r, G], w [..., r, D] (leading dims broadcast), one rank-1 term at a
+    time in order j = 0..r-1, as the kernels do: elementwise, so the sum is the same bits whatever the batch (a
+    batched matmul can round differently at another batch size, and a request's tokens must not depend on what it
+    was batched with)."""
+    for j in range(u.shape[-2]):
+        x += u[..., j, :, None].float() * w[..., j, None, :].float()
+
+
 def correct_keys(k_hat: torch.Tensor, c: PageCorrection) -> torch.Tensor:
     """k_hat [N, G, H, D] fp32 (the pages' dequantized base) -> the corrected keys, in place."""
-    k_hat += torch.einsum("nhrg,nhrd->nghd", c.k_u.float(), c.k_w.float())
+    add_low_rank(k_hat.transpose(1, 2), c.k_u, c.k_w)
     if c.k_out_val.shape[2]:
         k_hat.scatter_(1, c.k_out_idx.permute(0, 2, 1, 3).long(), c.k_out_val.permute(0, 2, 1, 3).float())
     return k_hat
@@ -138,7 +153,7 @@ def correct_keys(k_hat: torch.Tensor, c: PageCorrection) -> torch.Tensor:
 
 def correct_values(v_hat: torch.Tensor, c: PageCorrection) -> torch.Tensor:
     """v_hat [N, G, H, D] fp32 -> the corrected values, in place."""
-    v_hat += torch.einsum("nhrg,nhrd->nghd", c.v_u.float(), c.v_w.float())
+    add_low_rank(v_hat.transpose(1, 2), c.v_u, c.v_w)
     if c.v_out_val.shape[-1]:
         v_hat.scatter_(-1, c.v_out_idx.long(), c.v_out_val.float())
     return v_hat
