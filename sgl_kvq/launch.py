@@ -2,7 +2,9 @@
 
 Without a GPU the CPU engine settings (sgl_kvq/cpu_engine.py) are added; with one, nothing is added. A kvq dtype
 picks its own attention backend and page size (patches/resolution.py); a bf16 baseline gets the same page size so
-both report prefix hits in the same whole pages.
+both report prefix hits in the same whole pages. With more than one rank (--tp-size, --dp-size) on the CPU engine
+the OpenMP thread binding SGLang needs is chosen here unless the user set SGLANG_CPU_OMP_THREADS_BIND (then it is
+checked: cpu_engine.apply_threads_bind).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def engine_kwargs(model_path, kv_cache_dtype: str = "auto", **overrides) -> dict
         from sgl_kvq.cpu_engine import cpu_engine_env, engine_kwargs as cpu_kwargs
 
         cpu_engine_env()
+        _bind_cpu_ranks({**kw, **overrides})
         cpu = cpu_kwargs(model_path)
         if is_kvq_dtype(kv_cache_dtype):
             cpu.pop("attention_backend")  # the kvq dtype picks kvq_torch
@@ -60,6 +63,7 @@ def server_argv(args: list[str]) -> list[str]:
     from sgl_kvq.cpu_engine import cpu_engine_env
 
     cpu_engine_env()
+    _bind_cpu_ranks({field: _arg_value(args, *flags) for field, flags in _RANK_FLAGS.items()})
     given = {a.split("=")[0] for a in args if a.startswith("--")}
     if "--device" not in given:
         args += ["--device", "cpu"]
@@ -69,12 +73,34 @@ def server_argv(args: list[str]) -> list[str]:
     return args
 
 
-def _arg_value(args: list[str], flag: str):
+# launch_server flags (with SGLang's aliases) that decide how many scheduler processes run and their gpu_ids.
+_RANK_FLAGS = {
+    "tp_size": ("--tp-size", "--tensor-parallel-size"),
+    "dp_size": ("--dp-size", "--data-parallel-size"),
+    "pp_size": ("--pp-size", "--pipeline-parallel-size"),
+    "base_gpu_id": ("--base-gpu-id",),
+    "gpu_id_step": ("--gpu-id-step",),
+}
+
+
+def _bind_cpu_ranks(kw: dict) -> None:
+    """SGLANG_CPU_OMP_THREADS_BIND for the ranks these arguments start (cpu_engine.apply_threads_bind)."""
+    from sgl_kvq.cpu_engine import apply_threads_bind, rank_ids
+
+    try:
+        ids = rank_ids(**{k: int(kw[k]) for k in _RANK_FLAGS if kw.get(k) is not None})
+    except ValueError:
+        return  # not a number: SGLang's own argument check reports it
+    apply_threads_bind(ids)
+
+
+def _arg_value(args: list[str], *flags: str):
     for i, a in enumerate(args):
-        if a == flag and i + 1 < len(args):
-            return args[i + 1]
-        if a.startswith(flag + "="):
-            return a.split("=", 1)[1]
+        for flag in flags:
+            if a == flag and i + 1 < len(args):
+                return args[i + 1]
+            if a.startswith(flag + "="):
+                return a.split("=", 1)[1]
     return None
 
 
