@@ -110,20 +110,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class _PortTaken(Exception):
+    pass
+
+
 class ServerProcess:
     """`sgl-kvq serve ARGS` in a child process on 127.0.0.1, with a tiny HTTP client. Use as a context manager."""
 
     def __init__(self, args: list[str], log_path: str | os.PathLike | None = None, startup_timeout: float = 600):
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.args = list(args) + ["--host", "127.0.0.1", "--port", str(self.port)]
+        self.args = list(args)
         self.log_path = Path(log_path) if log_path else None
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen | None = None
+        self._pick_port()
+
+    def _pick_port(self) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> "ServerProcess":
+        # The port is free when picked but only bound after startup (minutes on a loaded machine): another process
+        # may take it first, and the HTTP server then stops without exiting. Seen in its log: start again elsewhere.
+        for attempt in range(3):
+            try:
+                return self._start()
+            except _PortTaken:
+                self.__exit__(None, None, None)
+                self._pick_port()
+        raise RuntimeError(f"server could not bind an HTTP port in 3 attempts{self._log_tail()}")
+
+    def _start(self) -> "ServerProcess":
         log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen([sys.executable, "-m", "sgl_kvq.cli", "serve", *self.args], stdout=log,
+        argv = self.args + ["--host", "127.0.0.1", "--port", str(self.port)]
+        self.proc = subprocess.Popen([sys.executable, "-m", "sgl_kvq.cli", "serve", *argv], stdout=log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.time() + self.startup_timeout
         while time.time() < deadline:
@@ -133,9 +152,16 @@ class ServerProcess:
                 if self.get("/health_generate", timeout=30) is not None:
                     return self
             except OSError:
+                if self._port_taken():
+                    raise _PortTaken() from None
                 time.sleep(1.0)
         self.__exit__(None, None, None)
         raise TimeoutError(f"server not healthy after {self.startup_timeout}s{self._log_tail()}")
+
+    def _port_taken(self) -> bool:
+        return bool(self.log_path and self.log_path.exists() and
+                    f"address ('127.0.0.1', {self.port}): address already in use" in self.log_path.read_text(
+                        errors="replace"))
 
     def _log_tail(self) -> str:
         if self.log_path and self.log_path.exists():
