@@ -71,6 +71,11 @@ def validate(server_args, view, cfg) -> None:
     for field, what in unsupported.items():
         if getattr(view, field, None):
             raise KVQConfigError(f"sgl_kvq: {what} is not supported with --kv-cache-dtype {cfg.name} yet")
+    if (getattr(view, "disaggregation_mode", None) or "null") != "null":
+        # SGLang's KV transfer registers the pool's buffers (get_contiguous_buf_infos); the packed pool does not
+        # describe its code/scale/zero buffers yet, and the prefill scheduler died with an AttributeError there.
+        raise KVQConfigError(f"sgl_kvq: prefill/decode disaggregation is not supported with {cfg.name} yet (the "
+                             "packed pool does not describe its buffers to SGLang's KV transfer)")
     if (getattr(view, "pp_size", 1) or 1) > 1:
         raise KVQConfigError(f"sgl_kvq: pipeline parallelism is not supported with {cfg.name} yet")
     if cfg.is_specache and backend == "kvq_triton":

@@ -62,7 +62,7 @@ def profile_available_bytes(orig, self, *args, **kwargs):
     """KVQ_KV_CACHE_GB pins the KV budget (any dtype), so bf16 and kvq pools can be compared at equal memory. A
     kvq pool's split of the budget is decided here, where the budget is first known."""
     budget = env.kv_cache_budget_bytes()
-    budget = orig(self, *args, **kwargs) if budget is None else budget
+    budget = _node_share(orig(self, *args, **kwargs), self.device) if budget is None else budget
     _budget["bytes"] = budget
     shape = kvq_pool_shape(self)
     if shape is not None:
@@ -78,6 +78,23 @@ def profile_available_bytes(orig, self, *args, **kwargs):
         _splits[id(self)] = split
         logger.info("%s", split.describe(shape.cfg.name))
     return budget
+
+
+def _node_share(budget: int, device) -> int:
+    """On the CPU engine SGLang sizes every rank's KV from its NUMA node's free RAM, as if the rank had the node to
+    itself. Under the thread binding sgl_kvq chose for more ranks than nodes (cpu_engine.apply_threads_bind) the
+    ranks on a node share it: each gets its share, so --mem-fraction-static keeps meaning a fraction of the
+    machine's memory (at tp 2 on one node, each rank half). A binding the user set leaves SGLang's sizing alone."""
+    import os
+
+    from sgl_kvq.cpu_engine import RANKS_PER_NODE_ENV
+
+    sharing = int(os.environ.get(RANKS_PER_NODE_ENV) or 1)
+    if not str(device).startswith("cpu") or sharing <= 1:
+        return budget
+    logger.info("sgl_kvq: %d ranks share this NUMA node: KV budget %.3f GiB of the profiled %.3f GiB", sharing,
+                budget / sharing / 2**30, budget / 2**30)
+    return budget // sharing
 
 
 def pool_configurator_init(orig, self, kvc, *args, **kwargs):

@@ -15,7 +15,11 @@ variable as a deprecated spelling of SGLANG_* and warns about it in each of its 
 | KVQ_SPECACHE_RECALL      | 1: measure each step how much of the output row's exact 16-bit top-k the speculative lane prefetched (reads every context row from the host tier: a diagnostic) | 1 |
 | KVQ_HOST_MEM_FRACTION    | share of the host's available RAM SpeCache's host tier may take | 0.8 |
 | KVQ_CACHE_DIR            | where embedded models are materialized | ~/.cache/sgl_kvq |
-| KVQ_KV_CACHE_GB          | fixes SGLang's KV budget to this many GiB for ANY kv dtype (bf16 too), instead of profiling free memory: capacity comparisons at the same KV memory | unset |
+| KVQ_KV_CACHE_GB          | fixes SGLang's KV budget to this many GiB for ANY kv dtype (bf16 too), instead of profiling free memory: capacity comparisons at the same KV memory (per rank) | unset |
+
+Set by sgl_kvq itself, not by users (sgl_kvq/cpu_engine.py: the CPU thread binding for more ranks than NUMA nodes):
+KVQ_AUTO_THREADS_BIND (the SGLANG_CPU_OMP_THREADS_BIND value it chose) and KVQ_CPU_RANKS_PER_NODE (ranks sharing a
+node's KV budget, read by patches/sizing.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 Without a GPU the CPU engine settings (sgl_kvq/cpu_engine.py) are added; with one, nothing is added. A kvq dtype
 picks its own attention backend and page size (patches/resolution.py); a bf16 baseline gets the same page size so
-both report prefix hits in the same whole pages.
+both report prefix hits in the same whole pages. With more than one rank (--tp-size, --dp-size) on the CPU engine
+the OpenMP thread binding SGLang needs is chosen here unless the user set SGLANG_CPU_OMP_THREADS_BIND (then it is
+checked: cpu_engine.apply_threads_bind).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def engine_kwargs(model_path, kv_cache_dtype: str = "auto", **overrides) -> dict
         from sgl_kvq.cpu_engine import cpu_engine_env, engine_kwargs as cpu_kwargs
 
         cpu_engine_env()
+        _bind_cpu_ranks({**kw, **overrides})
         cpu = cpu_kwargs(model_path)
         if is_kvq_dtype(kv_cache_dtype):
             cpu.pop("attention_backend")  # the kvq dtype picks kvq_torch
@@ -60,6 +63,7 @@ def server_argv(args: list[str]) -> list[str]:
     from sgl_kvq.cpu_engine import cpu_engine_env
 
     cpu_engine_env()
+    _bind_cpu_ranks({field: _arg_value(args, *flags) for field, flags in _RANK_FLAGS.items()})
     given = {a.split("=")[0] for a in args if a.startswith("--")}
     if "--device" not in given:
         args += ["--device", "cpu"]
@@ -69,12 +73,34 @@ def server_argv(args: list[str]) -> list[str]:
     return args
 
 
-def _arg_value(args: list[str], flag: str):
+# launch_server flags (with SGLang's aliases) that decide how many scheduler processes run and their gpu_ids.
+_RANK_FLAGS = {
+    "tp_size": ("--tp-size", "--tensor-parallel-size"),
+    "dp_size": ("--dp-size", "--data-parallel-size"),
+    "pp_size": ("--pp-size", "--pipeline-parallel-size"),
+    "base_gpu_id": ("--base-gpu-id",),
+    "gpu_id_step": ("--gpu-id-step",),
+}
+
+
+def _bind_cpu_ranks(kw: dict) -> None:
+    """SGLANG_CPU_OMP_THREADS_BIND for the ranks these arguments start (cpu_engine.apply_threads_bind)."""
+    from sgl_kvq.cpu_engine import apply_threads_bind, rank_ids
+
+    try:
+        ids = rank_ids(**{k: int(kw[k]) for k in _RANK_FLAGS if kw.get(k) is not None})
+    except ValueError:
+        return  # not a number: SGLang's own argument check reports it
+    apply_threads_bind(ids)
+
+
+def _arg_value(args: list[str], *flags: str):
     for i, a in enumerate(args):
-        if a == flag and i + 1 < len(args):
-            return args[i + 1]
-        if a.startswith(flag + "="):
-            return a.split("=", 1)[1]
+        for flag in flags:
+            if a == flag and i + 1 < len(args):
+                return args[i + 1]
+            if a.startswith(flag + "="):
+                return a.split("=", 1)[1]
     return None
 
 
@@ -84,20 +110,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class _PortTaken(Exception):
+    pass
+
+
 class ServerProcess:
     """`sgl-kvq serve ARGS` in a child process on 127.0.0.1, with a tiny HTTP client. Use as a context manager."""
 
     def __init__(self, args: list[str], log_path: str | os.PathLike | None = None, startup_timeout: float = 600):
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.args = list(args) + ["--host", "127.0.0.1", "--port", str(self.port)]
+        self.args = list(args)
         self.log_path = Path(log_path) if log_path else None
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen | None = None
+        self._pick_port()
+
+    def _pick_port(self) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> "ServerProcess":
+        # The port is free when picked but only bound after startup (minutes on a loaded machine): another process
+        # may take it first, and the HTTP server then stops without exiting. Seen in its log: start again elsewhere.
+        for attempt in range(3):
+            try:
+                return self._start()
+            except _PortTaken:
+                self.__exit__(None, None, None)
+                self._pick_port()
+        raise RuntimeError(f"server could not bind an HTTP port in 3 attempts{self._log_tail()}")
+
+    def _start(self) -> "ServerProcess":
         log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen([sys.executable, "-m", "sgl_kvq.cli", "serve", *self.args], stdout=log,
+        argv = self.args + ["--host", "127.0.0.1", "--port", str(self.port)]
+        self.proc = subprocess.Popen([sys.executable, "-m", "sgl_kvq.cli", "serve", *argv], stdout=log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.time() + self.startup_timeout
         while time.time() < deadline:
@@ -107,9 +152,16 @@ class ServerProcess:
                 if self.get("/health_generate", timeout=30) is not None:
                     return self
             except OSError:
+                if self._port_taken():
+                    raise _PortTaken() from None
                 time.sleep(1.0)
         self.__exit__(None, None, None)
         raise TimeoutError(f"server not healthy after {self.startup_timeout}s{self._log_tail()}")
+
+    def _port_taken(self) -> bool:
+        return bool(self.log_path and self.log_path.exists() and
+                    f"address ('127.0.0.1', {self.port}): address already in use" in self.log_path.read_text(
+                        errors="replace"))
 
     def _log_tail(self) -> str:
         if self.log_path and self.log_path.exists():

@@ -146,6 +146,7 @@ BAD_ENGINE_ARGS = [
     ({"kv_cache_dtype": "kivi2", "page_size": 16}, "conflicts with kivi2's quantization group G=64"),
     ({"kv_cache_dtype": "kivi2", "speculative_algorithm": "NGRAM"}, "speculative decoding is not supported"),
     ({"kv_cache_dtype": "kivi2", "attention_backend": "triton"}, "cannot read kivi2 KV"),
+    ({"kv_cache_dtype": "kivi2", "disaggregation_mode": "prefill"}, "disaggregation is not supported"),
 ]
 
 

@@ -1,5 +1,6 @@
 """`sgl-kvq serve ARGS...`: SGLang's launch_server with ARGS; without a GPU the CPU engine settings are added
-(sgl_kvq/launch.py: server_argv), so the same command serves on a laptop and on a GPU box."""
+(sgl_kvq/launch.py: server_argv), so the same command serves on a laptop and on a GPU box. With --tp-size or
+--dp-size above 1 on the CPU engine it also sets the OpenMP thread binding SGLang requires (or checks the user's)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,14 @@ def run(args) -> int:
 
 
 def run_raw(argv: list[str]) -> int:
+    from sgl_kvq.cpu_engine import ThreadBindError
     from sgl_kvq.launch import server_argv
 
-    full = server_argv(argv)
+    try:
+        full = server_argv(argv)
+    except ThreadBindError as e:
+        print(f"sgl-kvq serve: {e}", file=sys.stderr)
+        return 2
     # exec: launch_server owns signals and its child processes, exactly as when started by hand.
     os.execv(sys.executable, [sys.executable, "-m", "sglang.launch_server", *full])
     return 0  # not reached
