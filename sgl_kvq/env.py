@@ -12,7 +12,7 @@ variable as a deprecated spelling of SGLANG_* and warns about it in each of its 
 | KVQ_GEAR_ITERS           | gear_iters: power-iteration steps | 3 |
 | KVQ_GEAR_OUTLIERS        | gear_outliers: share of each row kept as fp16 outliers (gear2) | 0.02 |
 | KVQ_OVERLAY_SHARE        | overlay_share: the KV budget's share for per-request fp16 state when --max-running-requests is not given | 0.06 |
-| KVQ_SPECACHE_RECALL      | 1: measure each step how much of the output row's exact 16-bit top-k the speculative lane prefetched (reads every context row from the host tier: a diagnostic) | 1 |
+| KVQ_SPECACHE_RECALL      | 1: measure each step how much of the output row's exact 16-bit top-k the speculative lane prefetched (reads every context row from the host tier: a diagnostic, off by default so a server does no extra full-context read) | 0 |
 | KVQ_HOST_MEM_FRACTION    | share of the host's available RAM SpeCache's host tier may take | 0.8 |
 | KVQ_CACHE_DIR            | where embedded models are materialized | ~/.cache/sgl_kvq |
 | KVQ_KV_CACHE_GB          | fixes SGLang's KV budget to this many GiB for ANY kv dtype (bf16 too), instead of profiling free memory: capacity comparisons at the same KV memory (per rank) | unset |
@@ -78,7 +78,7 @@ def kv_cache_budget_bytes() -> int | None:
 
 
 def specache_recall() -> bool:
-    return os.environ.get("KVQ_SPECACHE_RECALL", "1") not in ("0", "", "false")
+    return os.environ.get("KVQ_SPECACHE_RECALL", "0") not in ("0", "", "false")
 
 
 def host_mem_fraction() -> float:

@@ -108,7 +108,8 @@ def test_extend_reads_the_cached_prefix_in_16_bits_from_the_host_tier():
 
 
 @pytest.mark.parametrize("bits", [1, 2])
-def test_two_lane_step_writes_real_rows_only_and_prefetches_the_speculative_top_k(bits):
+def test_two_lane_step_writes_real_rows_only_and_prefetches_the_speculative_top_k(bits, monkeypatch):
+    monkeypatch.setenv("KVQ_SPECACHE_RECALL", "1")
     gen = torch.Generator().manual_seed(bits)
     backend, pool, r2t = make(bits)
     twin, twin_pool, twin_r2t = make(bits)
@@ -155,8 +156,9 @@ def test_two_lane_step_writes_real_rows_only_and_prefetches_the_speculative_top_
                 if len(p):
                     assert torch.equal(prev_k[li, s.r, h, :len(p)], s.k[li][p, h])
             torch.testing.assert_close(out[b], _attend(q[b:b + 1], rk, rv, SCALE)[0], atol=1e-5, rtol=1e-5)
-            # speculative row: the pool as stored plus its own K/V; its top-k is this layer's prefetch
-            sk, sv = torch.cat([ctx_k, k[2 + b:3 + b]]), torch.cat([ctx_v, v[2 + b:3 + b]])
+            # speculative row: the same keys as the output row (Algorithm 3) plus its own K/V; its top-k is this
+            # layer's prefetch
+            sk, sv = torch.cat([rk, k[2 + b:3 + b]]), torch.cat([rv, v[2 + b:3 + b]])
             torch.testing.assert_close(out[2 + b], _attend(q[2 + b:3 + b], sk, sv, SCALE)[0], atol=1e-5, rtol=1e-5)
             group = HQ // H
             scores = torch.einsum("hd,thd->ht", q[2 + b], sk.repeat_interleave(group, 1)) * SCALE

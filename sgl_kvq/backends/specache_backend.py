@@ -6,8 +6,8 @@ each other; then they are written to the packed base, the fp16 frames and the ho
 
 Decode runs the rows sgl_kvq/specache/lanes.py put in the batch (state.lanes):
   two_lane   rows [0, n) the real tokens: written to the pool and the host tier, then attend to the low-bit base
-             with the prefetched top-k rows in 16 bits; rows [n, 2n) their speculative tokens: attend to the
-             pool as stored plus their own K/V, never written, and pick next step's top-k, prefetched per layer.
+             with the prefetched top-k rows in 16 bits; rows [n, 2n) their speculative tokens: attend to the same
+             keys plus their own K/V, never written, and pick next step's top-k, prefetched per layer.
   predecode  a request's first decode step: its real token, read-only, as a speculative row (the paper's
              pre-decoding): picks the first top-k; specache/lanes.py takes its next-token guess.
 """
@@ -21,7 +21,7 @@ from sgl_kvq.attention_ref import gather_context
 from sgl_kvq.backends.torch_backend import KVQTorchBackend
 from sgl_kvq.metadata.forward import build_forward_plan, read_plan
 from sgl_kvq.plan import ForwardPlan, Step
-from sgl_kvq.specache.attention import output_rows, speculative_rows
+from sgl_kvq.specache.attention import output_rows, recall, speculative_rows, with_topk
 
 
 class KVQSpeCacheBackend(KVQTorchBackend):
@@ -85,15 +85,16 @@ class KVQSpeCacheBackend(KVQTorchBackend):
             self.store.write_layer(li, step.write, k[:n], v[:n])
             sc.host.write(li, step.write.slots, k[:n], v[:n])
         sc.host.wait(li)
-        exact = None
+        contexts, n_base = self._contexts(li, step.plan)
+        topk_pos = sc.topk_pos[li, self.req]
         if sc.recall:
             lens = [step.plan.seq_len(b, self.store.G) for b in range(n)]
             exact = [sc.host.rows(li, self.req_to_token[r, :t].long()) for r, t in zip(self.req.tolist(), lens)]
-        contexts, n_base = self._contexts(li, step.plan)
-        real, recall = output_rows(q[:n], contexts, n_base, sc.topk_k[li, self.req], sc.topk_v[li, self.req],
-                                   sc.topk_pos[li, self.req], layer.scaling, exact)
-        sc.recall_hits += sum(h for h, _ in recall)
-        sc.recall_wanted += sum(w for _, w in recall)
+            counts = recall(q[:n], exact, n_base, topk_pos, layer.scaling)
+            sc.recall_hits += sum(h for h, _ in counts)
+            sc.recall_wanted += sum(w for _, w in counts)
+        contexts = with_topk(contexts, n_base, sc.topk_k[li, self.req], sc.topk_v[li, self.req], topk_pos)
+        real = output_rows(q[:n], contexts, layer.scaling)
         spec, pos = speculative_rows(q[n:], k[n:], v[n:], contexts, n_base, layer.scaling, sc.top_k)
         sc.prefetch(li, self.req, pos, self.req_to_token)
         return torch.cat([real, spec]).reshape(q.shape[0], -1)

@@ -1,14 +1,17 @@
 """Torch reference of SpeCache's two decode lanes over the quantized pool (the compute of kvq_torch for specache
 dtypes, any device). Per request b, its context is the plan's base pages (dequantized) then its fp16 frames.
 
-Output row (the real token): the context with the prefetched top-k rows of each KV head replacing those
-positions' dequantized K/V (the rows come from the host tier in 16 bits; positions outside the packed base are
-ignored: the window is fp16 already). Attention is exact over the union because softmax attention does not care
-where a row came from (LogQuant's permutation argument): a replaced position is simply a better copy.
+Both rows of a request read the same keys (the paper's Algorithm 3: K = [K' U K_{K_t}, K_t]): the context with
+this step's prefetched top-k rows of each KV head replacing those positions' dequantized K/V (`with_topk`; the
+rows come from the host tier in 16 bits; positions outside the packed base are ignored: the window is fp16
+already). Attention is exact over the union because softmax attention does not care where a row came from
+(LogQuant's permutation argument): a replaced position is simply a better copy.
 
-Speculative row (the previous step's guess of the next token, or the real token itself in the pre-decode step):
-the context as stored (low-bit base + fp16 window, no top-k) plus its own fresh K/V, never written. Its attention
-over the packed base, summed over the query heads of each KV head, names the top-k positions to prefetch.
+Output row (the real token): attends to that context. Speculative row (the previous step's guess of the next
+token, or the real token itself in the pre-decode step, which has no top-k yet): attends to it plus its own fresh
+K/V, never written. Its attention over the packed base, summed over the query heads of each KV head, names the
+top-k positions to prefetch; with the 16-bit rows of the positions that mattered one step ago in its keys, its
+ranking and its next-token guess are computed from exact copies where they matter most.
 
 Recall (a diagnostic): the output row's exact top-k, i.e. over the context's 16-bit rows from the host tier, and
 the share of it the prefetched set covered.
@@ -37,35 +40,55 @@ def top_positions(p: torch.Tensor, num_kv_heads: int, n_base: int, k: int) -> to
     return out
 
 
-def output_rows(q: torch.Tensor, contexts: list[Context], n_base: list[int], topk_k: torch.Tensor,
-                topk_v: torch.Tensor, topk_pos: torch.Tensor, sm_scale: float,
-                exact: list[Context] | None = None) -> tuple[torch.Tensor, list]:
-    """q [B, Hq, D]; topk_k/v [B, H, K, D], topk_pos [B, H, K] (-1: none) -> (out [B, Hq, D] in q's dtype,
-    per request (hits, wanted) of the exact top-k when `exact` gives each request's 16-bit context K/V).
-    The contexts are not modified."""
-    B, H = q.shape[0], topk_pos.shape[1]
-    out = torch.empty_like(q)  # head_dim == v_head_dim (backends/base.py _check_layer)
-    recall = []
-    for b in range(B):
-        k, v = contexts[b][0].clone(), contexts[b][1].clone()
+def _usable(pos: torch.Tensor, n_base: int) -> torch.Tensor:
+    """pos [H, K] prefetched positions (-1: none) -> which of them replace a packed base row."""
+    return (pos >= 0) & (pos < n_base)
+
+
+def with_topk(contexts: list[Context], n_base: list[int], topk_k: torch.Tensor, topk_v: torch.Tensor,
+              topk_pos: torch.Tensor) -> list[Context]:
+    """Each request's context with its prefetched 16-bit rows in place of their dequantized base rows (copies;
+    `contexts` is not modified). topk_k/v [B, H, K, D], topk_pos [B, H, K] (-1: none)."""
+    out = []
+    for b, (k, v) in enumerate(contexts):
+        k, v = k.clone(), v.clone()
         pos = topk_pos[b]
-        use = (pos >= 0) & (pos < n_base[b])
-        heads = torch.arange(H, device=q.device)[:, None].expand_as(pos)
+        use = _usable(pos, n_base[b])
+        heads = torch.arange(pos.shape[0], device=pos.device)[:, None].expand_as(pos)
         k[pos[use], heads[use]] = topk_k[b][use].float()
         v[pos[use], heads[use]] = topk_v[b][use].float()
+        out.append((k, v))
+    return out
+
+
+def output_rows(q: torch.Tensor, contexts: list[Context], sm_scale: float) -> torch.Tensor:
+    """q [B, Hq, D] over each request's context (with_topk's) -> [B, Hq, D] in q's dtype."""
+    out = torch.empty_like(q)  # head_dim == v_head_dim (backends/base.py _check_layer)
+    for b, (k, v) in enumerate(contexts):
         out[b] = weighted_values(attention_probs(q[b:b + 1], k, sm_scale), v)[0].to(q.dtype)
-        if exact is not None:
-            p = attention_probs(q[b:b + 1], exact[b][0], sm_scale)[:, 0]
-            want = top_positions(p, H, n_base[b], topk_pos.shape[2])
-            hits = sum(len(set(w[w >= 0].tolist()) & set(g[u].tolist())) for w, g, u in zip(want, pos, use))
-            recall.append((hits, int((want >= 0).sum())))
-    return out, recall
+    return out
+
+
+def recall(q: torch.Tensor, exact: list[Context], n_base: list[int], topk_pos: torch.Tensor,
+           sm_scale: float) -> list[tuple[int, int]]:
+    """Per request (hits, wanted): how much of the output row's exact top-k (its attention over each request's
+    16-bit context K/V `exact`) the prefetched positions topk_pos [B, H, K] covered."""
+    H, K = topk_pos.shape[1], topk_pos.shape[2]
+    out = []
+    for b, (k, _) in enumerate(exact):
+        pos = topk_pos[b]
+        use = _usable(pos, n_base[b])
+        want = top_positions(attention_probs(q[b:b + 1], k, sm_scale)[:, 0], H, n_base[b], K)
+        hits = sum(len(set(w[w >= 0].tolist()) & set(g[u].tolist())) for w, g, u in zip(want, pos, use))
+        out.append((hits, int((want >= 0).sum())))
+    return out
 
 
 def speculative_rows(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, contexts: list[Context],
                      n_base: list[int], sm_scale: float, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, Hq, D], own k/v [B, H, D] (appended after each request's context, not stored) -> (out [B, Hq, D],
-    top-k positions [B, H, top_k] over the packed base, -1 padded)."""
+    """q [B, Hq, D], own k/v [B, H, D] (appended after each request's context, not stored; the contexts are
+    with_topk's in a two-lane step, as stored in the pre-decode) -> (out [B, Hq, D], top-k positions
+    [B, H, top_k] over the packed base, -1 padded)."""
     B, H = q.shape[0], k_own.shape[1]
     out = torch.empty_like(q)
     pos = torch.full((B, H, top_k), -1, dtype=torch.int64, device=q.device)
