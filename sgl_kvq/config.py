@@ -26,6 +26,7 @@ BITS = (1, 2, 4)
 DTYPE_NAMES = tuple(f"{m}{b}" for m, bits in METHOD_BITS.items() for b in bits)
 
 PREFILL_MODES = ("full", "paged")
+SPECACHE_PREFIX_SOURCES = ("host", "device")
 
 _NAME = re.compile(r"^(?P<method>[a-z]+)(?P<bits>\d+)$")
 
@@ -54,6 +55,11 @@ class KVQConfig:
     # SpeCache: host rows each decode step reads in 16 bits per (request, layer, KV head), picked by the
     # speculative lane's attention (the paper's top-64).
     top_k: int = 64
+    # SpeCache: where an extend reads its cached prefix. "host": the 16-bit rows from the host tier (the paper's
+    # full-precision prefill; on a GPU that is PCIe traffic proportional to the prefix on every turn, 78 ms at 32k
+    # tokens of Llama-3-8B, README). "device": the low-bit pool as kivi reads it (no host traffic; the cached
+    # prefix's quality is then the low-bit base's).
+    specache_prefix: str = "host"
     # The share of SGLang's KV budget that per-request state (overlay frames; SpeCache's top-k buffers) may take
     # when --max-running-requests is not given; it sets the default max_running_requests (sgl_kvq/capacity.py).
     # 0.06 keeps kivi4 at 3.34x and kivi2 at 6.0x bf16's tokens (packed ratios 3.56x / 6.4x).
@@ -92,6 +98,9 @@ class KVQConfig:
         if not 0 < self.gear_outliers < 0.5:
             raise KVQConfigError(f"sgl_kvq: KVQ_GEAR_OUTLIERS={self.gear_outliers} must be in (0, 0.5), e.g. 0.02 "
                                  "(for no outliers use gearl2)")
+        if self.specache_prefix not in SPECACHE_PREFIX_SOURCES:
+            raise KVQConfigError(f"sgl_kvq: KVQ_SPECACHE_PREFIX={self.specache_prefix!r}; choose one of "
+                                 f"{', '.join(SPECACHE_PREFIX_SOURCES)}")
         if self.is_specache and self.prefill != "full":
             raise KVQConfigError("sgl_kvq: specache extends read the cached prefix in 16 bits from the host tier; "
                                  f"KVQ_PREFILL={self.prefill} applies to kivi only")

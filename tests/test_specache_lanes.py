@@ -39,8 +39,8 @@ LAYER = [SimpleNamespace(layer_id=i, tp_q_head_num=HQ, tp_k_head_num=H, tp_v_hea
                          logit_cap=0) for i in range(L)]
 
 
-def make(bits=2):
-    cfg = KVQConfig("specache", bits, group_size=G, value_group=8, residual=G, top_k=K)
+def make(bits=2, prefix="host"):
+    cfg = KVQConfig("specache", bits, group_size=G, value_group=8, residual=G, top_k=K, specache_prefix=prefix)
     pool = KVQTokenToKVPool(32 * G, PoolShape(L, H, D, 32, cfg), "cpu", torch.float32, num_req_slots=4)
     r2t = torch.zeros(4, 512, dtype=torch.int32)
     runner = SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=SimpleNamespace(req_to_token=r2t))
@@ -105,6 +105,29 @@ def test_extend_reads_the_cached_prefix_in_16_bits_from_the_host_tier():
         want = _attend(a.q[29:40], a.k[li][:40], a.v[li][:40], SCALE, mask)
         torch.testing.assert_close(out[li], want, atol=1e-5, rtol=1e-5)
     assert pool.specache.needs_predecode[1] and (pool.specache.topk_pos[:, 1] == -1).all()
+
+
+def test_device_prefix_mode_reads_the_cached_prefix_from_the_low_bit_pool():
+    """KVQ_SPECACHE_PREFIX=device: the continuation attends to the prefix as the pool stores it (packed base +
+    fp16 frames, exactly kivi's extend), not to the host tier's 16-bit rows; the host tier is still written."""
+    backend, pool, r2t = make(prefix="device")
+    a = Seq(1, 1, 40, r2t, torch.Generator().manual_seed(0))
+    extend(backend, [a], [0], [29])
+    fb = SimpleNamespace(forward_mode=ForwardMode.EXTEND, req_pool_indices=torch.tensor([1]),
+                         seq_lens=torch.tensor([40]), out_cache_loc=torch.arange(29, 40) + a.first, extend_prefix_lens_cpu=[29],
+                         extend_seq_lens_cpu=[11])
+    backend.init_forward_metadata(fb)
+    plan = backend.forward_plan.steps[0].plan
+    mask = torch.ones(11, 40, dtype=torch.bool)
+    mask[:, 29:] = torch.ones(11, 11, dtype=torch.bool).tril()
+    for li in range(L):
+        kp, vp = gather_context(pool.store.layer_view(li), plan, 0)  # before this layer's write
+        assert not torch.allclose(kp, a.k[li][:29], atol=1e-3)  # the stored prefix is quantized beyond the window
+        out = backend.forward_extend(a.q[29:40].reshape(11, -1), a.k[li][29:40].reshape(11, -1),
+                                     a.v[li][29:40].reshape(11, -1), LAYER[li], fb).view(-1, HQ, D)
+        want = _attend(a.q[29:40], torch.cat([kp, a.k[li][29:40]]), torch.cat([vp, a.v[li][29:40]]), SCALE, mask)
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+        assert torch.equal(pool.specache.host.rows(li, torch.arange(40) + a.first)[0], a.k[li][:40])
 
 
 @pytest.mark.parametrize("bits", [1, 2])

@@ -1,8 +1,9 @@
 """kvq_torch for the specache dtypes: KIVI's pool plus SpeCache's host tier and two decode lanes (sgl_kvq/specache).
 
 Extend (prefill, a multi-turn continuation, a resumed request): the new tokens attend to the cached prefix in 16
-bits, read back from the host tier (SpeCache's prefill is full precision; the host holds every token), and to
-each other; then they are written to the packed base, the fp16 frames and the host tier.
+bits, read back from the host tier (SpeCache's prefill is full precision; the host holds every token), or with
+KVQ_SPECACHE_PREFIX=device from the low-bit pool as kivi reads it, and to each other; then they are written to the
+packed base, the fp16 frames and the host tier.
 
 Decode runs the rows sgl_kvq/specache/lanes.py put in the batch (state.lanes):
   two_lane   rows [0, n) the real tokens: written to the pool and the host tier, then attend to the low-bit base
@@ -59,7 +60,9 @@ class KVQSpeCacheBackend(KVQTorchBackend):
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         q, k, v, li = self._views(q, k, v, layer)
         step = self.forward_plan.steps[0]  # specache extends are "full" (config.py): one step
-        contexts = [self.sc.host.rows(li, s) for s in self.prefix_slots]
+        contexts = None
+        if self.store.cfg.specache_prefix == "host":
+            contexts = [self.sc.host.rows(li, s) for s in self.prefix_slots]
         out = attention_ref.ref_extend(q, k, v, step.qo_indptr, self.store.layer_view(li), step.plan, layer.scaling,
                                        contexts=contexts)
         if save_kv_cache:
