@@ -116,7 +116,8 @@ def rows_args(kv: LayerKV) -> tuple[tuple[torch.Tensor, ...], dict[str, int]]:
         t = getattr(r, name)
         require(tuple(t.shape) == shape and t.dtype == dtype,
                 f"rows.{name}: got {tuple(t.shape)} {t.dtype}, layout says {shape} {dtype}")
-        require(t.is_contiguous() and t.device == kv.ov_k.device, f"rows.{name} must be contiguous on the pool's device")
+        require(t.is_contiguous() and t.device == kv.ov_k.device,
+                f"rows.{name} must be contiguous on the pool's device")
     return (r.k_rows, r.v_rows, r.row_off), dict(NROWS=M)
 
 
