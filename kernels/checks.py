@@ -6,7 +6,8 @@
     ov_k, ov_v        [F, G, H, D]      model dtype
 Kernels index dims 0 and 1 through strides and assume the last dim is contiguous. GEAR's correction buffers
 (kv.corr: k_u, v_u [P, H, r, G]; k_w, v_w [P, H, r, D]; k_out_* [P, H, NK, D]; v_out_* [S, H, NV]) are indexed by
-their contiguous shape (correction_args).
+their contiguous shape (correction_args), and so are LogQuant's rows (kv.rows: k_rows, v_rows [P, M, H, D] fp16,
+row_off [P, M] uint8; rows_args).
 """
 
 from __future__ import annotations
@@ -97,6 +98,27 @@ def correction_args(kv: LayerKV) -> tuple[tuple[torch.Tensor, ...], dict[str, in
         require(t.is_contiguous() and t.device == kv.ov_k.device, f"corr.{name} must be contiguous on the pool's device")
     tensors = tuple(getattr(c, n) if getattr(c, n).numel() else kv.k_scale for n in want)  # no null pointers
     return tensors, dict(RANK=r, NK=NK, NV=NV)
+
+
+def rows_args(kv: LayerKV) -> tuple[tuple[torch.Tensor, ...], dict[str, int]]:
+    """The kernels' LogQuant row pointers (KR, VR, RO) and constexpr NROWS after checking kv.rows against the
+    layout; for a format without rows, NROWS = 0 and the pointers are never read."""
+    r = kv.rows
+    if r is None:
+        return (kv.k_scale,) * 3, dict(NROWS=0)
+    S, H, _ = kv.k_codes.shape
+    F, G, _, D = kv.ov_k.shape
+    P, M = S // G, r.row_off.shape[-1]
+    require(M >= 1 and G <= 128, f"LogQuant rows need M >= 1 slots and G <= 128 (255 marks empty), got {M}, {G}")
+    want = {"k_rows": ((P, M, H, D), SCALE_DTYPE), "v_rows": ((P, M, H, D), SCALE_DTYPE),
+            "row_off": ((P, M), torch.uint8)}
+    for name, (shape, dtype) in want.items():
+        t = getattr(r, name)
+        require(tuple(t.shape) == shape and t.dtype == dtype,
+                f"rows.{name}: got {tuple(t.shape)} {t.dtype}, layout says {shape} {dtype}")
+        require(t.is_contiguous() and t.device == kv.ov_k.device,
+                f"rows.{name} must be contiguous on the pool's device")
+    return (r.k_rows, r.v_rows, r.row_off), dict(NROWS=M)
 
 
 def check_paged(p: PagedPlan, device: torch.device) -> None:

@@ -6,6 +6,9 @@ Packed codes: element d of a token-head row sits in byte d // (8 // BITS) at bit
 GEAR pages (RANK > 0) then get their correction in registers, in sgl_kvq.quant.gear_page.correct_keys' order: the
 rank-RANK term u^T w, then each row's NK / NV outliers replace their entries. Correction buffers are contiguous
 (kernels/checks.py): per page [P, H, RANK, G|D] and [P, H, NK, D], per slot [S, H, NV].
+LogQuant pages (NROWS > 0) then have their stored fp16 rows replace the dequantized ones, in registers
+(sgl_kvq.quant.logquant_page.apply_rows): k_rows, v_rows [P, NROWS, H, D] and row_off [P, NROWS] (255: empty),
+contiguous (kernels/checks.py: rows_args).
 """
 
 import triton
@@ -90,6 +93,27 @@ def _correct_v(v, VU, VW, VOV, VOI, page, kvh, n_heads, offs_t, offs_d, n_valid,
 
 
 @triton.jit
+def _replace_rows_kt(kt, KR, RO, page, kvh, n_heads, offs_t, offs_d, D: tl.constexpr, NROWS: tl.constexpr):
+    # kt [D, G] fp32 of base page `page`, head kvh -> with the page's stored fp16 key rows in their columns
+    for j in tl.static_range(NROWS):
+        off = tl.load(RO + page * NROWS + j).to(tl.int32)  # 255 (empty) matches no offset
+        row = tl.load(KR + ((page * NROWS + j) * n_heads + kvh) * D + offs_d).to(tl.float32)
+        kt = tl.where(offs_t[None, :] == off, row[:, None], kt)
+    return kt
+
+
+@triton.jit
+def _replace_rows_v(v, VR, RO, page, kvh, n_heads, offs_t, offs_d, n_valid, D: tl.constexpr,
+                    NROWS: tl.constexpr):
+    # v [G, D] fp32 of base page `page`, head kvh -> with its stored fp16 value rows; rows >= n_valid stay 0
+    for j in tl.static_range(NROWS):
+        off = tl.load(RO + page * NROWS + j).to(tl.int32)
+        row = tl.load(VR + ((page * NROWS + j) * n_heads + kvh) * D + offs_d).to(tl.float32)
+        v = tl.where(((offs_t == off) & (offs_t < n_valid))[:, None], row[None, :], v)
+    return v
+
+
+@triton.jit
 def _softmax_step(qk, valid, m, l, acc, v, DOT_FP32: tl.constexpr):
     # qk [M, N] scores already in log2 units, valid [M, N] bool; v [N, D] -> updated (m, l, acc).
     # Every caller's first tile has a valid key in every row, so m is finite after it and alpha never sees
@@ -104,21 +128,25 @@ def _softmax_step(qk, valid, m, l, acc, v, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
-def _base_page_step(q, m, l, acc, KC, KS, KZ, VC, VS, VZ, KU, KW, VU, VW, KOV, KOI, VOV, VOI, page, n_valid, kvh,
-                    n_heads, offs_t, offs_d, stride_kc_slot, stride_kc_head, stride_ks_page, stride_ks_head,
-                    stride_vs_slot, stride_vs_head, sm_scale_log2, G: tl.constexpr, D: tl.constexpr,
+def _base_page_step(q, m, l, acc, KC, KS, KZ, VC, VS, VZ, KU, KW, VU, VW, KOV, KOI, VOV, VOI, KR, VR, RO, page,
+                    n_valid, kvh, n_heads, offs_t, offs_d, stride_kc_slot, stride_kc_head, stride_ks_page,
+                    stride_ks_head, stride_vs_slot, stride_vs_head, sm_scale_log2, G: tl.constexpr, D: tl.constexpr,
                     BITS: tl.constexpr, VG: tl.constexpr, RANK: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr,
-                    DOT_FP32: tl.constexpr):
+                    NROWS: tl.constexpr, DOT_FP32: tl.constexpr):
     # One packed base page into the online softmax of q [M, D] (already in the dot dtype): -> updated (m, l, acc).
     kt = _base_page_kt(KC, KS, KZ, page, kvh, offs_t, offs_d, stride_kc_slot, stride_kc_head,
                        stride_ks_page, stride_ks_head, G, BITS)
     if RANK > 0:
         kt = _correct_kt(kt, KU, KW, KOV, KOI, page, kvh, n_heads, offs_t, offs_d, G, D, RANK, NK)
+    if NROWS > 0:
+        kt = _replace_rows_kt(kt, KR, RO, page, kvh, n_heads, offs_t, offs_d, D, NROWS)
     qk = _dot(q, kt.to(q.dtype), DOT_FP32) * sm_scale_log2
     v = _base_page_v(VC, VS, VZ, page, kvh, offs_t, offs_d, n_valid, stride_kc_slot,
                      stride_kc_head, stride_vs_slot, stride_vs_head, G, BITS, VG)
     if RANK > 0:
         v = _correct_v(v, VU, VW, VOV, VOI, page, kvh, n_heads, offs_t, offs_d, n_valid, G, D, RANK, NV)
+    if NROWS > 0:
+        v = _replace_rows_v(v, VR, RO, page, kvh, n_heads, offs_t, offs_d, n_valid, D, NROWS)
     return _softmax_step(qk, (offs_t < n_valid)[None, :], m, l, acc, v.to(q.dtype), DOT_FP32)
 
 

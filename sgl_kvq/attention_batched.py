@@ -22,6 +22,7 @@ import torch
 from sgl_kvq.plan import LayerKV, PagedPlan
 from sgl_kvq.quant import pack
 from sgl_kvq.quant.gear_page import PageCorrection, add_low_rank
+from sgl_kvq.quant.logquant_page import EMPTY, PageRows
 
 
 @dataclass
@@ -106,6 +107,8 @@ def context(kv: LayerKV, ctx: BatchedContext) -> tuple[torch.Tensor, torch.Tenso
     v.view(H, B * units * G, vs.shape[2], -1).mul_(vs).add_(vz)
     if kv.corr is not None:
         _correct(k.view(H, B, units, G, D), v.view(H, B, units, G, D), kv.corr, ctx)
+    if kv.rows is not None:
+        _replace_rows(k.view(H, B, units, G, D), v.view(H, B, units, G, D), kv.rows, ctx)
     if ctx.ov_dst.numel():
         for dst, ov in ((k, kv.ov_k), (v, kv.ov_v)):
             dst.index_copy_(1, ctx.ov_dst, ov.reshape(-1, H, D)[ctx.ov_rows].float().transpose(0, 1))
@@ -129,6 +132,17 @@ def _correct(k: torch.Tensor, v: torch.Tensor, c: PageCorrection, ctx: BatchedCo
         val = c.v_out_val[ctx.slots].float().masked_fill_(off_tok, 0).transpose(0, 1)
         H, D = v.shape[0], v.shape[-1]
         v.view(H, -1, D).scatter_(2, idx, val)
+
+
+def _replace_rows(k: torch.Tensor, v: torch.Tensor, r: PageRows, ctx: BatchedContext) -> None:
+    """LogQuant's stored fp16 rows (sgl_kvq/quant/logquant_page.py) written over their positions of the padded
+    k, v [H, B, U, G, D], base pages only (logquant_page.apply_rows' rule)."""
+    off = r.row_off[ctx.pages]  # [B, U, M]
+    b, u, j = ((off != EMPTY) & ctx.is_base_page[..., None]).nonzero(as_tuple=True)
+    t = off[b, u, j].long()
+    pg = ctx.pages[b, u]
+    k[:, b, u, t] = r.k_rows[pg, j].float().transpose(0, 1)  # [H, n, D]
+    v[:, b, u, t] = r.v_rows[pg, j].float().transpose(0, 1)
 
 
 def decode(q: torch.Tensor, kv: LayerKV, ctx: BatchedContext, sm_scale: float) -> torch.Tensor:

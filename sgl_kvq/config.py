@@ -14,12 +14,15 @@ from dataclasses import dataclass
 
 from sgl_kvq import env
 from sgl_kvq.quant.gear_page import outliers_per_row
+from sgl_kvq.quant.logquant_page import max_rows
 
 # kivi: the packed base plus the fp16 open page and recent window. specache: the same low-bit base on the device,
 # every token's 16-bit K/V in host RAM, and a speculative decode lane whose top-k picks the host rows each step
 # reads in 16 bits (sgl_kvq/specache/). gearl: KIVI's base plus, per page and KV head, a rank-r approximation of its
 # quantization residual (GEAR-L); gear: the same plus each row's sparse fp16 outliers (sgl_kvq/quant/gear_page.py).
-METHOD_BITS = {"kivi": (1, 2, 4), "specache": (1, 2), "gear": (2,), "gearl": (2,)}
+# logquant: KIVI's base plus, per page, the fp16 rows LogQuant's rule keeps when the page leaves the fp16 window
+# (sgl_kvq/quant/logquant_page.py).
+METHOD_BITS = {"kivi": (1, 2, 4), "specache": (1, 2), "gear": (2,), "gearl": (2,), "logquant": (2,)}
 METHODS = tuple(METHOD_BITS)
 BITS = (1, 2, 4)
 # The dtype names SGLang's --kv-cache-dtype gains. Every one is served by the same pool and backends.
@@ -71,6 +74,11 @@ class KVQConfig:
     # Share of each row kept as fp16 outliers (GEAR's s = 2%): keys per channel over the page's G tokens, values
     # per token over its D channels, at least one per row.
     gear_outliers: float = 0.02
+    # LogQuant's window W (logquant2). The rule keeps the sink and a band of about 6W recent positions; at G = R =
+    # 64 every W <= 12 keeps only the sink beyond KIVI's fp16 window (M = 1 row per page, 3,960 B/token for
+    # SmolLM2, kivi2 + 10%), while the reference's W = 21 (3W ~ R) needs M = 8 rows per page (6,484 B/token, kivi4's
+    # bytes): W = 10 (band ~ R) keeps logquant2 a 2-bit cache. README "LogQuant" has the measurements of both.
+    logquant_window: int = 10
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -101,6 +109,11 @@ class KVQConfig:
         if self.specache_prefix not in SPECACHE_PREFIX_SOURCES:
             raise KVQConfigError(f"sgl_kvq: KVQ_SPECACHE_PREFIX={self.specache_prefix!r}; choose one of "
                                  f"{', '.join(SPECACHE_PREFIX_SOURCES)}")
+        if self.logquant_window < 1:
+            raise KVQConfigError(f"sgl_kvq: KVQ_LOGQUANT_WINDOW={self.logquant_window} must be at least 1, e.g. 10")
+        if self.method == "logquant" and g > 128:
+            raise KVQConfigError(f"sgl_kvq: logquant2 stores row offsets as uint8 with 255 for an empty slot: "
+                                 f"G={g} must be at most 128, e.g. 64")
         if self.is_specache and self.prefill != "full":
             raise KVQConfigError("sgl_kvq: specache extends read the cached prefix in 16 bits from the host tier; "
                                  f"KVQ_PREFILL={self.prefill} applies to kivi only")
@@ -122,6 +135,18 @@ class KVQConfig:
     def has_correction(self) -> bool:
         """Whether base pages carry a correction beyond KIVI's codes (sgl_kvq/quant/gear_page.py)."""
         return self.lowrank_rank > 0
+
+    @property
+    def logquant_rows(self) -> int:
+        """M: fp16 row slots stored with each base page (0: none; sgl_kvq/quant/logquant_page.py)."""
+        if self.method != "logquant":
+            return 0
+        return max_rows(self.logquant_window, self.group_size, self.ring_pages)
+
+    @property
+    def has_rows(self) -> bool:
+        """Whether base pages carry fp16 rows that replace theirs (LogQuant)."""
+        return self.logquant_rows > 0
 
     @property
     def name(self) -> str:

@@ -21,7 +21,7 @@ import torch
 from sgl_kvq.config import KVQConfig
 from sgl_kvq.layout import PoolShape
 from sgl_kvq.plan import BatchWrite, DecodeWrite, LayerKV
-from sgl_kvq.quant import gear_page, kivi_page
+from sgl_kvq.quant import gear_page, kivi_page, logquant_page
 
 
 class QuantizedKVStore:
@@ -42,6 +42,10 @@ class QuantizedKVStore:
         self.ov_tag = torch.full((F,), -1, dtype=torch.int64, device=self.device)
         self.ov_gen = torch.zeros(F, dtype=torch.int64, device=self.device)
         self.page_gen = torch.zeros(shape.P, dtype=torch.int64, device=self.device)
+        if cfg.has_rows:
+            # LogQuant's row offsets per logical page: a request's logical pages never outnumber the pool's pages.
+            self.row_table = logquant_page.offsets_table(cfg.logquant_window, self.G, self.ring, shape.P,
+                                                         cfg.logquant_rows, self.device)
 
     # ---- byte accounting (what is really allocated) ----
     def base_bytes(self) -> int:
@@ -69,8 +73,9 @@ class QuantizedKVStore:
 
                 quantize_pages(kp, vp, bw.done_pages.to(torch.int32), self.layer_view(layer),
                                specache_one_bit=self.cfg.specache_one_bit)
+                self.store_rows(layer, bw.done_pages, bw.done_lpages, kp, vp)
             else:
-                self.store_pages(layer, bw.done_pages, kp, vp)
+                self.store_pages(layer, bw.done_pages, kp, vp, bw.done_lpages)
         if bw.frame_rows.numel():
             if kernels:
                 from sgl_kvq.kernels.store_overlay import store_overlay
@@ -98,9 +103,29 @@ class QuantizedKVStore:
             return
         quantize_pages(kv.ov_k, kv.ov_v, dw.done_pages, kv, src_ids=dw.frame_ids,
                        specache_one_bit=self.cfg.specache_one_bit)
+        if self.cfg.has_rows:
+            # Every row's frame gives its rows (static shapes, no sync); rows that complete no page write dummy
+            # page 0, which no plan reads.
+            frames = dw.frame_ids.long()
+            self.store_rows(layer, dw.done_pages.long(), dw.done_lpages.long(), kv.ov_k[frames], kv.ov_v[frames])
 
-    def store_pages(self, layer: int, pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Quantize complete pages k, v [N, G, H, D] into the base at pool pages `pages`."""
+    def store_rows(self, layer: int, pages: torch.Tensor, lpages: torch.Tensor | None, k: torch.Tensor,
+                   v: torch.Tensor) -> None:
+        """LogQuant: copy the rows the rule keeps of complete pages k, v [N, G, H, D] (logical pages `lpages`) into
+        the row slots of pool pages `pages`; nothing for other formats."""
+
+        if not self.cfg.has_rows:
+            return
+        if lpages is None:
+            raise ValueError("sgl_kvq: logquant2 pages need their logical page indices (lpages) to pick their rows")
+        off = self.row_table[lpages.long()]
+        self.k_rows[layer, pages], self.v_rows[layer, pages] = logquant_page.gather_rows(k, v, off)
+        self.row_off[layer, pages] = off
+
+    def store_pages(self, layer: int, pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    lpages: torch.Tensor | None = None) -> None:
+        """Quantize complete pages k, v [N, G, H, D] into the base at pool pages `pages` (logquant2: lpages [N], their
+        logical page indices, pick the rows kept in fp16)."""
         cfg, G, n = self.cfg, self.G, pages.numel()
         slots = (pages[:, None] * G + torch.arange(G, device=pages.device)).reshape(-1)
         if cfg.has_correction:
@@ -118,11 +143,15 @@ class QuantizedKVStore:
         self.v_zero[layer, slots] = p.v_zero.reshape(n * G, *p.v_zero.shape[2:])
         self.k_scale[layer, pages] = p.k_scale
         self.k_zero[layer, pages] = p.k_zero
+        self.store_rows(layer, pages, lpages, k, v)
 
     def layer_view(self, layer: int) -> LayerKV:
         corr = None
         if self.cfg.has_correction:
             corr = gear_page.PageCorrection(*(getattr(self, f)[layer] for f in gear_page.PageCorrection._fields))
+        rows = None
+        if self.cfg.has_rows:
+            rows = logquant_page.PageRows(self.k_rows[layer], self.v_rows[layer], self.row_off[layer])
         return LayerKV(self.k_codes[layer], self.k_scale[layer], self.k_zero[layer], self.v_codes[layer],
                        self.v_scale[layer], self.v_zero[layer], self.ov_k[layer], self.ov_v[layer], self.cfg.bits,
-                       corr)
+                       corr, rows)

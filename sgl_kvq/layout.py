@@ -21,6 +21,10 @@ Base (complete pages, immutable once quantized; shared by the radix tree):
     k_out_idx [L, P, H, NK, D]  uint8   their token offsets
     v_out_val [L, S, H, NV]     fp16    value token's outliers over its channels
     v_out_idx [L, S, H, NV]     uint8   their channels
+  logquant2 pages also carry M = cfg.logquant_rows fp16 row slots (sgl_kvq/quant/logquant_page.py): the page's
+  positions LogQuant's rule keeps when the page leaves the fp16 window, read instead of their codes:
+    k_rows, v_rows [L, P, M, H, D] fp16    the tokens' K and V
+    row_off   [L, P, M]         uint8   their in-page offsets, 255 for an empty slot
 
 Overlay (fp16 tokens that override the base: the open page and the recent window), per running request:
     ov_k, ov_v [L, F, G, H, D]  model dtype; F = max_running_requests * cfg.ring_pages frames
@@ -103,6 +107,12 @@ class PoolShape:
                 "v_u": ((L, P, H, r, G), SCALE_DTYPE), "v_w": ((L, P, H, r, D), SCALE_DTYPE),
                 "k_out_val": ((L, P, H, self.NK, D), SCALE_DTYPE), "k_out_idx": ((L, P, H, self.NK, D), torch.uint8),
                 "v_out_val": ((L, S, H, self.NV), SCALE_DTYPE), "v_out_idx": ((L, S, H, self.NV), torch.uint8),
+            })
+        if self.cfg.has_rows:
+            M = self.cfg.logquant_rows
+            shapes.update({
+                "k_rows": ((L, P, M, H, D), SCALE_DTYPE), "v_rows": ((L, P, M, H, D), SCALE_DTYPE),
+                "row_off": ((L, P, M), torch.uint8),
             })
         return shapes
 

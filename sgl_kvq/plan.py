@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from sgl_kvq.quant.gear_page import PageCorrection
+from sgl_kvq.quant.logquant_page import PageRows
 
 
 @dataclass
@@ -41,6 +42,8 @@ class LayerKV:
     # gear2 / gearl2: each base page's correction, PageCorrection's tensors with pages P for N (v_out_val and
     # v_out_idx slot-indexed, [S, H, NV]); None for formats without one.
     corr: PageCorrection | None = None
+    # logquant2: each base page's fp16 rows (PageRows with pages P for N); None for formats without them.
+    rows: PageRows | None = None
 
     @property
     def G(self) -> int:
@@ -88,6 +91,7 @@ class BatchWrite:
     done_tok_rows: torch.Tensor  # [M] rows of tokens that belong to completed pages
     done_tok_page: torch.Tensor  # [M] index into done_pages of each such row
     done_tok_off: torch.Tensor  # [M] its offset in the page
+    done_lpages: torch.Tensor | None = None  # [N] each completed page's logical page index (LogQuant's rows)
 
 
 @dataclass
@@ -97,6 +101,7 @@ class DecodeWrite:
     frame_ids: torch.Tensor  # [B] overlay frame of row b's token
     frame_offs: torch.Tensor  # [B] its offset in the page
     done_pages: torch.Tensor  # [B] pool page row b completes, 0 if none (quantized after the frame write)
+    done_lpages: torch.Tensor | None = None  # [B] logical page index of row b's token's page (LogQuant's rows)
 
 
 @dataclass(kw_only=True)

@@ -76,6 +76,8 @@ class KVQTokenToKVPool(KVCache):
             return sum(getattr(s, n).numel() * getattr(s, n).element_size() for n in names)
 
         k, v = nbytes("k_"), nbytes("v_")
+        if self.cfg.has_rows:  # LogQuant's row offsets serve K and V alike: counted with K
+            k += s.row_off.numel() * s.row_off.element_size()
         if self.specache is not None:
             k += self.specache.device_bytes() // 2
             v += self.specache.device_bytes() - self.specache.device_bytes() // 2
@@ -98,7 +100,9 @@ class KVQTokenToKVPool(KVCache):
             config={"group_size": self.cfg.group_size, "value_group": self.shape.VG, "residual": self.cfg.residual,
                     "bits": self.cfg.bits, "prefill": self.cfg.prefill,
                     **({"gear_rank": self.cfg.lowrank_rank, "outliers_per_key_channel": self.shape.NK,
-                        "outliers_per_value_token": self.shape.NV} if self.cfg.has_correction else {})},
+                        "outliers_per_value_token": self.shape.NV} if self.cfg.has_correction else {}),
+                    **({"logquant_window": self.cfg.logquant_window, "logquant_rows_per_page": self.cfg.logquant_rows}
+                       if self.cfg.has_rows else {})},
         )
         if self.specache is not None:
             stats["specache"] = self.specache.stats()

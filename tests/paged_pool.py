@@ -8,12 +8,14 @@ import math
 import torch
 
 from sgl_kvq.plan import LayerKV, PagedPlan
-from sgl_kvq.quant import gear_page, kivi_page
+from sgl_kvq.quant import gear_page, kivi_page, logquant_page
 
 
-def make_pool(G, H, D, VG, bits, reqs, dtype, seed, gear=None):
+def make_pool(G, H, D, VG, bits, reqs, dtype, seed, gear=None, rows=None):
     """A layer whose pages hold quantized random K/V, and a PagedPlan giving each request shuffled pages/frames.
-    gear=(rank, NK, NV): the pages are GEAR pages (sgl_kvq/quant/gear_page.py) carrying their correction."""
+    gear=(rank, NK, NV): the pages are GEAR pages (sgl_kvq/quant/gear_page.py) carrying their correction.
+    rows=M: LogQuant pages (sgl_kvq/quant/logquant_page.py) with M row slots at random distinct offsets, about a
+    quarter of them empty (255)."""
     gen = torch.Generator().manual_seed(seed)
     n_base = [math.ceil(b / G) for b, _ in reqs]
     n_ov = [math.ceil(o / G) for _, o in reqs]
@@ -37,6 +39,11 @@ def make_pool(G, H, D, VG, bits, reqs, dtype, seed, gear=None):
         ov_v=torch.randn(F, G, H, D, generator=gen).to(dtype),
         bits=bits, corr=corr,
     )
+    if rows is not None:
+        off = torch.stack([torch.randperm(G, generator=gen)[:rows] for _ in range(P)]).to(torch.uint8)
+        off[torch.rand(P, rows, generator=gen) < 0.25] = logquant_page.EMPTY
+        k_rows, v_rows = logquant_page.gather_rows(k_pages, v_pages, off)
+        kv.rows = logquant_page.PageRows(k_rows + 0.5, v_rows - 0.5, off)  # differ from the codes' reading
     page_ids = (torch.randperm(P - 1, generator=gen) + 1)[: sum(n_base)]
     frame_ids = torch.randperm(F, generator=gen)[: sum(n_ov)]
 

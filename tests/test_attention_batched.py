@@ -97,3 +97,19 @@ def test_batched_decode_with_gear_correction_matches_reference(B, gear):
         out = attention_batched.decode(q, kv, attention_batched.prepare(plan, G), D ** -0.5)
         assert not out.isnan().any()
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("B", [1, 4, 9])
+@pytest.mark.parametrize("M", [1, 3, 8])
+def test_batched_decode_with_logquant_rows_matches_reference(B, M):
+    rng = random.Random(B * 13 + M)
+    for G, H, D, VG in SHAPES:
+        reqs = random_requests(rng, B, G)
+        kv, plan = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=B + M, rows=M)
+        q = torch.randn(B, H * 2, D, generator=torch.Generator().manual_seed(B))
+        ref = ref_decode(q, kv, plan, D ** -0.5)
+        out = attention_batched.decode(q, kv, attention_batched.prepare(plan, G), D ** -0.5)
+        assert not out.isnan().any()
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        kv.rows = None  # the rows change what is read
+        assert not torch.allclose(ref_decode(q, kv, plan, D ** -0.5), ref, atol=1e-4) or not plan.kv_indices.numel()

@@ -125,7 +125,8 @@ def assert_same_pool(a: QuantizedKVStore, b: QuantizedKVStore):
 
 
 @pytest.mark.parametrize("G,bits,residual,method", [(16, 2, 0, "kivi"), (16, 1, 16, "kivi"), (32, 4, 64, "kivi"),
-                                                    (16, 2, 32, "kivi"), (16, 2, 16, "gear")])
+                                                    (16, 2, 32, "kivi"), (16, 2, 16, "gear"),
+                                                    (16, 2, 16, "logquant")])
 def test_device_decode_metadata_matches_the_host_path(G, bits, residual, method, triton_interpret):
     torch.manual_seed(G * bits + residual)
     host, dev = make_store(G, bits, residual, method=method), make_store(G, bits, residual, method=method)

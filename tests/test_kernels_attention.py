@@ -190,3 +190,49 @@ def test_gear_correction_layout_is_checked():
     p = dec.plan(to_device(paged), num_qo_heads=H, num_kv_heads=H, head_dim=D, page_size=G)
     with pytest.raises(ValueError, match="corr.k_w"):
         dec.run(torch.zeros(len(reqs), H, D, device=DEVICE), to_device(kv), p, 0.125)
+
+
+# LogQuant pages (M row slots, about a quarter empty, offsets anywhere in the page: partial last pages have rows past
+# their valid tokens): the rows replace the dequantized ones in registers vs logquant_page.apply_rows in the
+# reference, over the same odd shapes.
+ROWS = {"M1": 1, "M3": 3, "M8": 8}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("rows", list(ROWS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_logquant_rows_match_reference(case, rows, dtype):
+    G, H, group, D, VG, reqs = CASES[case]
+    kv, paged = make_pool(G, H, D, VG, 2, reqs, dtype, seed=5, rows=ROWS[rows])
+    q = torch.randn(len(reqs), H * group, D, generator=torch.Generator().manual_seed(1)).to(dtype)
+    ref = ref_decode(q, kv, paged, D ** -0.5)
+    p = dec.plan(to_device(paged), num_qo_heads=H * group, num_kv_heads=H, head_dim=D, page_size=G,
+                 max_splits=3, min_pages_per_split=1)
+    out = torch.full_like(q, float("nan"), device=DEVICE)
+    dec.decode_attention(q.to(DEVICE), to_device(kv), p, D ** -0.5, out=out)
+    assert_close_written(out, ref, dtype)
+
+
+@pytest.mark.parametrize("case", list(EXTEND_CASES))
+@pytest.mark.parametrize("rows", list(ROWS))
+def test_extend_logquant_rows_match_reference(case, rows):
+    G, H, group, D, VG, reqs = EXTEND_CASES[case]
+    kv, paged = make_pool(G, H, D, VG, 2, [(b, o) for b, o, _ in reqs], torch.float32, seed=6, rows=ROWS[rows])
+    gen = torch.Generator().manual_seed(2)
+    qo_indptr = torch.tensor([0] + [n for _, _, n in reqs]).cumsum(0).int()
+    N = int(qo_indptr[-1])
+    q, k_new, v_new = (torch.randn(N, h, D, generator=gen) for h in (H * group, H, H))
+    ref = ref_extend(q, k_new, v_new, qo_indptr, kv, paged, D ** -0.5)
+    out = torch.full_like(q, float("nan"), device=DEVICE)
+    extend_attention(q.to(DEVICE), k_new.to(DEVICE), v_new.to(DEVICE), qo_indptr.to(DEVICE), to_device(kv),
+                     to_device(paged), D ** -0.5, out=out)
+    assert_close_written(out, ref, torch.float32)
+
+
+def test_logquant_rows_layout_is_checked():
+    G, H, group, D, VG, reqs = CASES["G16-mha-odd"]
+    kv, paged = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=3, rows=2)
+    kv.rows = kv.rows._replace(row_off=kv.rows.row_off.long())
+    p = dec.plan(to_device(paged), num_qo_heads=H, num_kv_heads=H, head_dim=D, page_size=G)
+    with pytest.raises(ValueError, match="rows.row_off"):
+        dec.run(torch.zeros(len(reqs), H, D, device=DEVICE), to_device(kv), p, 0.125)

@@ -31,7 +31,7 @@ from sgl_kvq.config import KVQConfig  # noqa: E402
 from sgl_kvq.layout import PoolShape  # noqa: E402
 from sgl_kvq.metadata.host import begin_batch, plan_contexts  # noqa: E402
 from sgl_kvq.pool import KVQTokenToKVPool  # noqa: E402
-from sgl_kvq.quant import gear_page, kivi_page  # noqa: E402
+from sgl_kvq.quant import gear_page, kivi_page, logquant_page  # noqa: E402
 
 H, D, L = 2, 16, 2
 
@@ -64,6 +64,10 @@ def expected_context(tokens, n, layer, plan, b, cfg):
                 cfg.outliers_per_row(D)), cfg.bits)
         else:
             kq, vq = kivi_page.dequantize_pages(kivi_page.pack_pages(kp, vp, cfg.bits, vg), cfg.bits)
+        if cfg.has_rows:  # the rows LogQuant's rule keeps at each logical page's exit: a function of positions only
+            off = logquant_page.offsets_table(cfg.logquant_window, G, cfg.ring_pages, n_base_pages, cfg.logquant_rows)
+            kq, vq = logquant_page.apply_rows(kq, vq, logquant_page.PageRows(*logquant_page.gather_rows(kp, vp, off),
+                                                                             off))
         k = torch.cat([kq.reshape(-1, H, D)[:nb], k[nb:]])
         v = torch.cat([vq.reshape(-1, H, D)[:nb], v[nb:]])
     return k, v
@@ -82,6 +86,7 @@ class Episode:
                                                token_to_kv_pool_allocator=self.alloc, page_size=G))
         self.checked = 0
         self.prefix_hits = 0
+        self.kernels = False  # write_layer's Triton path (interpreted on CPU)
 
     def check(self, r: int, tokens: list[int], n: int):
         store = self.pool.store
@@ -113,7 +118,7 @@ class Episode:
                          torch.full((locs.numel(),), end))
         for layer in range(L):
             k, v = true_kv(tokens[:end], layer)
-            store.write_layer(layer, bw, k[start:end], v[start:end])
+            store.write_layer(layer, bw, k[start:end], v[start:end], kernels=self.kernels)
             if self.pool.specache is not None:
                 self.pool.specache.host.write(layer, locs, k[start:end], v[start:end])
 
@@ -211,6 +216,30 @@ def test_gear_pool_through_radix_tree(seed, method, window_pages):
                        slot=rng.randrange(1, 5))
         if rng.random() < 0.3:
             ep.tree.evict(EvictParams(num_tokens=rng.randrange(1, 6) * 8))
+    assert ep.checked > 0
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31), window=st.sampled_from([2, 3, 5]), window_pages=st.sampled_from([0, 1]),
+       kernels=st.booleans())
+def test_logquant_pool_through_radix_tree(seed, window, window_pages, kernels):
+    """LogQuant pages (codes + the fp16 rows the rule keeps at the page's exit) shared, evicted and reused behind
+    the radix tree read back exactly as the same context written without the cache: a prefix hit reads the rows of
+    the same positions (expected_context knows no cache)."""
+    rng = random.Random(seed)
+    # G = 16: the Triton write path's smallest page; M = 4..11 rows per page without a window page, 1..2 with one
+    cfg = KVQConfig(method="logquant", bits=2, group_size=16, value_group=16, residual=window_pages * 16,
+                    logquant_window=window)
+    ep = Episode(cfg, num_pages=14, rng=rng)
+    ep.kernels = kernels
+    trunks = [[rng.randrange(100) for _ in range(rng.randrange(16, 80))] for _ in range(3)]
+    for _ in range(5):
+        trunk = rng.choice(trunks)
+        tokens = trunk[: rng.randrange(1, len(trunk) + 1)] + [rng.randrange(100) for _ in range(rng.randrange(0, 20))]
+        ep.run_request(tokens, decode_steps=rng.randrange(0, 18), chunk=rng.choice([5, 16, 37]),
+                       slot=rng.randrange(1, 5))
+        if rng.random() < 0.3:
+            ep.tree.evict(EvictParams(num_tokens=rng.randrange(1, 4) * 16))
     assert ep.checked > 0
 
 

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from sgl_kvq.quant.accounting import stored_bytes
 from sgl_kvq.quant.logquant import log_positions, logquant
+from sgl_kvq.quant.logquant_page import max_rows, simulate_rows
 
 
 @settings(max_examples=60, deadline=None)
@@ -31,16 +32,20 @@ def test_selection_example():
 
 def test_fp16_positions_and_bytes():
     g = torch.Generator().manual_seed(0)
-    T, H, D, G, W = 200, 2, 16, 32, 10
+    T, H, D, G, R, W = 200, 2, 16, 32, 32, 10
     k, v = torch.randn(T, H, D, generator=g), torch.randn(T, H, D, generator=g)
-    c = logquant(k, v, window=W, group_size=G, value_group=16)
-    fp = sorted(set(log_positions(T, W)) | set(range(192, 200)))  # selected + the open page
+    c = logquant(k, v, window=W, group_size=G, value_group=16, residual=R)
+    n_q = 160  # 6 complete pages, the last one in KIVI's window; the open page after
+    rows = {n * G + t for n, r in enumerate(simulate_rows(W, G, 2, n_q // G)) for t in r}
+    fp = sorted(rows | set(range(n_q, T)))
     assert c.kept[:, 0].nonzero().squeeze(1).tolist() == fp
+    assert 0 in fp and set(log_positions(T, W)) <= set(fp)  # the sink and everything the rule keeps now
     assert torch.equal(c.k_hat[fp], k[fp].half().float()) and torch.equal(c.v_hat[fp], v[fp].half().float())
-    n_q = 192  # every complete page is coded, selected tokens included (the pool's base)
-    codes, k_sz, v_sz = n_q * H * D * 2 // 8, 2 * 6 * H * D * 2, 2 * n_q * H * 2
-    assert stored_bytes(c, "k.") == codes + k_sz + len(fp) * H * D * 2 + 4 * len(fp)
-    assert stored_bytes(c, "v.") == codes + v_sz + len(fp) * H * D * 2
+    M = max_rows(W, G, 2)
+    codes, k_sz, v_sz = n_q * H * D * 2 // 8, 2 * (n_q // G) * H * D * 2, 2 * n_q * H * 2
+    slots = (n_q // G) * M * H * D * 2  # every page's M row slots, used or not, as the pool stores them
+    assert stored_bytes(c, "k.") == codes + k_sz + slots + (n_q // G) * M + (T - n_q) * H * D * 2
+    assert stored_bytes(c, "v.") == codes + v_sz + slots + (T - n_q) * H * D * 2
 
 
 def _attend(q, k, v):

@@ -24,7 +24,8 @@ def add_arguments(p) -> None:
     p.add_argument("--group-size", type=int, default=_DEFAULTS["group_size"], help="G: page / key group")
     p.add_argument("--value-group", type=int, default=_DEFAULTS["value_group"], help="VG: value channel group")
     p.add_argument("--residual", type=int, default=_DEFAULTS["residual"], help="R: fp16 window, multiple of G")
-    p.add_argument("--window", type=int, help="LogQuant W (default R // 3: the same fp16 budget as R)")
+    p.add_argument("--window", type=int, help="LogQuant W of the logquant-2 row (default: the served logquant2's, "
+                   "KVQ_LOGQUANT_WINDOW's default); logquant-2-w21 uses 21")
     p.add_argument("--tail", type=int, default=64, help="last queries used for the tail metrics (default 64)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", nargs="?", const="-", help="write the JSON result to PATH (stdout without PATH)")
@@ -75,7 +76,7 @@ def run(args) -> int:
         "model": path, "tokens": int(ids.shape[1]), "layers": layers,
         "shape": {"q_heads": first.q.shape[1], "kv_heads": first.k.shape[1], "head_dim": first.k.shape[2]},
         "settings": {"group_size": args.group_size, "value_group": args.value_group, "residual": args.residual,
-                     "window": args.residual // 3 if args.window is None else args.window, "tail": args.tail,
+                     "window": KVQConfig.logquant_window if args.window is None else args.window, "tail": args.tail,
                      "seed": args.seed},
         "seconds": round(time.time() - t0, 1),
     })

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sgl_kvq.config import KVQConfig
 from sgl_kvq.quant.accounting import bits_per_element
 from sgl_kvq.quant.gear import gear, gear_l
 from sgl_kvq.quant.kivi import fp16_baseline, kivi
@@ -49,7 +50,7 @@ def methods(group_size: int = 64, value_group: int = 64, residual: int = 64, win
     """name -> fn(k, v, q, sm_scale) -> CompressedKV. Every method shares G, VG and the fp16 window R."""
     page = dict(group_size=group_size, value_group=value_group)
     kv = dict(page, residual=residual)
-    w = residual // 3 if window is None else window
+    w = KVQConfig.logquant_window if window is None else window  # the served logquant2's W
     return {
         "fp16": lambda k, v, q, s: fp16_baseline(k, v),
         "per-token-2": lambda k, v, q, s: per_token(k, v, bits=2, **kv),
@@ -60,7 +61,9 @@ def methods(group_size: int = 64, value_group: int = 64, residual: int = 64, win
         "gear-l-2": lambda k, v, q, s: gear_l(k, v, bits=2, **kv),  # the served gearl2's pages
         "gear-2": lambda k, v, q, s: gear(k, v, bits=2, **kv),  # gear2's
         "zipcache": lambda k, v, q, s: zipcache(k, v, q, s, seed=seed, **kv),
-        "logquant-2": lambda k, v, q, s: logquant(k, v, bits=2, window=w, **page),
+        "logquant-2": lambda k, v, q, s: logquant(k, v, bits=2, window=w, **kv),  # the served logquant2's pages
+        # the same at W = 21 (3W ~ R = 64: the paper's fp16 budget), 8 rows per page at G = R = 64
+        "logquant-2-w21": lambda k, v, q, s: logquant(k, v, bits=2, window=21, **kv),
     }
 
 

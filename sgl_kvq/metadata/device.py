@@ -44,11 +44,13 @@ class DecodeBuffers:
         self.frame_ids = torch.zeros(max_bs, **i32)
         self.frame_offs = torch.zeros(max_bs, **i32)
         self.done_pages = torch.zeros(max_bs, **i32)
+        self.done_lpages = torch.zeros(max_bs, **i32)
         self.page_cols = torch.arange(max_pages, device=device)  # logical page numbers 0 .. max_pages - 1
         self.ring_cols = torch.arange(ring, device=device)
 
     def views(self, bs: int) -> tuple[DecodeWrite, PagedPlan]:
-        return (DecodeWrite(self.frame_ids[:bs], self.frame_offs[:bs], self.done_pages[:bs]),
+        return (DecodeWrite(self.frame_ids[:bs], self.frame_offs[:bs], self.done_pages[:bs],
+                            self.done_lpages[:bs]),
                 PagedPlan(self.kv_indptr[:bs + 1], self.kv_indices, self.kv_last_page_len[:bs],
                           self.ov_indptr[:bs + 1], self.ov_indices, self.ov_last_page_len[:bs]))
 
@@ -75,6 +77,7 @@ def build_decode(store, req_to_token: torch.Tensor, req_pool_indices: torch.Tens
     write.frame_ids.copy_(frames)
     write.frame_offs.copy_(offs)
     write.done_pages.copy_(torch.where(offs == G - 1, pages, torch.zeros_like(pages)))
+    write.done_lpages.copy_(torch.where(offs == G - 1, lpage, torch.zeros_like(lpage)))
 
     # plan: page table [B, max_pages] of pool page ids (SGLang's allocator: position p sits in slot page * G + p % G)
     n_pages = lpage + 1

@@ -53,7 +53,7 @@ def begin_batch(store: QuantizedKVStore, slots: torch.Tensor, req_slots: torch.T
                                  device=store.device)
     return BatchWrite(slots=slots, frame_rows=frame_rows, frame_ids=kf, frame_offs=offs[frame_rows],
                       done_pages=done_pages, done_frames=done_frames, done_tok_rows=done_tok_rows,
-                      done_tok_page=done_tok_page, done_tok_off=offs[done_tok_rows])
+                      done_tok_page=done_tok_page, done_tok_off=offs[done_tok_rows], done_lpages=lpage[done_rows])
 
 
 def plan_contexts(store: QuantizedKVStore, page_tables: list[torch.Tensor], req_slots: list[int], seq_lens: list[int],

@@ -10,20 +10,23 @@ been through more passes, each halving their density, so the gaps between kept p
 time (roughly doubling per W kept: log-spaced; tests/test_quant_logquant.py checks it); position 0 is never thinned
 (kept[0] leads every slice), which keeps the attention sink in fp16.
 
-Storage, page-shaped like the pool's base: every complete page is quantized 2-bit KIVI-style (selected positions
-included, as the official code also quantizes them and overwrites them on read); the selected positions and the
-open page are kept in fp16 and override the base; their int32 positions are stored (keys' account).
+Storage: the served logquant2 page format (sgl_kvq/quant/logquant_page.py) applied to a sequence, as the pool holds
+it at length T: every complete page outside KIVI's fp16 window (the open page + R/G complete pages) is a 2-bit KIVI
+page plus the fp16 rows the rule keeps in it at the moment it left that window (T_exit(n) = (n + ring) * G + 1 for
+page n); the window and the open page are fp16. The rule is monotone (a position dropped at T is never kept later),
+so at every T the fp16 rows cover what log_positions(T, W) keeps outside the window, and may hold more (positions
+dropped since the page's exit stay fp16: an exact copy is never worse to read).
 Attention is permutation-invariant in the keys (LogQuant section 2.4): softmax(q K^T) V is unchanged when the rows
-of K and V are permuted together, so the fp16 overlay can sit in any order next to the base (the test checks it).
-Default W = R / 3, so the fp16 budget (< 3W) matches KIVI's window R.
+of K and V are permuted together, so the fp16 rows may sit anywhere next to the base (the test checks it).
 """
 
 from __future__ import annotations
 
 import torch
 
+from sgl_kvq.quant import kivi_page, logquant_page
 from sgl_kvq.quant.compressed import CompressedKV, check_kv
-from sgl_kvq.quant.kivi import quantize_span
+from sgl_kvq.quant.kivi import quantized_len
 
 
 def log_positions(T: int, window: int) -> list[int]:
@@ -35,21 +38,27 @@ def log_positions(T: int, window: int) -> list[int]:
     return kept
 
 
-def logquant(k: torch.Tensor, v: torch.Tensor, *, bits: int = 2, window: int = 21, group_size: int = 64,
-             value_group: int = 64, specache_one_bit: bool = True) -> CompressedKV:
+def logquant(k: torch.Tensor, v: torch.Tensor, *, bits: int = 2, window: int = 10, group_size: int = 64,
+             value_group: int = 64, residual: int = 64, specache_one_bit: bool = True) -> CompressedKV:
+    """The served logquant2's pages over a whole [T, H, D] sequence (defaults: sgl_kvq.config's)."""
     T, H, D = check_kv(k, v)
-    n_q = group_size * (T // group_size)  # complete pages; the open page stays fp16
-    k_q, v_q, stored = quantize_span(k[:n_q], v[:n_q], bits, group_size, value_group,
-                                     specache_one_bit=specache_one_bit)
-    selected = set(log_positions(T, window)) | set(range(n_q, T))
-    pos = torch.tensor(sorted(selected), dtype=torch.int64)
-    stored["k.fp16"] = k[pos].to(torch.float16)
-    stored["v.fp16"] = v[pos].to(torch.float16)
-    stored["k.fp16_pos"] = pos.to(torch.int32)
-    k_hat = torch.cat([k_q, torch.zeros(T - n_q, H, D)])
-    v_hat = torch.cat([v_q, torch.zeros(T - n_q, H, D)])
-    k_hat[pos] = stored["k.fp16"].float()
-    v_hat[pos] = stored["v.fp16"].float()
+    G, ring = group_size, 1 + residual // group_size
+    n_q = quantized_len(T, G, residual)
+    n = n_q // G
+    M = logquant_page.max_rows(window, G, ring)
+    off = logquant_page.offsets_table(window, G, ring, n, M)
+    kp, vp = k[:n_q].reshape(n, G, H, D), v[:n_q].reshape(n, G, H, D)
+    pages = kivi_page.pack_pages(kp, vp, bits, min(value_group, D), specache_one_bit=specache_one_bit)
+    k_rows, v_rows = logquant_page.gather_rows(kp, vp, off)
+    rows = logquant_page.PageRows(k_rows, v_rows, off)
+    k_q, v_q = logquant_page.apply_rows(*kivi_page.dequantize_pages(pages, bits), rows)
+    stored = {"k.codes": pages.k_codes, "k.scale": pages.k_scale, "k.zero": pages.k_zero,
+              "v.codes": pages.v_codes, "v.scale": pages.v_scale, "v.zero": pages.v_zero,
+              "k.rows": k_rows, "v.rows": v_rows, "k.row_off": off,
+              "k.fp16": k[n_q:].to(torch.float16), "v.fp16": v[n_q:].to(torch.float16)}
     kept = torch.zeros(T, H, dtype=torch.bool)
-    kept[pos] = True
-    return CompressedKV(k_hat, v_hat, stored, kept)
+    kept[n_q:] = True
+    pg, slot = (off != logquant_page.EMPTY).nonzero(as_tuple=True)
+    kept[pg * G + off[pg, slot].long()] = True
+    return CompressedKV(torch.cat([k_q.reshape(n_q, H, D), stored["k.fp16"].float()]),
+                        torch.cat([v_q.reshape(n_q, H, D), stored["v.fp16"].float()]), stored, kept)
