@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from sgl_kvq.plan import LayerKV, PagedPlan
-from sgl_kvq.quant import gear_page, kivi_page
+from sgl_kvq.quant import gear_page, kivi_page, zipcache_page
 
 
 def gather_context(kv: LayerKV, plan: PagedPlan, b: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,6 +28,8 @@ def gather_context(kv: LayerKV, plan: PagedPlan, b: int) -> tuple[torch.Tensor, 
     if kv.corr is not None:
         pc = gear_page.select_pages(kv.corr, pages)
         k_base, v_base = gear_page.correct_keys(k_base, pc), gear_page.correct_values(v_base, pc)
+    if kv.sal is not None:
+        k_base, v_base = zipcache_page.apply_salient(k_base, v_base, zipcache_page.select_pages(kv.sal, pages))
     k_base, v_base = k_base.reshape(n * G, H, D), v_base.reshape(n * G, H, D)
     frames = plan.ov_indices[plan.ov_indptr[b]:plan.ov_indptr[b + 1]].long()
     k_ov = kv.ov_k[frames].float().reshape(-1, H, D)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from sgl_kvq.quant.gear_page import PageCorrection
+from sgl_kvq.quant.zipcache_page import SalientPlane
 
 
 @dataclass
@@ -41,6 +42,8 @@ class LayerKV:
     # gear2 / gearl2: each base page's correction, PageCorrection's tensors with pages P for N (v_out_val and
     # v_out_idx slot-indexed, [S, H, NV]); None for formats without one.
     corr: PageCorrection | None = None
+    # zipcache2: each base page's salient plane (SalientPlane's tensors with pages P for N); None otherwise.
+    sal: SalientPlane | None = None
 
     @property
     def G(self) -> int:
