@@ -22,6 +22,7 @@ import torch
 from sgl_kvq.plan import LayerKV, PagedPlan
 from sgl_kvq.quant import pack
 from sgl_kvq.quant.gear_page import PageCorrection, add_low_rank
+from sgl_kvq.quant.zipcache_page import SalientPlane, salient_rows
 
 
 @dataclass
@@ -106,6 +107,8 @@ def context(kv: LayerKV, ctx: BatchedContext) -> tuple[torch.Tensor, torch.Tenso
     v.view(H, B * units * G, vs.shape[2], -1).mul_(vs).add_(vz)
     if kv.corr is not None:
         _correct(k.view(H, B, units, G, D), v.view(H, B, units, G, D), kv.corr, ctx)
+    if kv.sal is not None:
+        _salient(k.view(H, B, units, G, D), v.view(H, B, units, G, D), kv.sal, ctx)
     if ctx.ov_dst.numel():
         for dst, ov in ((k, kv.ov_k), (v, kv.ov_v)):
             dst.index_copy_(1, ctx.ov_dst, ov.reshape(-1, H, D)[ctx.ov_rows].float().transpose(0, 1))
@@ -129,6 +132,21 @@ def _correct(k: torch.Tensor, v: torch.Tensor, c: PageCorrection, ctx: BatchedCo
         val = c.v_out_val[ctx.slots].float().masked_fill_(off_tok, 0).transpose(0, 1)
         H, D = v.shape[0], v.shape[-1]
         v.view(H, -1, D).scatter_(2, idx, val)
+
+
+def _salient(k: torch.Tensor, v: torch.Tensor, s: SalientPlane, ctx: BatchedContext) -> None:
+    """ZipCache's salient rows (sgl_kvq/quant/zipcache_page.py) replace theirs in the padded k, v [H, B, U, G, D],
+    then values are multiplied by their page's channel scale c, in apply_salient's order. Zeroed outside base pages
+    (page 0 may hold anything; the overlay copy overwrites those positions, padding must stay finite)."""
+    off = ~ctx.is_base_page[..., None, None, None]  # [B, U, 1, 1, 1]
+    plane = SalientPlane(*(t[ctx.pages] for t in s))  # [B, U, H, ...]
+    ks, vs = salient_rows(SalientPlane(*(t.flatten(0, 1) for t in plane)))  # [B * U, H, NS, D]
+    B, U = ctx.pages.shape
+    ks, vs = (x.view(B, U, *x.shape[1:]).masked_fill_(off, 0).permute(2, 0, 1, 3, 4) for x in (ks, vs))
+    idx = plane.s_idx.long().masked_fill_(off[..., 0], 0).permute(2, 0, 1, 3)[..., None].expand_as(ks)
+    k.scatter_(3, idx, ks)
+    v.scatter_(3, idx, vs)
+    v.mul_(plane.v_chan.float().masked_fill_(off[..., 0], 0).permute(2, 0, 1, 3)[:, :, :, None])
 
 
 def decode(q: torch.Tensor, kv: LayerKV, ctx: BatchedContext, sm_scale: float) -> torch.Tensor:
