@@ -6,6 +6,10 @@ Packed codes: element d of a token-head row sits in byte d // (8 // BITS) at bit
 GEAR pages (RANK > 0) then get their correction in registers, in sgl_kvq.quant.gear_page.correct_keys' order: the
 rank-RANK term u^T w, then each row's NK / NV outliers replace their entries. Correction buffers are contiguous
 (kernels/checks.py): per page [P, H, RANK, G|D] and [P, H, NK, D], per slot [S, H, NV].
+zipcache2 pages (NSAL > 0) then get their salient rows in registers, in sgl_kvq.quant.zipcache_page.apply_salient's
+order: each of the page's NSAL 4-bit rows replaces its token's row of K^T and of V, then V is multiplied by the
+page's channel scale c. Salient buffers are contiguous (kernels/checks.py salient_args): [P, H, D], [P, H, NSAL],
+[P, H, NSAL, D // 2], [P, H, NSAL, D // VG].
 """
 
 import triton
@@ -90,6 +94,39 @@ def _correct_v(v, VU, VW, VOV, VOI, page, kvh, n_heads, offs_t, offs_d, n_valid,
 
 
 @triton.jit
+def _salient_kt(kt, SI, SKC, SKS, SKZ, page, kvh, n_heads, offs_t, offs_d, D: tl.constexpr, NSAL: tl.constexpr):
+    # kt [D, G] fp32 of base page `page`, head kvh -> with its salient tokens' 4-bit keys in their columns
+    ph = page * n_heads + kvh
+    ks = tl.load(SKS + ph * D + offs_d).to(tl.float32)
+    kz = tl.load(SKZ + ph * D + offs_d).to(tl.float32)
+    for j in range(NSAL):
+        tok = tl.load(SI + ph * NSAL + j).to(tl.int32)
+        codes = tl.load(SKC + (ph * NSAL + j) * (D // 2) + offs_d // 2)
+        row = _unpack(codes, offs_d, 4) * ks + kz
+        kt = tl.where(offs_t[None, :] == tok, row[:, None], kt)
+    return kt
+
+
+@triton.jit
+def _salient_v(v, VCH, SI, SVC, SVS, SVZ, page, kvh, n_heads, offs_t, offs_d, n_valid, D: tl.constexpr,
+               VG: tl.constexpr, NSAL: tl.constexpr):
+    # v [G, D] fp32 (V / c) of base page `page`, head kvh -> its salient rows replaced, times c; rows >= n_valid
+    # stay 0
+    NG: tl.constexpr = D // VG
+    ph = page * n_heads + kvh
+    rows = offs_t < n_valid
+    for j in range(NSAL):
+        tok = tl.load(SI + ph * NSAL + j).to(tl.int32)
+        codes = tl.load(SVC + (ph * NSAL + j) * (D // 2) + offs_d // 2)
+        vs = tl.load(SVS + (ph * NSAL + j) * NG + offs_d // VG).to(tl.float32)
+        vz = tl.load(SVZ + (ph * NSAL + j) * NG + offs_d // VG).to(tl.float32)
+        row = _unpack(codes, offs_d, 4) * vs + vz
+        v = tl.where((offs_t[:, None] == tok) & rows[:, None], row[None, :], v)
+    c = tl.load(VCH + ph * D + offs_d).to(tl.float32)
+    return v * c[None, :]
+
+
+@triton.jit
 def _softmax_step(qk, valid, m, l, acc, v, DOT_FP32: tl.constexpr):
     # qk [M, N] scores already in log2 units, valid [M, N] bool; v [N, D] -> updated (m, l, acc).
     # Every caller's first tile has a valid key in every row, so m is finite after it and alpha never sees
@@ -104,21 +141,26 @@ def _softmax_step(qk, valid, m, l, acc, v, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
-def _base_page_step(q, m, l, acc, KC, KS, KZ, VC, VS, VZ, KU, KW, VU, VW, KOV, KOI, VOV, VOI, page, n_valid, kvh,
+def _base_page_step(q, m, l, acc, KC, KS, KZ, VC, VS, VZ, KU, KW, VU, VW, KOV, KOI, VOV, VOI,
+                    VCH, SI, SKC, SKS, SKZ, SVC, SVS, SVZ, page, n_valid, kvh,
                     n_heads, offs_t, offs_d, stride_kc_slot, stride_kc_head, stride_ks_page, stride_ks_head,
                     stride_vs_slot, stride_vs_head, sm_scale_log2, G: tl.constexpr, D: tl.constexpr,
                     BITS: tl.constexpr, VG: tl.constexpr, RANK: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr,
-                    DOT_FP32: tl.constexpr):
+                    NSAL: tl.constexpr, DOT_FP32: tl.constexpr):
     # One packed base page into the online softmax of q [M, D] (already in the dot dtype): -> updated (m, l, acc).
     kt = _base_page_kt(KC, KS, KZ, page, kvh, offs_t, offs_d, stride_kc_slot, stride_kc_head,
                        stride_ks_page, stride_ks_head, G, BITS)
     if RANK > 0:
         kt = _correct_kt(kt, KU, KW, KOV, KOI, page, kvh, n_heads, offs_t, offs_d, G, D, RANK, NK)
+    if NSAL > 0:
+        kt = _salient_kt(kt, SI, SKC, SKS, SKZ, page, kvh, n_heads, offs_t, offs_d, D, NSAL)
     qk = _dot(q, kt.to(q.dtype), DOT_FP32) * sm_scale_log2
     v = _base_page_v(VC, VS, VZ, page, kvh, offs_t, offs_d, n_valid, stride_kc_slot,
                      stride_kc_head, stride_vs_slot, stride_vs_head, G, BITS, VG)
     if RANK > 0:
         v = _correct_v(v, VU, VW, VOV, VOI, page, kvh, n_heads, offs_t, offs_d, n_valid, G, D, RANK, NV)
+    if NSAL > 0:
+        v = _salient_v(v, VCH, SI, SVC, SVS, SVZ, page, kvh, n_heads, offs_t, offs_d, n_valid, D, VG, NSAL)
     return _softmax_step(qk, (offs_t < n_valid)[None, :], m, l, acc, v.to(q.dtype), DOT_FP32)
 
 

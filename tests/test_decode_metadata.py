@@ -117,6 +117,9 @@ def assert_same_pool(a: QuantizedKVStore, b: QuantizedKVStore):
         assert torch.equal(getattr(a, name)[:, skip:], getattr(b, name)[:, skip:]), name
     for name in ("ov_tag", "ov_gen"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
+    if a.cfg.is_zipcache:  # the saliency accumulated so far, on every frame holding a page
+        live = (a.ov_tag >= 0).nonzero().squeeze(1)
+        assert torch.equal(a.ov_score[:, live], b.ov_score[:, live])
     frames = (a.ov_tag >= 0).nonzero().squeeze(1)
     assert torch.equal(a.ov_k[:, frames], b.ov_k[:, frames]) and torch.equal(a.ov_v[:, frames], b.ov_v[:, frames])
     # page 0 (the dummy page) may be bumped once per padded row on the device path, once per batch on the host
@@ -125,7 +128,8 @@ def assert_same_pool(a: QuantizedKVStore, b: QuantizedKVStore):
 
 
 @pytest.mark.parametrize("G,bits,residual,method", [(16, 2, 0, "kivi"), (16, 1, 16, "kivi"), (32, 4, 64, "kivi"),
-                                                    (16, 2, 32, "kivi"), (16, 2, 16, "gear")])
+                                                    (16, 2, 32, "kivi"), (16, 2, 16, "gear"),
+                                                    (16, 2, 16, "zipcache")])
 def test_device_decode_metadata_matches_the_host_path(G, bits, residual, method, triton_interpret):
     torch.manual_seed(G * bits + residual)
     host, dev = make_store(G, bits, residual, method=method), make_store(G, bits, residual, method=method)
@@ -147,11 +151,11 @@ def test_device_decode_metadata_matches_the_host_path(G, bits, residual, method,
         k, v, q = torch.randn(len(req), H, D), torch.randn(len(req), H, D), torch.randn(len(req), HQ, D)
         k, v, q = k.to(DEVICE), v.to(DEVICE), q.to(DEVICE)
         ref = build_forward_plan(host, life.req_to_token, req, lens, locs, is_decode=True).steps[0]
-        host.write_layer(0, ref.write, k, v)
+        host.write_layer(0, ref.write, k, v, q=q, sm_scale=SCALE)  # q: zipcache2's saliency
         want = attention_ref.ref_decode(q, host.layer_view(0), ref.plan, SCALE)
 
         write, plan = build_decode(dev, life.req_to_token, req, lens, locs, bufs)
-        dev.write_decode_layer(0, write, k, v)
+        dev.write_decode_layer(0, write, k, v, q=q, sm_scale=SCALE)
         dp = dec.plan(plan, num_qo_heads=HQ, num_kv_heads=H, head_dim=D, page_size=G, workspace=ws)
         got = dec.decode_attention(q, dev.layer_view(0), dp, SCALE)
 

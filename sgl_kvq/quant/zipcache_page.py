@@ -75,7 +75,7 @@ def normalize(received: torch.Tensor, group: int) -> torch.Tensor:
 
 def select_salient(score: torch.Tensor, ns: int) -> torch.Tensor:
     """score [N, G, H] -> [N, H, NS] int64 offsets of each head's NS highest scores, ascending by offset."""
-    return score.topk(ns, dim=1).indices.transpose(1, 2).sort(dim=-1).values
+    return score.topk(ns, dim=1).indices.transpose(1, 2).sort(dim=-1).values.contiguous()
 
 
 def _masked_median(x: torch.Tensor, salient: torch.Tensor, ns: int) -> torch.Tensor:
