@@ -98,7 +98,9 @@ class KVQTokenToKVPool(KVCache):
             config={"group_size": self.cfg.group_size, "value_group": self.shape.VG, "residual": self.cfg.residual,
                     "bits": self.cfg.bits, "prefill": self.cfg.prefill,
                     **({"gear_rank": self.cfg.lowrank_rank, "outliers_per_key_channel": self.shape.NK,
-                        "outliers_per_value_token": self.shape.NV} if self.cfg.has_correction else {})},
+                        "outliers_per_value_token": self.shape.NV} if self.cfg.has_correction else {}),
+                    **({"salient_per_page": self.cfg.salient_per_page, "salient_bits": self.cfg.salient_bits}
+                       if self.cfg.is_zipcache else {})},
         )
         if self.specache is not None:
             stats["specache"] = self.specache.stats()

@@ -219,9 +219,10 @@ def test_one_set_of_buffers_serves_every_padded_replay(triton_interpret):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graph capture needs a GPU")
-def test_cuda_graph_capture_and_replay_of_a_decode_step():
+@pytest.mark.parametrize("method", ["kivi", "zipcache"])  # zipcache: the saliency accumulator and page selection
+def test_cuda_graph_capture_and_replay_of_a_decode_step(method):
     G, bs = 16, 4
-    eager, graph = make_store(G, 2, 16, torch.float16), make_store(G, 2, 16, torch.float16)
+    eager, graph = make_store(G, 2, 16, torch.float16, method), make_store(G, 2, 16, torch.float16, method)
     life = Life(G, seed=11)
     for _ in range(4):
         life.start()
@@ -236,7 +237,7 @@ def test_cuda_graph_capture_and_replay_of_a_decode_step():
 
     def step():
         write, plan = build_decode(graph, life.req_to_token, static["req"], static["lens"], static["locs"], bufs)
-        graph.write_decode_layer(0, write, static["k"], static["v"])
+        graph.write_decode_layer(0, write, static["k"], static["v"], q=static["q"], sm_scale=SCALE)
         dp = dec.plan(plan, num_qo_heads=HQ, num_kv_heads=H, head_dim=D, page_size=G, workspace=ws)
         return dec.decode_attention(static["q"], graph.layer_view(0), dp, SCALE)
 
@@ -260,7 +261,7 @@ def test_cuda_graph_capture_and_replay_of_a_decode_step():
         g.replay()
         w, p = build_decode(eager, life.req_to_token, req, lens, locs,
                             DecodeBuffers(bs, MAX_CTX // G, eager.ring, torch.device(DEVICE)))
-        eager.write_decode_layer(0, w, k, v)
+        eager.write_decode_layer(0, w, k, v, q=q, sm_scale=SCALE)
         want = dec.decode_attention(q, eager.layer_view(0),
                                     dec.plan(p, num_qo_heads=HQ, num_kv_heads=H, head_dim=D, page_size=G), SCALE)
         torch.testing.assert_close(out[:n], want, atol=2e-3, rtol=2e-3)
