@@ -7,7 +7,8 @@
 Kernels index dims 0 and 1 through strides and assume the last dim is contiguous. GEAR's correction buffers
 (kv.corr: k_u, v_u [P, H, r, G]; k_w, v_w [P, H, r, D]; k_out_* [P, H, NK, D]; v_out_* [S, H, NV]) are indexed by
 their contiguous shape (correction_args), and so are LogQuant's rows (kv.rows: k_rows, v_rows [P, M, H, D] fp16,
-row_off [P, M] uint8; rows_args).
+row_off [P, M] uint8; rows_args) and zipcache2's salient planes (kv.sal: v_chan, s_k_scale, s_k_zero [P, H, D];
+s_idx [P, H, NS]; s_k_codes, s_v_codes [P, H, NS, D // 2]; s_v_scale, s_v_zero [P, H, NS, D // VG]; salient_args).
 """
 
 from __future__ import annotations
@@ -119,6 +120,31 @@ def rows_args(kv: LayerKV) -> tuple[tuple[torch.Tensor, ...], dict[str, int]]:
         require(t.is_contiguous() and t.device == kv.ov_k.device,
                 f"rows.{name} must be contiguous on the pool's device")
     return (r.k_rows, r.v_rows, r.row_off), dict(NROWS=M)
+
+
+def salient_args(kv: LayerKV) -> tuple[tuple[torch.Tensor, ...], dict[str, int]]:
+    """The kernels' salient-plane pointers (VCH, SI, SKC, SKS, SKZ, SVC, SVS, SVZ) and constexpr NSAL after checking
+    kv.sal against the layout; for a format without one, NSAL = 0 and the pointers are never read."""
+    s = kv.sal
+    if s is None:
+        return (kv.k_scale,) * 8, dict(NSAL=0)
+    S, H, _ = kv.k_codes.shape
+    F, G, _, D = kv.ov_k.shape
+    P, NS, NG = S // G, s.s_idx.shape[-1], kv.v_scale.shape[-1]
+    require(1 <= NS < G, f"zipcache2 needs 1..G-1 salient tokens per page, got {NS}")
+    want = {
+        "v_chan": ((P, H, D), SCALE_DTYPE), "s_idx": ((P, H, NS), torch.uint8),
+        "s_k_codes": ((P, H, NS, packed_dim(D, 4)), torch.uint8),
+        "s_k_scale": ((P, H, D), SCALE_DTYPE), "s_k_zero": ((P, H, D), SCALE_DTYPE),
+        "s_v_codes": ((P, H, NS, packed_dim(D, 4)), torch.uint8),
+        "s_v_scale": ((P, H, NS, NG), SCALE_DTYPE), "s_v_zero": ((P, H, NS, NG), SCALE_DTYPE),
+    }
+    for name, (shape, dtype) in want.items():
+        t = getattr(s, name)
+        require(tuple(t.shape) == shape and t.dtype == dtype,
+                f"sal.{name}: got {tuple(t.shape)} {t.dtype}, layout says {shape} {dtype}")
+        require(t.is_contiguous() and t.device == kv.ov_k.device, f"sal.{name} must be contiguous on the pool's device")
+    return tuple(getattr(s, n) for n in want), dict(NSAL=NS)
 
 
 def check_paged(p: PagedPlan, device: torch.device) -> None:

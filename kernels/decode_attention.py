@@ -16,7 +16,8 @@ import triton
 
 from sgl_kvq.plan import DecodePlan, LayerKV, PagedPlan
 
-from .checks import MODEL_DTYPES, check_layer, check_paged, correction_args, dot_in_fp32, require, rows_args
+from .checks import (MODEL_DTYPES, check_layer, check_paged, correction_args, dot_in_fp32, require, rows_args,
+                     salient_args)
 from .decode_attention_kernel import _decode_attention_kernel
 from .merge_state import merge_state
 
@@ -95,13 +96,15 @@ def decode_attention(q: torch.Tensor, kv: LayerKV, p: DecodePlan, sm_scale: floa
             f"plan was made for (H, D, G) = {(p.num_kv_heads, p.head_dim, p.page_size)}, pool has {(H, D, G)}")
     corr, corr_consts = correction_args(kv)
     rows, rows_consts = rows_args(kv)
+    sal, sal_consts = salient_args(kv)
     if out is None:
         out = torch.empty_like(q)
     group = p.num_qo_heads // H
     pg = p.paged
     if p.batch_size:
         _decode_attention_kernel[(p.batch_size, H, p.max_splits)](
-            q, kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes, kv.v_scale, kv.v_zero, kv.ov_k, kv.ov_v, *corr, *rows, H,
+            q, kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes, kv.v_scale, kv.v_zero, kv.ov_k, kv.ov_v, *corr, *rows,
+            *sal, H,
             pg.kv_indptr, pg.kv_indices, pg.kv_last_page_len, pg.ov_indptr, pg.ov_indices, pg.ov_last_page_len,
             p.num_splits, p.o_partial, p.lse_partial, sm_scale * LOG2E,
             q.stride(0), q.stride(1),
@@ -111,7 +114,7 @@ def decode_attention(q: torch.Tensor, kv: LayerKV, p: DecodePlan, sm_scale: floa
             p.o_partial.stride(0), p.o_partial.stride(1), p.o_partial.stride(2),
             p.lse_partial.stride(0), p.lse_partial.stride(1),
             GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=D, G=G, BITS=kv.bits, VG=VG,
-            DOT_FP32=dot_in_fp32(q.dtype), **corr_consts, **rows_consts,
+            DOT_FP32=dot_in_fp32(q.dtype), **corr_consts, **rows_consts, **sal_consts,
         )
     return merge_state(p.o_partial, p.lse_partial, p.num_splits, out=out, lse_out=lse_out)
 

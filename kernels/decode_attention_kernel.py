@@ -14,7 +14,8 @@ from .paged_kv_kernel import _base_page_step, _frame_step
 
 @triton.jit
 def _decode_attention_kernel(
-    Q, KC, KS, KZ, VC, VS, VZ, OVK, OVV, KU, KW, VU, VW, KOV, KOI, VOV, VOI, KR, VR, RO, n_heads,
+    Q, KC, KS, KZ, VC, VS, VZ, OVK, OVV, KU, KW, VU, VW, KOV, KOI, VOV, VOI, KR, VR, RO,
+    VCH, SI, SKC, SKS, SKZ, SVC, SVS, SVZ, n_heads,
     kv_indptr, kv_indices, kv_last_page_len, ov_indptr, ov_indices, ov_last_page_len, num_splits,
     O_part, LSE_part, sm_scale_log2,
     stride_qb, stride_qh,
@@ -23,7 +24,7 @@ def _decode_attention_kernel(
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
     VG: tl.constexpr, RANK: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr, NROWS: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    NSAL: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -56,9 +57,10 @@ def _decode_attention_kernel(
             page = tl.load(kv_indices + kv_lo + j).to(tl.int64)
             n_valid = tl.where(j == n_base - 1, last_base, G)
             m, l, acc = _base_page_step(q, m, l, acc, KC, KS, KZ, VC, VS, VZ, KU, KW, VU, VW, KOV, KOI, VOV, VOI,
-                                        KR, VR, RO, page, n_valid, kvh, n_heads, offs_t, offs_d, stride_kc_slot,
-                                        stride_kc_head, stride_ks_page, stride_ks_head, stride_vs_slot,
-                                        stride_vs_head, sm_scale_log2, G, D, BITS, VG, RANK, NK, NV, NROWS,
+                                        KR, VR, RO, VCH, SI, SKC, SKS, SKZ, SVC, SVS, SVZ, page, n_valid, kvh,
+                                        n_heads, offs_t, offs_d, stride_kc_slot, stride_kc_head, stride_ks_page,
+                                        stride_ks_head, stride_vs_slot, stride_vs_head, sm_scale_log2, G, D, BITS,
+                                        VG, RANK, NK, NV, NROWS, NSAL,
                                         DOT_FP32)
 
         for j in range(tl.maximum(p_start, n_base), p_end):

@@ -8,7 +8,8 @@ import triton
 
 from sgl_kvq.plan import LayerKV, PagedPlan
 
-from .checks import MODEL_DTYPES, check_layer, check_paged, correction_args, dot_in_fp32, require, rows_args
+from .checks import (MODEL_DTYPES, check_layer, check_paged, correction_args, dot_in_fp32, require, rows_args,
+                     salient_args)
 from .extend_attention_kernel import _extend_attention_kernel
 
 LOG2E = 1.4426950408889634
@@ -25,6 +26,7 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     H, D, G, VG = check_layer(kv)
     corr, corr_consts = correction_args(kv)
     rows, rows_consts = rows_args(kv)
+    sal, sal_consts = salient_args(kv)
     dev = kv.ov_k.device
     check_paged(paged, dev)
     N, Hq = q.shape[0], q.shape[1]
@@ -48,7 +50,8 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     block_m = max(1, _ROWS // gp)
     _extend_attention_kernel[(B, triton.cdiv(max_qo_len, block_m), H)](
         q, k_new, v_new, out, qo_indptr,
-        kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes, kv.v_scale, kv.v_zero, kv.ov_k, kv.ov_v, *corr, *rows, H,
+        kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes, kv.v_scale, kv.v_zero, kv.ov_k, kv.ov_v, *corr, *rows, *sal,
+        H,
         paged.kv_indptr, paged.kv_indices, paged.kv_last_page_len,
         paged.ov_indptr, paged.ov_indices, paged.ov_last_page_len,
         sm_scale * LOG2E,
@@ -58,6 +61,6 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         kv.v_scale.stride(0), kv.v_scale.stride(1),
         kv.ov_k.stride(0), kv.ov_k.stride(1), kv.ov_k.stride(2),
         GROUP=group, GP=gp, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, D=D, G=G, BITS=kv.bits, VG=VG,
-        DOT_FP32=dot_in_fp32(q.dtype), **corr_consts, **rows_consts,
+        DOT_FP32=dot_in_fp32(q.dtype), **corr_consts, **rows_consts, **sal_consts,
     )
     return out

@@ -15,7 +15,8 @@ from .paged_kv_kernel import _base_page_step, _dot, _frame_step, _softmax_step
 @triton.jit
 def _extend_attention_kernel(
     Q, K_new, V_new, O, qo_indptr,
-    KC, KS, KZ, VC, VS, VZ, OVK, OVV, KU, KW, VU, VW, KOV, KOI, VOV, VOI, KR, VR, RO, n_heads,
+    KC, KS, KZ, VC, VS, VZ, OVK, OVV, KU, KW, VU, VW, KOV, KOI, VOV, VOI, KR, VR, RO,
+    VCH, SI, SKC, SKS, SKZ, SVC, SVS, SVZ, n_heads,
     kv_indptr, kv_indices, kv_last_page_len, ov_indptr, ov_indices, ov_last_page_len,
     sm_scale_log2,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -24,6 +25,7 @@ def _extend_attention_kernel(
     GROUP: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
     RANK: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr, VG: tl.constexpr, NROWS: tl.constexpr,
+    NSAL: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
@@ -54,9 +56,10 @@ def _extend_attention_kernel(
             page = tl.load(kv_indices + kv_lo + j).to(tl.int64)
             n_valid = tl.where(j == n_base - 1, last_base, G)
             m, l, acc = _base_page_step(q, m, l, acc, KC, KS, KZ, VC, VS, VZ, KU, KW, VU, VW, KOV, KOI, VOV, VOI,
-                                        KR, VR, RO, page, n_valid, kvh, n_heads, offs_t, offs_d, stride_kc_slot,
-                                        stride_kc_head, stride_ks_page, stride_ks_head, stride_vs_slot,
-                                        stride_vs_head, sm_scale_log2, G, D, BITS, VG, RANK, NK, NV, NROWS,
+                                        KR, VR, RO, VCH, SI, SKC, SKS, SKZ, SVC, SVS, SVZ, page, n_valid, kvh,
+                                        n_heads, offs_t, offs_d, stride_kc_slot, stride_kc_head, stride_ks_page,
+                                        stride_ks_head, stride_vs_slot, stride_vs_head, sm_scale_log2, G, D, BITS,
+                                        VG, RANK, NK, NV, NROWS, NSAL,
                                         DOT_FP32)
 
         ov_lo = tl.load(ov_indptr + b)

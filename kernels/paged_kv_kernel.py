@@ -9,6 +9,10 @@ rank-RANK term u^T w, then each row's NK / NV outliers replace their entries. Co
 LogQuant pages (NROWS > 0) then have their stored fp16 rows replace the dequantized ones, in registers
 (sgl_kvq.quant.logquant_page.apply_rows): k_rows, v_rows [P, NROWS, H, D] and row_off [P, NROWS] (255: empty),
 contiguous (kernels/checks.py: rows_args).
+zipcache2 pages (NSAL > 0) then get their salient rows in registers, in sgl_kvq.quant.zipcache_page.apply_salient's
+order: each of the page's NSAL 4-bit rows replaces its token's row of K^T and of V, then V is multiplied by the
+page's channel scale c. Salient buffers are contiguous (kernels/checks.py salient_args): [P, H, D], [P, H, NSAL],
+[P, H, NSAL, D // 2], [P, H, NSAL, D // VG].
 """
 
 import triton
@@ -103,6 +107,20 @@ def _replace_rows_kt(kt, KR, RO, page, kvh, n_heads, offs_t, offs_d, D: tl.const
 
 
 @triton.jit
+def _salient_kt(kt, SI, SKC, SKS, SKZ, page, kvh, n_heads, offs_t, offs_d, D: tl.constexpr, NSAL: tl.constexpr):
+    # kt [D, G] fp32 of base page `page`, head kvh -> with its salient tokens' 4-bit keys in their columns
+    ph = page * n_heads + kvh
+    ks = tl.load(SKS + ph * D + offs_d).to(tl.float32)
+    kz = tl.load(SKZ + ph * D + offs_d).to(tl.float32)
+    for j in range(NSAL):
+        tok = tl.load(SI + ph * NSAL + j).to(tl.int32)
+        codes = tl.load(SKC + (ph * NSAL + j) * (D // 2) + offs_d // 2)
+        row = _unpack(codes, offs_d, 4) * ks + kz
+        kt = tl.where(offs_t[None, :] == tok, row[:, None], kt)
+    return kt
+
+
+@triton.jit
 def _replace_rows_v(v, VR, RO, page, kvh, n_heads, offs_t, offs_d, n_valid, D: tl.constexpr,
                     NROWS: tl.constexpr):
     # v [G, D] fp32 of base page `page`, head kvh -> with its stored fp16 value rows; rows >= n_valid stay 0
@@ -111,6 +129,25 @@ def _replace_rows_v(v, VR, RO, page, kvh, n_heads, offs_t, offs_d, n_valid, D: t
         row = tl.load(VR + ((page * NROWS + j) * n_heads + kvh) * D + offs_d).to(tl.float32)
         v = tl.where(((offs_t == off) & (offs_t < n_valid))[:, None], row[None, :], v)
     return v
+
+
+@triton.jit
+def _salient_v(v, VCH, SI, SVC, SVS, SVZ, page, kvh, n_heads, offs_t, offs_d, n_valid, D: tl.constexpr,
+               VG: tl.constexpr, NSAL: tl.constexpr):
+    # v [G, D] fp32 (V / c) of base page `page`, head kvh -> its salient rows replaced, times c; rows >= n_valid
+    # stay 0
+    NG: tl.constexpr = D // VG
+    ph = page * n_heads + kvh
+    rows = offs_t < n_valid
+    for j in range(NSAL):
+        tok = tl.load(SI + ph * NSAL + j).to(tl.int32)
+        codes = tl.load(SVC + (ph * NSAL + j) * (D // 2) + offs_d // 2)
+        vs = tl.load(SVS + (ph * NSAL + j) * NG + offs_d // VG).to(tl.float32)
+        vz = tl.load(SVZ + (ph * NSAL + j) * NG + offs_d // VG).to(tl.float32)
+        row = _unpack(codes, offs_d, 4) * vs + vz
+        v = tl.where((offs_t[:, None] == tok) & rows[:, None], row[None, :], v)
+    c = tl.load(VCH + ph * D + offs_d).to(tl.float32)
+    return v * c[None, :]
 
 
 @triton.jit
@@ -128,11 +165,12 @@ def _softmax_step(qk, valid, m, l, acc, v, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
-def _base_page_step(q, m, l, acc, KC, KS, KZ, VC, VS, VZ, KU, KW, VU, VW, KOV, KOI, VOV, VOI, KR, VR, RO, page,
-                    n_valid, kvh, n_heads, offs_t, offs_d, stride_kc_slot, stride_kc_head, stride_ks_page,
-                    stride_ks_head, stride_vs_slot, stride_vs_head, sm_scale_log2, G: tl.constexpr, D: tl.constexpr,
-                    BITS: tl.constexpr, VG: tl.constexpr, RANK: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr,
-                    NROWS: tl.constexpr, DOT_FP32: tl.constexpr):
+def _base_page_step(q, m, l, acc, KC, KS, KZ, VC, VS, VZ, KU, KW, VU, VW, KOV, KOI, VOV, VOI, KR, VR, RO,
+                    VCH, SI, SKC, SKS, SKZ, SVC, SVS, SVZ, page, n_valid, kvh, n_heads, offs_t, offs_d,
+                    stride_kc_slot, stride_kc_head, stride_ks_page, stride_ks_head, stride_vs_slot, stride_vs_head,
+                    sm_scale_log2, G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, VG: tl.constexpr,
+                    RANK: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr, NROWS: tl.constexpr, NSAL: tl.constexpr,
+                    DOT_FP32: tl.constexpr):
     # One packed base page into the online softmax of q [M, D] (already in the dot dtype): -> updated (m, l, acc).
     kt = _base_page_kt(KC, KS, KZ, page, kvh, offs_t, offs_d, stride_kc_slot, stride_kc_head,
                        stride_ks_page, stride_ks_head, G, BITS)
@@ -140,6 +178,8 @@ def _base_page_step(q, m, l, acc, KC, KS, KZ, VC, VS, VZ, KU, KW, VU, VW, KOV, K
         kt = _correct_kt(kt, KU, KW, KOV, KOI, page, kvh, n_heads, offs_t, offs_d, G, D, RANK, NK)
     if NROWS > 0:
         kt = _replace_rows_kt(kt, KR, RO, page, kvh, n_heads, offs_t, offs_d, D, NROWS)
+    if NSAL > 0:
+        kt = _salient_kt(kt, SI, SKC, SKS, SKZ, page, kvh, n_heads, offs_t, offs_d, D, NSAL)
     qk = _dot(q, kt.to(q.dtype), DOT_FP32) * sm_scale_log2
     v = _base_page_v(VC, VS, VZ, page, kvh, offs_t, offs_d, n_valid, stride_kc_slot,
                      stride_kc_head, stride_vs_slot, stride_vs_head, G, BITS, VG)
@@ -147,6 +187,8 @@ def _base_page_step(q, m, l, acc, KC, KS, KZ, VC, VS, VZ, KU, KW, VU, VW, KOV, K
         v = _correct_v(v, VU, VW, VOV, VOI, page, kvh, n_heads, offs_t, offs_d, n_valid, G, D, RANK, NV)
     if NROWS > 0:
         v = _replace_rows_v(v, VR, RO, page, kvh, n_heads, offs_t, offs_d, n_valid, D, NROWS)
+    if NSAL > 0:
+        v = _salient_v(v, VCH, SI, SVC, SVS, SVZ, page, kvh, n_heads, offs_t, offs_d, n_valid, D, VG, NSAL)
     return _softmax_step(qk, (offs_t < n_valid)[None, :], m, l, acc, v.to(q.dtype), DOT_FP32)
 
 

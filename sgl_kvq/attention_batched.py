@@ -23,6 +23,7 @@ from sgl_kvq.plan import LayerKV, PagedPlan
 from sgl_kvq.quant import pack
 from sgl_kvq.quant.gear_page import PageCorrection, add_low_rank
 from sgl_kvq.quant.logquant_page import EMPTY, PageRows
+from sgl_kvq.quant.zipcache_page import SalientPlane, salient_rows
 
 
 @dataclass
@@ -109,6 +110,8 @@ def context(kv: LayerKV, ctx: BatchedContext) -> tuple[torch.Tensor, torch.Tenso
         _correct(k.view(H, B, units, G, D), v.view(H, B, units, G, D), kv.corr, ctx)
     if kv.rows is not None:
         _replace_rows(k.view(H, B, units, G, D), v.view(H, B, units, G, D), kv.rows, ctx)
+    if kv.sal is not None:
+        _salient(k.view(H, B, units, G, D), v.view(H, B, units, G, D), kv.sal, ctx)
     if ctx.ov_dst.numel():
         for dst, ov in ((k, kv.ov_k), (v, kv.ov_v)):
             dst.index_copy_(1, ctx.ov_dst, ov.reshape(-1, H, D)[ctx.ov_rows].float().transpose(0, 1))
@@ -143,6 +146,21 @@ def _replace_rows(k: torch.Tensor, v: torch.Tensor, r: PageRows, ctx: BatchedCon
     pg = ctx.pages[b, u]
     k[:, b, u, t] = r.k_rows[pg, j].float().transpose(0, 1)  # [H, n, D]
     v[:, b, u, t] = r.v_rows[pg, j].float().transpose(0, 1)
+
+
+def _salient(k: torch.Tensor, v: torch.Tensor, s: SalientPlane, ctx: BatchedContext) -> None:
+    """ZipCache's salient rows (sgl_kvq/quant/zipcache_page.py) replace theirs in the padded k, v [H, B, U, G, D],
+    then values are multiplied by their page's channel scale c, in apply_salient's order. Zeroed outside base pages
+    (page 0 may hold anything; the overlay copy overwrites those positions, padding must stay finite)."""
+    off = ~ctx.is_base_page[..., None, None, None]  # [B, U, 1, 1, 1]
+    plane = SalientPlane(*(t[ctx.pages] for t in s))  # [B, U, H, ...]
+    ks, vs = salient_rows(SalientPlane(*(t.flatten(0, 1) for t in plane)))  # [B * U, H, NS, D]
+    B, U = ctx.pages.shape
+    ks, vs = (x.view(B, U, *x.shape[1:]).masked_fill_(off, 0).permute(2, 0, 1, 3, 4) for x in (ks, vs))
+    idx = plane.s_idx.long().masked_fill_(off[..., 0], 0).permute(2, 0, 1, 3)[..., None].expand_as(ks)
+    k.scatter_(3, idx, ks)
+    v.scatter_(3, idx, vs)
+    v.mul_(plane.v_chan.float().masked_fill_(off[..., 0], 0).permute(2, 0, 1, 3)[:, :, :, None])
 
 
 def decode(q: torch.Tensor, kv: LayerKV, ctx: BatchedContext, sm_scale: float) -> torch.Tensor:

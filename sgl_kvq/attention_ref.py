@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from sgl_kvq.plan import LayerKV, PagedPlan
-from sgl_kvq.quant import gear_page, kivi_page, logquant_page
+from sgl_kvq.quant import gear_page, kivi_page, logquant_page, zipcache_page
 
 
 def gather_context(kv: LayerKV, plan: PagedPlan, b: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,6 +30,8 @@ def gather_context(kv: LayerKV, plan: PagedPlan, b: int) -> tuple[torch.Tensor, 
         k_base, v_base = gear_page.correct_keys(k_base, pc), gear_page.correct_values(v_base, pc)
     if kv.rows is not None:
         k_base, v_base = logquant_page.apply_rows(k_base, v_base, logquant_page.select_pages(kv.rows, pages))
+    if kv.sal is not None:
+        k_base, v_base = zipcache_page.apply_salient(k_base, v_base, zipcache_page.select_pages(kv.sal, pages))
     k_base, v_base = k_base.reshape(n * G, H, D), v_base.reshape(n * G, H, D)
     frames = plan.ov_indices[plan.ov_indptr[b]:plan.ov_indptr[b + 1]].long()
     k_ov = kv.ov_k[frames].float().reshape(-1, H, D)

@@ -1,8 +1,8 @@
 """The one frozen config that flows from `--kv-cache-dtype` to the pool, the backends and the kernels.
 
-A dtype name is `<method><bits>` (kivi1, kivi2, kivi4, specache1, specache2, gear2, gearl2). Knobs that SGLang's command line has
-no room for come from environment variables with the `KVQ_` prefix (read in one place, `sgl_kvq.env`), so they reach
-SGLang's spawned scheduler processes unchanged. Defaults are the papers': G = 64, residual window R = 64 (SpeCache's
+A dtype name is `<method><bits>` (kivi1, kivi2, kivi4, specache1, specache2, gear2, gearl2, zipcache2). Knobs that
+SGLang's command line has no room for come from environment variables with the `KVQ_` prefix (read in one place,
+`sgl_kvq.env`), so they reach SGLang's spawned scheduler processes unchanged. Defaults are the papers': G = 64, residual window R = 64 (SpeCache's
 G and R; KIVI's paper uses G = 32 and R = 32..128).
 """
 
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from sgl_kvq import env
 from sgl_kvq.quant.gear_page import outliers_per_row
 from sgl_kvq.quant.logquant_page import max_rows
+from sgl_kvq.quant.zipcache_page import SALIENT_BITS, salient_count
 
 # kivi: the packed base plus the fp16 open page and recent window. specache: the same low-bit base on the device,
 # every token's 16-bit K/V in host RAM, and a speculative decode lane whose top-k picks the host rows each step
@@ -22,7 +23,10 @@ from sgl_kvq.quant.logquant_page import max_rows
 # quantization residual (GEAR-L); gear: the same plus each row's sparse fp16 outliers (sgl_kvq/quant/gear_page.py).
 # logquant: KIVI's base plus, per page, the fp16 rows LogQuant's rule keeps when the page leaves the fp16 window
 # (sgl_kvq/quant/logquant_page.py).
-METHOD_BITS = {"kivi": (1, 2, 4), "specache": (1, 2), "gear": (2,), "gearl": (2,), "logquant": (2,)}
+# zipcache: KIVI's 2-bit base plus, per page and KV head, its most salient tokens (ZipCache's normalized attention
+# score over the page's own queries) at 4 bit (sgl_kvq/quant/zipcache_page.py). The name carries the base width.
+METHOD_BITS = {"kivi": (1, 2, 4), "specache": (1, 2), "gear": (2,), "gearl": (2,), "logquant": (2,),
+               "zipcache": (2,)}
 METHODS = tuple(METHOD_BITS)
 BITS = (1, 2, 4)
 # The dtype names SGLang's --kv-cache-dtype gains. Every one is served by the same pool and backends.
@@ -79,6 +83,10 @@ class KVQConfig:
     # SmolLM2, kivi2 + 10%), while the reference's W = 21 (3W ~ R) needs M = 8 rows per page (6,484 B/token, kivi4's
     # bytes): W = 10 (band ~ R) keeps logquant2 a 2-bit cache. README "LogQuant" has the measurements of both.
     logquant_window: int = 10
+    # ZipCache: share of each page's G tokens (per KV head) kept at 4 bit, NS = round(ratio * G). 0.4 (26 of 64):
+    # zipcache2 then stores 74.0 B per token-head-layer at D = 64, kivi4's 72, so the two compare at about equal
+    # bytes; 0.6 (the authors' demo) costs 87 B (bench/results/attention_fidelity.md has both).
+    zipcache_salient: float = 0.4
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -114,6 +122,9 @@ class KVQConfig:
         if self.method == "logquant" and g > 128:
             raise KVQConfigError(f"sgl_kvq: logquant2 stores row offsets as uint8 with 255 for an empty slot: "
                                  f"G={g} must be at most 128, e.g. 64")
+        if not 0 < self.zipcache_salient < 1 or not 1 <= salient_count(self.zipcache_salient, g) < g:
+            raise KVQConfigError(f"sgl_kvq: KVQ_ZIPCACHE_SALIENT={self.zipcache_salient} must be in (0, 1) and keep "
+                                 f"between 1 and G-1={g - 1} of a page's {g} tokens salient, e.g. 0.4")
         if self.is_specache and self.prefill != "full":
             raise KVQConfigError("sgl_kvq: specache extends read the cached prefix in 16 bits from the host tier; "
                                  f"KVQ_PREFILL={self.prefill} applies to kivi only")
@@ -130,6 +141,20 @@ class KVQConfig:
     def outliers_per_row(self, row_length: int) -> int:
         """fp16 outliers kept per row of `row_length` entries (0: none)."""
         return outliers_per_row(self.gear_outliers, row_length) if self.method == "gear" else 0
+
+    @property
+    def is_zipcache(self) -> bool:
+        return self.method == "zipcache"
+
+    @property
+    def salient_per_page(self) -> int:
+        """ZipCache's salient tokens per page and KV head (0: none)."""
+        return salient_count(self.zipcache_salient, self.group_size) if self.is_zipcache else 0
+
+    @property
+    def salient_bits(self) -> int:
+        """Code width of the salient rows (0: none)."""
+        return SALIENT_BITS if self.is_zipcache else 0
 
     @property
     def has_correction(self) -> bool:

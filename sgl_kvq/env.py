@@ -13,6 +13,7 @@ variable as a deprecated spelling of SGLANG_* and warns about it in each of its 
 | KVQ_GEAR_ITERS           | gear_iters: power-iteration steps | 3 |
 | KVQ_GEAR_OUTLIERS        | gear_outliers: share of each row kept as fp16 outliers (gear2) | 0.02 |
 | KVQ_LOGQUANT_WINDOW      | logquant_window: LogQuant's window W (logquant2) | 10 |
+| KVQ_ZIPCACHE_SALIENT     | zipcache_salient: share of each page's tokens (per KV head) kept at 4 bit (zipcache2) | 0.4 |
 | KVQ_OVERLAY_SHARE        | overlay_share: the KV budget's share for per-request fp16 state when --max-running-requests is not given | 0.06 |
 | KVQ_SPECACHE_RECALL      | 1: measure each step how much of the output row's exact 16-bit top-k the speculative lane prefetched (reads every context row from the host tier: a diagnostic, off by default so a server does no extra full-context read) | 0 |
 | KVQ_HOST_MEM_FRACTION    | share of the host's available RAM SpeCache's host tier may take | 0.8 |
@@ -42,6 +43,7 @@ _CONFIG_KNOBS = {
     "KVQ_GEAR_ITERS": ("gear_iters", int),
     "KVQ_GEAR_OUTLIERS": ("gear_outliers", float),
     "KVQ_LOGQUANT_WINDOW": ("logquant_window", int),
+    "KVQ_ZIPCACHE_SALIENT": ("zipcache_salient", float),
 }
 
 

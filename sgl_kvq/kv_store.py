@@ -12,6 +12,11 @@ through it as:
 A page is quantized into the base in the batch that writes its last slot, from its fp16 tokens (earlier batches'
 tokens from its frame, this batch's from k/v), so every page the radix tree can see is complete and already
 quantized: prefix reuse never re-quantizes.
+
+zipcache2 also needs each batch's queries (q=, sm_scale=): a page's salient tokens are picked, when it completes,
+from the attention its own queries paid its tokens (sgl_kvq/quant/zipcache_page.py). Queries of earlier batches are
+gone by then, so what they paid is accumulated per overlay frame (ov_score) as they are written; the completing batch
+adds its own queries' share to the frame's total.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import torch
 from sgl_kvq.config import KVQConfig
 from sgl_kvq.layout import PoolShape
 from sgl_kvq.plan import BatchWrite, DecodeWrite, LayerKV
-from sgl_kvq.quant import gear_page, kivi_page, logquant_page
+from sgl_kvq.quant import gear_page, kivi_page, logquant_page, zipcache_page
 
 
 class QuantizedKVStore:
@@ -42,6 +47,8 @@ class QuantizedKVStore:
         self.ov_tag = torch.full((F,), -1, dtype=torch.int64, device=self.device)
         self.ov_gen = torch.zeros(F, dtype=torch.int64, device=self.device)
         self.page_gen = torch.zeros(shape.P, dtype=torch.int64, device=self.device)
+        if cfg.is_zipcache:
+            self.ov_score = torch.zeros((L, F, self.G, H), dtype=torch.float32, device=self.device)
         if cfg.has_rows:
             # LogQuant's row offsets per logical page: a request's logical pages never outnumber the pool's pages.
             self.row_table = logquant_page.offsets_table(cfg.logquant_window, self.G, self.ring, shape.P,
@@ -52,14 +59,22 @@ class QuantizedKVStore:
         return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in self.shape.base_shapes())
 
     def overlay_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.ov_k, self.ov_v, self.ov_tag, self.ov_gen))
+        extra = (self.ov_score,) if self.cfg.is_zipcache else ()
+        return sum(t.numel() * t.element_size() for t in (self.ov_k, self.ov_v, self.ov_tag, self.ov_gen, *extra))
 
     # ---- writes (where tokens go: sgl_kvq.metadata) ----
+    def _need_q(self, q, sm_scale) -> None:
+        if self.cfg.is_zipcache and (q is None or sm_scale is None):
+            raise ValueError("sgl_kvq: zipcache2 writes need the batch's queries and sm_scale (q=, sm_scale=)")
+
     def write_layer(self, layer: int, bw: BatchWrite, k: torch.Tensor, v: torch.Tensor, *,
-                    kernels: bool = False) -> None:
-        """k, v: [T, H, D] this batch's fresh keys/values for `layer`. kernels=True quantizes and scatters with the
-        Triton kernels (bit-exact with the torch path, tests/test_kernels_quantize.py)."""
-        kernels = kernels and not self.cfg.has_correction  # GEAR's pages are compressed in torch on both backends
+                    kernels: bool = False, q: torch.Tensor | None = None, sm_scale: float | None = None) -> None:
+        """k, v: [T, H, D] this batch's fresh keys/values for `layer` (q [T, Hq, D] its queries: zipcache2).
+        kernels=True quantizes and scatters with the Triton kernels (bit-exact with the torch path,
+        tests/test_kernels_quantize.py)."""
+        self._need_q(q, sm_scale)
+        # GEAR's and ZipCache's pages are compressed in torch on both backends
+        kernels = kernels and not self.cfg.has_correction and not self.cfg.is_zipcache
         if bw.done_pages.numel():
             # Earlier batches' tokens of a completing page are in its frame (same request, and its frame is reused
             # only by a later page); this batch's tokens come from k/v. A page begun in this batch writes every
@@ -74,8 +89,11 @@ class QuantizedKVStore:
                 quantize_pages(kp, vp, bw.done_pages.to(torch.int32), self.layer_view(layer),
                                specache_one_bit=self.cfg.specache_one_bit)
                 self.store_rows(layer, bw.done_pages, bw.done_lpages, kp, vp)
+            elif self.cfg.is_zipcache:
+                self.store_pages(layer, bw.done_pages, kp, vp, received=self._done_received(layer, bw, q, kp, sm_scale),
+                                 group=q.shape[1] // kp.shape[2])
             else:
-                self.store_pages(layer, bw.done_pages, kp, vp, bw.done_lpages)
+                self.store_pages(layer, bw.done_pages, kp, vp, lpages=bw.done_lpages)
         if bw.frame_rows.numel():
             if kernels:
                 from sgl_kvq.kernels.store_overlay import store_overlay
@@ -85,16 +103,61 @@ class QuantizedKVStore:
             else:
                 self.ov_k[layer, bw.frame_ids, bw.frame_offs] = k[bw.frame_rows].to(self.model_dtype)
                 self.ov_v[layer, bw.frame_ids, bw.frame_offs] = v[bw.frame_rows].to(self.model_dtype)
+            if self.cfg.is_zipcache:
+                frames, inv = torch.unique(bw.frame_ids, return_inverse=True)
+                self._accumulate(layer, frames, inv, bw.frame_offs, q[bw.frame_rows], sm_scale)
 
-    def write_decode_layer(self, layer: int, dw: DecodeWrite, k: torch.Tensor, v: torch.Tensor) -> None:
+    # ---- zipcache2's saliency accumulator (ov_score) ----
+    def _page_queries(self, n: int, tile: torch.Tensor, offs: torch.Tensor, q: torch.Tensor):
+        """q rows [M, Hq, D] at (tile [M], offs [M]) -> by page offset [n, G, Hq, D] and which are present [n, G]."""
+        qp = q.new_zeros(n, self.G, *q.shape[1:])
+        qp[tile, offs] = q
+        present = torch.zeros(n, self.G, dtype=torch.bool, device=q.device)
+        present[tile, offs] = True
+        return qp, present
+
+    def _accumulate(self, layer: int, frames: torch.Tensor, tile: torch.Tensor, offs: torch.Tensor, q: torch.Tensor,
+                    sm_scale: float) -> torch.Tensor:
+        """Add what queries q [M, Hq, D] (already written to frames[tile] at offs) paid their pages' tokens to
+        those frames' ov_score, which is reset first where offset 0 is written (a page starts). -> the totals."""
+        n = frames.numel()
+        qp, present = self._page_queries(n, tile, offs, q)
+        recv = zipcache_page.received_attention(qp, present, self.ov_k[layer, frames], sm_scale)
+        starts = torch.zeros(n, dtype=torch.int32, device=q.device).index_add_(0, tile, (offs == 0).int()) > 0
+        total = torch.where(starts[:, None, None], 0.0, self.ov_score[layer, frames]) + recv
+        self.ov_score[layer, frames] = total
+        return total
+
+    def _done_received(self, layer: int, bw: BatchWrite, q: torch.Tensor, kp: torch.Tensor,
+                       sm_scale: float) -> torch.Tensor:
+        """[N, G, H] attention each completing page's tokens received from all the page's queries: earlier batches'
+        from the page's frame accumulator (read before this batch updates it), this batch's from kp."""
+        n = bw.done_pages.numel()
+        qp, present = self._page_queries(n, bw.done_tok_page, bw.done_tok_off, q[bw.done_tok_rows])
+        recv = zipcache_page.received_attention(qp, present, kp, sm_scale)
+        starts = torch.zeros(n, dtype=torch.int32, device=q.device).index_add_(
+            0, bw.done_tok_page, (bw.done_tok_off == 0).int()) > 0
+        return torch.where(starts[:, None, None], 0.0, self.ov_score[layer, bw.done_frames]) + recv
+
+    def write_decode_layer(self, layer: int, dw: DecodeWrite, k: torch.Tensor, v: torch.Tensor, *,
+                           q: torch.Tensor | None = None, sm_scale: float | None = None) -> None:
         """A decode batch's write with the Triton kernels, static shapes and no host sync (CUDA graphs): every row
         into its frame, then each page a row completed quantized from that frame (dw: metadata.device.build_decode).
         Bit-exact with write_layer on the same batch (tests/test_decode_metadata.py)."""
         from sgl_kvq.kernels.quantize_pages import quantize_pages
         from sgl_kvq.kernels.store_overlay import store_overlay
 
+        self._need_q(q, sm_scale)
         kv = self.layer_view(layer)
         store_overlay(k, v, dw.frame_ids, dw.frame_offs, kv)
+        if self.cfg.is_zipcache:
+            # As GEAR below; every row's frame total is its page's score when the row completes it.
+            frames = dw.frame_ids.long()
+            rows = torch.arange(frames.numel(), device=frames.device)
+            total = self._accumulate(layer, frames, rows, dw.frame_offs.long(), q, sm_scale)
+            self.store_pages(layer, dw.done_pages.long(), kv.ov_k[frames], kv.ov_v[frames], received=total,
+                             group=q.shape[1] // k.shape[1])
+            return
         if self.cfg.has_correction:
             # Every row's frame is compressed (static shapes, no sync); rows that complete no page write dummy
             # page 0, which no plan reads.
@@ -122,13 +185,21 @@ class QuantizedKVStore:
         self.k_rows[layer, pages], self.v_rows[layer, pages] = logquant_page.gather_rows(k, v, off)
         self.row_off[layer, pages] = off
 
-    def store_pages(self, layer: int, pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    lpages: torch.Tensor | None = None) -> None:
-        """Quantize complete pages k, v [N, G, H, D] into the base at pool pages `pages` (logquant2: lpages [N], their
-        logical page indices, pick the rows kept in fp16)."""
+    def store_pages(self, layer: int, pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                    lpages: torch.Tensor | None = None, received: torch.Tensor | None = None,
+                    group: int = 1) -> None:
+        """Quantize complete pages k, v [N, G, H, D] into the base at pool pages `pages` (logquant2: lpages [N],
+        their logical page indices, pick the rows kept in fp16; zipcache2: received [N, G, H], the attention each
+        token received from all of its page's queries, over `group` query heads per KV head)."""
         cfg, G, n = self.cfg, self.G, pages.numel()
         slots = (pages[:, None] * G + torch.arange(G, device=pages.device)).reshape(-1)
-        if cfg.has_correction:
+        if cfg.is_zipcache:
+            idx = zipcache_page.select_salient(zipcache_page.normalize(received, group), cfg.salient_per_page)
+            p, s = zipcache_page.pack_zipcache_pages(k, v, idx, cfg.bits, self.shape.VG,
+                                                     specache_one_bit=cfg.specache_one_bit)
+            for name in zipcache_page.SalientPlane._fields:
+                getattr(self, name)[layer, pages] = getattr(s, name)
+        elif cfg.has_correction:
             p, c = gear_page.pack_gear_pages(k, v, cfg.bits, self.shape.VG, cfg.lowrank_rank, cfg.gear_iters,
                                              self.shape.NK, self.shape.NV, specache_one_bit=cfg.specache_one_bit)
             for name in ("k_u", "k_w", "v_u", "v_w", "k_out_val", "k_out_idx"):
@@ -152,6 +223,9 @@ class QuantizedKVStore:
         rows = None
         if self.cfg.has_rows:
             rows = logquant_page.PageRows(self.k_rows[layer], self.v_rows[layer], self.row_off[layer])
+        sal = None
+        if self.cfg.is_zipcache:
+            sal = zipcache_page.SalientPlane(*(getattr(self, f)[layer] for f in zipcache_page.SalientPlane._fields))
         return LayerKV(self.k_codes[layer], self.k_scale[layer], self.k_zero[layer], self.v_codes[layer],
                        self.v_scale[layer], self.v_zero[layer], self.ov_k[layer], self.ov_v[layer], self.cfg.bits,
-                       corr, rows)
+                       corr, rows, sal)

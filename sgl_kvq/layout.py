@@ -25,6 +25,14 @@ Base (complete pages, immutable once quantized; shared by the radix tree):
   positions LogQuant's rule keeps when the page leaves the fp16 window, read instead of their codes:
     k_rows, v_rows [L, P, M, H, D] fp16    the tokens' K and V
     row_off   [L, P, M]         uint8   their in-page offsets, 255 for an empty slot
+  zipcache2 pages carry their salient plane (sgl_kvq/quant/zipcache_page.py; NS = cfg.salient_per_page salient
+  tokens per page and KV head, Ds = D * 4 // 8; values are stored as V / c and read back times c):
+    v_chan    [L, P, H, D]      fp16    c = sqrt(max_t |V|) per channel over the page
+    s_idx     [L, P, H, NS]     uint8   the salient tokens' offsets in the page (their base codes are unused)
+    s_k_codes [L, P, H, NS, Ds] uint8   their keys at 4 bit
+    s_k_scale, s_k_zero [L, P, H, D]            fp16  per channel over the salient rows
+    s_v_codes [L, P, H, NS, Ds] uint8   their V / c at 4 bit
+    s_v_scale, s_v_zero [L, P, H, NS, D // VG]  fp16  per salient row and value group
 
 Overlay (fp16 tokens that override the base: the open page and the recent window), per running request:
     ov_k, ov_v [L, F, G, H, D]  model dtype; F = max_running_requests * cfg.ring_pages frames
@@ -32,6 +40,8 @@ Overlay (fp16 tokens that override the base: the open page and the recent window
   n*G .. n*G+G-1) uses frame frame_of(r, n, ring) = r * ring + n % ring, so its last `ring` pages never collide.
     ov_tag   [F]                int64   pool page whose tokens the frame holds (-1: empty)
     ov_gen   [F]                int64   that page's generation when the frame was written
+    ov_score [L, F, G, H]       fp32    zipcache2 only: attention each frame token has received from its page's
+                                        queries so far (the saliency accumulator, reset when offset 0 is written)
     page_gen [P]                int64   bumped whenever offset 0 of a page is written, i.e. when a freed page is
                                         reused: SGLang never tells the pool about frees, so a frame is valid only
                                         while (ov_tag, ov_gen) still names the page's current contents.
@@ -114,6 +124,15 @@ class PoolShape:
                 "k_rows": ((L, P, M, H, D), SCALE_DTYPE), "v_rows": ((L, P, M, H, D), SCALE_DTYPE),
                 "row_off": ((L, P, M), torch.uint8),
             })
+        if self.cfg.is_zipcache:
+            NS, Ds, NG = self.cfg.salient_per_page, packed_dim(D, self.cfg.salient_bits), D // self.VG
+            shapes.update({
+                "v_chan": ((L, P, H, D), SCALE_DTYPE), "s_idx": ((L, P, H, NS), torch.uint8),
+                "s_k_codes": ((L, P, H, NS, Ds), torch.uint8),
+                "s_k_scale": ((L, P, H, D), SCALE_DTYPE), "s_k_zero": ((L, P, H, D), SCALE_DTYPE),
+                "s_v_codes": ((L, P, H, NS, Ds), torch.uint8),
+                "s_v_scale": ((L, P, H, NS, NG), SCALE_DTYPE), "s_v_zero": ((L, P, H, NS, NG), SCALE_DTYPE),
+            })
         return shapes
 
     def base_bytes_per_token(self) -> float:
@@ -129,5 +148,6 @@ class PoolShape:
 
     def overlay_bytes_per_frame(self, model_dtype: torch.dtype) -> int:
         L, H, D = self.layers, self.heads, self.head_dim
-        return 2 * L * self.G * H * D * torch.empty((), dtype=model_dtype).element_size() + 16
+        score = L * self.G * H * 4 if self.cfg.is_zipcache else 0  # ov_score, fp32
+        return 2 * L * self.G * H * D * torch.empty((), dtype=model_dtype).element_size() + 16 + score
 

@@ -25,6 +25,7 @@ import torch
 
 from sgl_kvq.quant.gear_page import PageCorrection
 from sgl_kvq.quant.logquant_page import PageRows
+from sgl_kvq.quant.zipcache_page import SalientPlane
 
 
 @dataclass
@@ -44,6 +45,8 @@ class LayerKV:
     corr: PageCorrection | None = None
     # logquant2: each base page's fp16 rows (PageRows with pages P for N); None for formats without them.
     rows: PageRows | None = None
+    # zipcache2: each base page's salient plane (SalientPlane's tensors with pages P for N); None otherwise.
+    sal: SalientPlane | None = None
 
     @property
     def G(self) -> int:

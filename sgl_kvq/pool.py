@@ -103,6 +103,8 @@ class KVQTokenToKVPool(KVCache):
                         "outliers_per_value_token": self.shape.NV} if self.cfg.has_correction else {}),
                     **({"logquant_window": self.cfg.logquant_window, "logquant_rows_per_page": self.cfg.logquant_rows}
                        if self.cfg.has_rows else {})},
+                    **({"salient_per_page": self.cfg.salient_per_page, "salient_bits": self.cfg.salient_bits}
+                       if self.cfg.is_zipcache else {})},
         )
         if self.specache is not None:
             stats["specache"] = self.specache.stats()

@@ -8,12 +8,13 @@ import math
 import torch
 
 from sgl_kvq.plan import LayerKV, PagedPlan
-from sgl_kvq.quant import gear_page, kivi_page, logquant_page
+from sgl_kvq.quant import gear_page, kivi_page, logquant_page, zipcache_page
 
 
-def make_pool(G, H, D, VG, bits, reqs, dtype, seed, gear=None, rows=None):
+def make_pool(G, H, D, VG, bits, reqs, dtype, seed, gear=None, salient=0, rows=None):
     """A layer whose pages hold quantized random K/V, and a PagedPlan giving each request shuffled pages/frames.
     gear=(rank, NK, NV): the pages are GEAR pages (sgl_kvq/quant/gear_page.py) carrying their correction.
+    salient=NS > 0: zipcache2 pages (sgl_kvq/quant/zipcache_page.py) with NS random salient rows per page-head.
     rows=M: LogQuant pages (sgl_kvq/quant/logquant_page.py) with M row slots at random distinct offsets, about a
     quarter of them empty (255)."""
     gen = torch.Generator().manual_seed(seed)
@@ -21,8 +22,12 @@ def make_pool(G, H, D, VG, bits, reqs, dtype, seed, gear=None, rows=None):
     n_ov = [math.ceil(o / G) for _, o in reqs]
     P, F = sum(n_base) + 2, sum(n_ov) + 2  # spare page 0 and a page/frame nobody references
     k_pages, v_pages = torch.randn(P, G, H, D, generator=gen) * 1.5, torch.randn(P, G, H, D, generator=gen)
-    corr = None
-    if gear is None:
+    corr = sal = None
+    if salient:
+        v_pages[:, :, :, 1] *= 8  # an outlier value channel, for the channel scale c to matter
+        idx = zipcache_page.select_salient(torch.rand(P, G, H, generator=gen), salient)
+        pages, sal = zipcache_page.pack_zipcache_pages(k_pages, v_pages, idx, bits, VG)
+    elif gear is None:
         pages = kivi_page.pack_pages(k_pages, v_pages, bits, VG)
     else:
         # a low-rank component and a few large entries, so the correction has something to correct
@@ -37,7 +42,7 @@ def make_pool(G, H, D, VG, bits, reqs, dtype, seed, gear=None, rows=None):
         v_zero=pages.v_zero.reshape(P * G, H, -1),
         ov_k=(torch.randn(F, G, H, D, generator=gen) * 1.5).to(dtype),
         ov_v=torch.randn(F, G, H, D, generator=gen).to(dtype),
-        bits=bits, corr=corr,
+        bits=bits, corr=corr, sal=sal,
     )
     if rows is not None:
         off = torch.stack([torch.randperm(G, generator=gen)[:rows] for _ in range(P)]).to(torch.uint8)

@@ -99,6 +99,22 @@ def test_batched_decode_with_gear_correction_matches_reference(B, gear):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("B", [1, 3, 8])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("ns", [1, 6])
+def test_batched_decode_with_zipcache_salient_rows_matches_reference(B, group, ns):
+    rng = random.Random(B + 31 * group + ns)
+    for G, H, D, VG in SHAPES:
+        reqs = random_requests(rng, B, G)
+        kv, plan = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=B, salient=ns)
+        kv.sal.v_chan[0] = float("nan")  # dummy page 0 (padding reads it) may hold anything
+        q = torch.randn(B, H * group, D, generator=torch.Generator().manual_seed(B))
+        ref = ref_decode(q, kv, plan, D ** -0.5)
+        out = attention_batched.decode(q, kv, attention_batched.prepare(plan, G), D ** -0.5)
+        assert not out.isnan().any()
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("B", [1, 4, 9])
 @pytest.mark.parametrize("M", [1, 3, 8])
 def test_batched_decode_with_logquant_rows_matches_reference(B, M):

@@ -22,9 +22,9 @@ MODELS = {
 }
 BUDGETS_GIB = (0.05, 0.25, 0.5, 1, 4, 16, 64)
 # The issue's targets at SGLang's default flags (packed ratios: kivi2 6.40x, kivi4 3.56x, kivi1 10.67x; SmolLM2: gear2 4.13x, gearl2 4.57x,
-# logquant2 5.82x).
+# logquant2 5.82x, zipcache2 3.46x).
 TARGET = {"kivi4": 3.2, "kivi2": 5.0, "kivi1": 9.0, "specache2": 5.0, "specache1": 9.0, "gear2": 3.7, "gearl2": 4.1,
-          "logquant2": 5.0}
+          "logquant2": 5.0, "zipcache2": 3.1}
 GIB = 2**30
 
 
@@ -116,7 +116,11 @@ def test_the_charge_is_what_the_pool_allocates(name):
 
         overlay += SpeCacheState(cfg, shape, slots, torch.float16, torch.device("cpu")).device_bytes()
     assert overlay == slots * per_request_bytes(shape, torch.float16)
-    assert store.base_bytes() == shape.P * shape.G * per_token_bytes(shape, torch.float16, host_is_device=False)
+    # SGLang's cell is whole bytes: a format with per-page tensors of a size G does not divide (zipcache2's salient
+    # offsets) is charged under one byte per token more than it allocates, never less.
+    charged = shape.P * shape.G * per_token_bytes(shape, torch.float16, host_is_device=False)
+    assert store.base_bytes() == shape.P * shape.G * shape.base_bytes_per_token()
+    assert 0 <= charged - store.base_bytes() < shape.P * shape.G
 
 
 def test_overlay_share_knob_is_validated(monkeypatch):

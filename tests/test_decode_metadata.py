@@ -117,6 +117,9 @@ def assert_same_pool(a: QuantizedKVStore, b: QuantizedKVStore):
         assert torch.equal(getattr(a, name)[:, skip:], getattr(b, name)[:, skip:]), name
     for name in ("ov_tag", "ov_gen"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
+    if a.cfg.is_zipcache:  # the saliency accumulated so far, on every frame holding a page
+        live = (a.ov_tag >= 0).nonzero().squeeze(1)
+        assert torch.equal(a.ov_score[:, live], b.ov_score[:, live])
     frames = (a.ov_tag >= 0).nonzero().squeeze(1)
     assert torch.equal(a.ov_k[:, frames], b.ov_k[:, frames]) and torch.equal(a.ov_v[:, frames], b.ov_v[:, frames])
     # page 0 (the dummy page) may be bumped once per padded row on the device path, once per batch on the host
@@ -126,7 +129,7 @@ def assert_same_pool(a: QuantizedKVStore, b: QuantizedKVStore):
 
 @pytest.mark.parametrize("G,bits,residual,method", [(16, 2, 0, "kivi"), (16, 1, 16, "kivi"), (32, 4, 64, "kivi"),
                                                     (16, 2, 32, "kivi"), (16, 2, 16, "gear"),
-                                                    (16, 2, 16, "logquant")])
+                                                    (16, 2, 16, "zipcache"), (16, 2, 16, "logquant")])
 def test_device_decode_metadata_matches_the_host_path(G, bits, residual, method, triton_interpret):
     torch.manual_seed(G * bits + residual)
     host, dev = make_store(G, bits, residual, method=method), make_store(G, bits, residual, method=method)
@@ -148,11 +151,11 @@ def test_device_decode_metadata_matches_the_host_path(G, bits, residual, method,
         k, v, q = torch.randn(len(req), H, D), torch.randn(len(req), H, D), torch.randn(len(req), HQ, D)
         k, v, q = k.to(DEVICE), v.to(DEVICE), q.to(DEVICE)
         ref = build_forward_plan(host, life.req_to_token, req, lens, locs, is_decode=True).steps[0]
-        host.write_layer(0, ref.write, k, v)
+        host.write_layer(0, ref.write, k, v, q=q, sm_scale=SCALE)  # q: zipcache2's saliency
         want = attention_ref.ref_decode(q, host.layer_view(0), ref.plan, SCALE)
 
         write, plan = build_decode(dev, life.req_to_token, req, lens, locs, bufs)
-        dev.write_decode_layer(0, write, k, v)
+        dev.write_decode_layer(0, write, k, v, q=q, sm_scale=SCALE)
         dp = dec.plan(plan, num_qo_heads=HQ, num_kv_heads=H, head_dim=D, page_size=G, workspace=ws)
         got = dec.decode_attention(q, dev.layer_view(0), dp, SCALE)
 
@@ -216,9 +219,10 @@ def test_one_set_of_buffers_serves_every_padded_replay(triton_interpret):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graph capture needs a GPU")
-def test_cuda_graph_capture_and_replay_of_a_decode_step():
+@pytest.mark.parametrize("method", ["kivi", "zipcache"])  # zipcache: the saliency accumulator and page selection
+def test_cuda_graph_capture_and_replay_of_a_decode_step(method):
     G, bs = 16, 4
-    eager, graph = make_store(G, 2, 16, torch.float16), make_store(G, 2, 16, torch.float16)
+    eager, graph = make_store(G, 2, 16, torch.float16, method), make_store(G, 2, 16, torch.float16, method)
     life = Life(G, seed=11)
     for _ in range(4):
         life.start()
@@ -233,7 +237,7 @@ def test_cuda_graph_capture_and_replay_of_a_decode_step():
 
     def step():
         write, plan = build_decode(graph, life.req_to_token, static["req"], static["lens"], static["locs"], bufs)
-        graph.write_decode_layer(0, write, static["k"], static["v"])
+        graph.write_decode_layer(0, write, static["k"], static["v"], q=static["q"], sm_scale=SCALE)
         dp = dec.plan(plan, num_qo_heads=HQ, num_kv_heads=H, head_dim=D, page_size=G, workspace=ws)
         return dec.decode_attention(static["q"], graph.layer_view(0), dp, SCALE)
 
@@ -257,7 +261,7 @@ def test_cuda_graph_capture_and_replay_of_a_decode_step():
         g.replay()
         w, p = build_decode(eager, life.req_to_token, req, lens, locs,
                             DecodeBuffers(bs, MAX_CTX // G, eager.ring, torch.device(DEVICE)))
-        eager.write_decode_layer(0, w, k, v)
+        eager.write_decode_layer(0, w, k, v, q=q, sm_scale=SCALE)
         want = dec.decode_attention(q, eager.layer_view(0),
                                     dec.plan(p, num_qo_heads=HQ, num_kv_heads=H, head_dim=D, page_size=G), SCALE)
         torch.testing.assert_close(out[:n], want, atol=2e-3, rtol=2e-3)

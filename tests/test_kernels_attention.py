@@ -192,6 +192,51 @@ def test_gear_correction_layout_is_checked():
         dec.run(torch.zeros(len(reqs), H, D, device=DEVICE), to_device(kv), p, 0.125)
 
 
+# zipcache2 pages with NS salient rows per page-head: the 4-bit rows replaced and V times c in registers vs
+# zipcache_page.apply_salient in the reference, over the same odd shapes.
+SALIENT = [1, 7]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("ns", SALIENT)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_zipcache_matches_reference(case, ns, dtype):
+    G, H, group, D, VG, reqs = CASES[case]
+    kv, paged = make_pool(G, H, D, VG, 2, reqs, dtype, seed=5, salient=ns)
+    q = torch.randn(len(reqs), H * group, D, generator=torch.Generator().manual_seed(1)).to(dtype)
+    ref = ref_decode(q, kv, paged, D ** -0.5)
+    p = dec.plan(to_device(paged), num_qo_heads=H * group, num_kv_heads=H, head_dim=D, page_size=G,
+                 max_splits=3, min_pages_per_split=1)
+    out = torch.full_like(q, float("nan"), device=DEVICE)
+    dec.decode_attention(q.to(DEVICE), to_device(kv), p, D ** -0.5, out=out)
+    assert_close_written(out, ref, dtype)
+
+
+@pytest.mark.parametrize("case", list(EXTEND_CASES))
+@pytest.mark.parametrize("ns", SALIENT)
+def test_extend_zipcache_matches_reference(case, ns):
+    G, H, group, D, VG, reqs = EXTEND_CASES[case]
+    kv, paged = make_pool(G, H, D, VG, 2, [(b, o) for b, o, _ in reqs], torch.float32, seed=6, salient=ns)
+    gen = torch.Generator().manual_seed(2)
+    qo_indptr = torch.tensor([0] + [n for _, _, n in reqs]).cumsum(0).int()
+    N = int(qo_indptr[-1])
+    q, k_new, v_new = (torch.randn(N, h, D, generator=gen) for h in (H * group, H, H))
+    ref = ref_extend(q, k_new, v_new, qo_indptr, kv, paged, D ** -0.5)
+    out = torch.full_like(q, float("nan"), device=DEVICE)
+    extend_attention(q.to(DEVICE), k_new.to(DEVICE), v_new.to(DEVICE), qo_indptr.to(DEVICE), to_device(kv),
+                     to_device(paged), D ** -0.5, out=out)
+    assert_close_written(out, ref, torch.float32)
+
+
+def test_zipcache_salient_layout_is_checked():
+    G, H, group, D, VG, reqs = CASES["G16-mha-odd"]
+    kv, paged = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=3, salient=3)
+    kv.sal = kv.sal._replace(s_v_scale=kv.sal.s_v_scale[:, :, :2])
+    p = dec.plan(to_device(paged), num_qo_heads=H, num_kv_heads=H, head_dim=D, page_size=G)
+    with pytest.raises(ValueError, match="sal.s_v_scale"):
+        dec.run(torch.zeros(len(reqs), H, D, device=DEVICE), to_device(kv), p, 0.125)
+
+
 # LogQuant pages (M row slots, about a quarter empty, offsets anywhere in the page: partial last pages have rows past
 # their valid tokens): the rows replace the dequantized ones in registers vs logquant_page.apply_rows in the
 # reference, over the same odd shapes.

@@ -37,26 +37,43 @@ SCRIPT = textwrap.dedent('''
     pool = dict(KC="*u8", KS="*fp16", KZ="*fp16", VC="*u8", VS="*fp16", VZ="*fp16", OVK="*bf16", OVV="*bf16")
     corr = dict(KU="*fp16", KW="*fp16", VU="*fp16", VW="*fp16", KOV="*fp16", KOI="*u8", VOV="*fp16", VOI="*u8")
     rows = dict(KR="*fp16", VR="*fp16", RO="*u8")
+    sal = dict(VCH="*fp16", SI="*u8", SKC="*u8", SKS="*fp16", SKZ="*fp16", SVC="*u8", SVS="*fp16", SVZ="*fp16")
     plan = {n: "*i32" for n in ("kv_indptr", "kv_indices", "kv_last_page_len", "ov_indptr", "ov_indices",
                                 "ov_last_page_len", "num_splits", "qo_indptr")}
     target = GPUTarget("cuda", 90, 32)
     jobs = [
-        (_decode_attention_kernel, dict(Q="*bf16", O_part="*fp32", LSE_part="*fp32", **pool, **corr, **rows, **plan),
-         dict(GROUP=4, BLOCK_H=16, D=128, G=64, BITS=1, VG=64, RANK=0, NK=0, NV=0, NROWS=0, DOT_FP32=False), {}),
+        (_decode_attention_kernel, dict(Q="*bf16", O_part="*fp32", LSE_part="*fp32", **pool, **corr, **rows, **sal,
+                                        **plan),
+         dict(GROUP=4, BLOCK_H=16, D=128, G=64, BITS=1, VG=64, RANK=0, NK=0, NV=0, NROWS=0, NSAL=0, DOT_FP32=False),
+         {}),
         # gear2 (rank 2, one outlier per key channel and value token)
-        (_decode_attention_kernel, dict(Q="*bf16", O_part="*fp32", LSE_part="*fp32", **pool, **corr, **rows, **plan),
-         dict(GROUP=3, BLOCK_H=16, D=64, G=64, BITS=2, VG=64, RANK=2, NK=1, NV=1, NROWS=0, DOT_FP32=False), {}),
-        # logquant2 at W = 21 (8 row slots per page)
-        (_decode_attention_kernel, dict(Q="*bf16", O_part="*fp32", LSE_part="*fp32", **pool, **corr, **rows, **plan),
-         dict(GROUP=3, BLOCK_H=16, D=64, G=64, BITS=2, VG=64, RANK=0, NK=0, NV=0, NROWS=8, DOT_FP32=False), {}),
-        (_extend_attention_kernel, dict(Q="*fp16", K_new="*fp16", V_new="*fp16", O="*fp16", **pool, **corr,
-                                        **rows, **plan),
-         dict(GROUP=3, GP=4, BLOCK_M=16, BLOCK_N=64, D=64, G=16, BITS=2, VG=32, RANK=3, NK=2, NV=3, NROWS=0,
-              DOT_FP32=False), {}),
+        (_decode_attention_kernel, dict(Q="*bf16", O_part="*fp32", LSE_part="*fp32", **pool, **corr, **rows, **sal,
+                                        **plan),
+         dict(GROUP=3, BLOCK_H=16, D=64, G=64, BITS=2, VG=64, RANK=2, NK=1, NV=1, NROWS=0, NSAL=0, DOT_FP32=False),
+         {}),
+        # zipcache2 (26 salient rows of 64, SmolLM2's geometry)
+        (_decode_attention_kernel, dict(Q="*bf16", O_part="*fp32", LSE_part="*fp32", **pool, **corr, **rows, **sal,
+                                        **plan),
+         dict(GROUP=3, BLOCK_H=16, D=64, G=64, BITS=2, VG=64, RANK=0, NK=0, NV=0, NROWS=0, NSAL=26, DOT_FP32=False),
+         {}),
         (_extend_attention_kernel, dict(Q="*bf16", K_new="*bf16", V_new="*bf16", O="*bf16", **pool, **corr,
-                                        **rows, **plan),
+                                        **rows, **sal, **plan),
+         dict(GROUP=3, GP=4, BLOCK_M=16, BLOCK_N=64, D=64, G=64, BITS=2, VG=64, RANK=0, NK=0, NV=0, NROWS=0,
+              NSAL=26, DOT_FP32=False), {}),
+        (_extend_attention_kernel, dict(Q="*fp16", K_new="*fp16", V_new="*fp16", O="*fp16", **pool, **corr,
+                                        **rows, **sal, **plan),
+         dict(GROUP=3, GP=4, BLOCK_M=16, BLOCK_N=64, D=64, G=16, BITS=2, VG=32, RANK=3, NK=2, NV=3,
+              NROWS=0, NSAL=0, DOT_FP32=False),
+         {}),
+        # logquant2 at W = 21 (8 row slots per page) and at the default W (1 slot)
+        (_decode_attention_kernel, dict(Q="*bf16", O_part="*fp32", LSE_part="*fp32", **pool, **corr, **rows, **sal,
+                                        **plan),
+         dict(GROUP=3, BLOCK_H=16, D=64, G=64, BITS=2, VG=64, RANK=0, NK=0, NV=0, NROWS=8, NSAL=0, DOT_FP32=False),
+         {}),
+        (_extend_attention_kernel, dict(Q="*bf16", K_new="*bf16", V_new="*bf16", O="*bf16", **pool, **corr,
+                                        **rows, **sal, **plan),
          dict(GROUP=3, GP=4, BLOCK_M=16, BLOCK_N=64, D=64, G=64, BITS=2, VG=64, RANK=0, NK=0, NV=0, NROWS=1,
-              DOT_FP32=False), {}),
+              NSAL=0, DOT_FP32=False), {}),
         (_quantize_pages_kernel, dict(K="*bf16", V="*bf16", src_ids="*i32", dst_pages="*i32", **pool),
          dict(G=32, D=128, VG=32, BITS=4, SPECACHE_ONE_BIT=True), dict(enable_fp_fusion=False)),
         (_merge_state_kernel, dict(O_part="*fp32", LSE_part="*fp32", num_splits="*i32", O="*bf16", LSE="*fp32"),
@@ -87,4 +104,4 @@ def test_kernels_compile_for_sm90():
     env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=root, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
-    assert r.stdout.count("compiled") == 10, r.stdout
+    assert r.stdout.count("compiled") == 12, r.stdout

@@ -31,9 +31,11 @@ from sgl_kvq.config import KVQConfig  # noqa: E402
 from sgl_kvq.layout import PoolShape  # noqa: E402
 from sgl_kvq.metadata.host import begin_batch, plan_contexts  # noqa: E402
 from sgl_kvq.pool import KVQTokenToKVPool  # noqa: E402
-from sgl_kvq.quant import gear_page, kivi_page, logquant_page  # noqa: E402
+from sgl_kvq.quant import gear_page, kivi_page, logquant_page, zipcache_page  # noqa: E402
+from sgl_kvq.quant.zipcache import page_scores  # noqa: E402
 
 H, D, L = 2, 16, 2
+HQ, SM_SCALE = 2 * H, 0.25  # zipcache2's queries: GQA group 2
 
 
 def true_kv(tokens: list[int], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,6 +49,15 @@ def true_kv(tokens: list[int], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack(out_k), torch.stack(out_v)
 
 
+def true_q(tokens: list[int], layer: int) -> torch.Tensor:
+    """[T, HQ, D] queries, position p a function of tokens[:p+1] (zipcache2's saliency reads them)."""
+    out, h = [], 91 + layer
+    for t in tokens:
+        h = (h * 1_000_003 + t) % (2**31 - 1)
+        out.append(torch.randn(HQ, D, generator=torch.Generator().manual_seed(h)) * 2)
+    return torch.stack(out)
+
+
 def expected_context(tokens, n, layer, plan, b, cfg):
     """What request b must read: overlay pages exact, base pages = reference quantization of the true page."""
     G = cfg.group_size
@@ -58,7 +69,12 @@ def expected_context(tokens, n, layer, plan, b, cfg):
         kp = k[:full].reshape(n_base_pages, G, H, D)
         vp = v[:full].reshape(n_base_pages, G, H, D)
         vg = min(cfg.value_group, D)
-        if cfg.has_correction:
+        if cfg.is_zipcache:
+            qp = true_q(tokens[:full], layer).reshape(n_base_pages, G, HQ, D)
+            idx = zipcache_page.select_salient(page_scores(qp, kp, SM_SCALE), cfg.salient_per_page)
+            kq, vq = zipcache_page.dequantize_zipcache_pages(*zipcache_page.pack_zipcache_pages(
+                kp, vp, idx, cfg.bits, vg), cfg.bits)
+        elif cfg.has_correction:
             kq, vq = gear_page.dequantize_gear_pages(*gear_page.pack_gear_pages(
                 kp, vp, cfg.bits, vg, cfg.lowrank_rank, cfg.gear_iters, cfg.outliers_per_row(G),
                 cfg.outliers_per_row(D)), cfg.bits)
@@ -118,7 +134,8 @@ class Episode:
                          torch.full((locs.numel(),), end))
         for layer in range(L):
             k, v = true_kv(tokens[:end], layer)
-            store.write_layer(layer, bw, k[start:end], v[start:end], kernels=self.kernels)
+            q = true_q(tokens[:end], layer)[start:end] if self.cfg.is_zipcache else None
+            store.write_layer(layer, bw, k[start:end], v[start:end], kernels=self.kernels, q=q, sm_scale=SM_SCALE)
             if self.pool.specache is not None:
                 self.pool.specache.host.write(layer, locs, k[start:end], v[start:end])
 
@@ -207,6 +224,27 @@ def test_gear_pool_through_radix_tree(seed, method, window_pages):
     as the reference compression of their true K/V."""
     rng = random.Random(seed)
     cfg = KVQConfig(method=method, bits=2, group_size=8, value_group=8, residual=window_pages * 8)
+    ep = Episode(cfg, num_pages=14, rng=rng)
+    trunks = [[rng.randrange(100) for _ in range(rng.randrange(8, 40))] for _ in range(3)]
+    for _ in range(6):
+        trunk = rng.choice(trunks)
+        tokens = trunk[: rng.randrange(1, len(trunk) + 1)] + [rng.randrange(100) for _ in range(rng.randrange(0, 16))]
+        ep.run_request(tokens, decode_steps=rng.randrange(0, 11), chunk=rng.choice([3, 7, 8, 21]),
+                       slot=rng.randrange(1, 5))
+        if rng.random() < 0.3:
+            ep.tree.evict(EvictParams(num_tokens=rng.randrange(1, 6) * 8))
+    assert ep.checked > 0
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31), ratio=st.sampled_from([0.1, 0.4, 0.6]), window_pages=st.sampled_from([0, 1]))
+def test_zipcache_pool_through_radix_tree(seed, ratio, window_pages):
+    """zipcache2 pages (codes + salient plane, picked from saliency accumulated over chunked extends and decodes)
+    shared, evicted and reused behind the radix tree read back as the reference compression of their true K/V
+    and queries."""
+    rng = random.Random(seed)
+    cfg = KVQConfig(method="zipcache", bits=2, group_size=8, value_group=8, residual=window_pages * 8,
+                    zipcache_salient=ratio)
     ep = Episode(cfg, num_pages=14, rng=rng)
     trunks = [[rng.randrange(100) for _ in range(rng.randrange(8, 40))] for _ in range(3)]
     for _ in range(6):

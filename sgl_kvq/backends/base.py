@@ -71,7 +71,8 @@ class KVQAttentionBackendBase(AttentionBackend):
             # this layer's write (sgl_kvq/kv_store.py).
             o = self.extend(sq, sk, sv, li, step, layer.scaling)
             if save_kv_cache:
-                self.store.write_layer(li, step.write, sk, sv, kernels=self.write_kernels)
+                self.store.write_layer(li, step.write, sk, sv, kernels=self.write_kernels, q=sq,
+                                       sm_scale=layer.scaling)  # q: zipcache2's saliency
             if step.rows is None:
                 out = o
             else:
@@ -84,7 +85,7 @@ class KVQAttentionBackendBase(AttentionBackend):
         q, k, v, li = self._views(q, k, v, layer)
         step = self.forward_plan.steps[0]
         if save_kv_cache:
-            self.store.write_layer(li, step.write, k, v, kernels=self.write_kernels)
+            self.store.write_layer(li, step.write, k, v, kernels=self.write_kernels, q=q, sm_scale=layer.scaling)
         return self.decode(q, li, step, layer.scaling).reshape(q.shape[0], -1)
 
     @abc.abstractmethod

@@ -69,7 +69,7 @@ class KVQTritonBackend(KVQAttentionBackendBase):
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         q, k, v, li = self._views(q, k, v, layer)
         if save_kv_cache:
-            self.store.write_decode_layer(li, self.forward_plan.steps[0].write, k, v)
+            self.store.write_decode_layer(li, self.forward_plan.steps[0].write, k, v, q=q, sm_scale=layer.scaling)
         return self.decode(q, li, self.forward_plan.steps[0], layer.scaling).reshape(q.shape[0], -1)
 
     def extend(self, q, k, v, li, step, sm_scale):

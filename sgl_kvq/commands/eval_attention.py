@@ -68,7 +68,7 @@ def run(args) -> int:
     torch.manual_seed(args.seed)
     captured = attention.capture(model, ids, layers)
     del model
-    table = attention.methods(args.group_size, args.value_group, args.residual, args.window, args.seed)
+    table = attention.methods(args.group_size, args.value_group, args.residual, args.window)
     result = attention.evaluate(captured, table, tail=args.tail, log=log)
     first = captured[layers[0]]
     result.update({

@@ -45,8 +45,7 @@ class LayerQKV:
     sm_scale: float
 
 
-def methods(group_size: int = 64, value_group: int = 64, residual: int = 64, window: int | None = None,
-            seed: int = 0) -> dict:
+def methods(group_size: int = 64, value_group: int = 64, residual: int = 64, window: int | None = None) -> dict:
     """name -> fn(k, v, q, sm_scale) -> CompressedKV. Every method shares G, VG and the fp16 window R."""
     page = dict(group_size=group_size, value_group=value_group)
     kv = dict(page, residual=residual)
@@ -60,7 +59,8 @@ def methods(group_size: int = 64, value_group: int = 64, residual: int = 64, win
         "kivi1-plain": lambda k, v, q, s: kivi(k, v, bits=1, specache_one_bit=False, **kv),
         "gear-l-2": lambda k, v, q, s: gear_l(k, v, bits=2, **kv),  # the served gearl2's pages
         "gear-2": lambda k, v, q, s: gear(k, v, bits=2, **kv),  # gear2's
-        "zipcache": lambda k, v, q, s: zipcache(k, v, q, s, seed=seed, **kv),
+        "zipcache": lambda k, v, q, s: zipcache(k, v, q, s, **kv),  # the served zipcache2's pages (40% salient)
+        "zipcache-0.6": lambda k, v, q, s: zipcache(k, v, q, s, salient_ratio=0.6, **kv),  # the authors' demo share
         "logquant-2": lambda k, v, q, s: logquant(k, v, bits=2, window=w, **kv),  # the served logquant2's pages
         # the same at W = 21 (3W ~ R = 64: the paper's fp16 budget), 8 rows per page at G = R = 64
         "logquant-2-w21": lambda k, v, q, s: logquant(k, v, bits=2, window=21, **kv),

@@ -1,0 +1,91 @@
+"""zipcache2 through the real SGLang engine and HTTP server on CPU with the tiny random Llama (float32, so greedy
+tokens are exact): kvq_triton == kvq_torch (the saliency accumulated from each batch's queries, the salient rows read
+in the kernels), radix hits across turns and on a forked frontend-language program, eviction + retraction under a
+pool too small for the workload, bad ZipCache knobs refused before the model loads, and the pool's bytes per token."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from sgl_kvq.launch import ServerProcess
+from sgl_kvq.models import tiny_llama
+from multiturn import multiturn_cached_tokens
+from test_e2e_gear import _prompts
+from test_e2e_serving import GREEDY, agreement, run_engine
+
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_llama()
+
+
+@pytest.mark.parametrize("prefill", ["full", "paged"])
+def test_kvq_triton_gives_the_same_tokens_as_kvq_torch(tiny, prefill):
+    prompts = _prompts(3)
+    env = {"KVQ_PREFILL": prefill}
+    torch_out, stats = run_engine(tiny, "zipcache2", prompts, attention_backend="kvq_torch", max_total_tokens=4096,
+                                  env=env)
+    triton_out, _ = run_engine(tiny, "zipcache2", prompts, attention_backend="kvq_triton", max_total_tokens=4096,
+                               env={**env, "TRITON_INTERPRET": "1"})
+    assert stats["kv_cache_dtype"] == "zipcache2" and stats["config"]["salient_per_page"] == 26
+    assert triton_out == torch_out
+
+
+def test_http_server_multiturn_and_forked_program_hit_the_radix_cache(tiny, tmp_path, frontend_fork):
+    args = ["--model-path", str(tiny), "--kv-cache-dtype", "zipcache2", "--dtype", "float32",
+            "--max-total-tokens", "4096", "--mem-fraction-static", "0.3"]
+    with ServerProcess(args, log_path=tmp_path / "server.log") as server:
+        cached, _ = multiturn_cached_tokens(server, turns=3)
+        assert cached[0] == 0 and all(c >= 64 and c % 64 == 0 for c in cached[1:]), cached
+        shared = "shared prefix for both branches " * 40
+        branches = frontend_fork(server.base, shared)
+        assert len(branches) == 2 and all(meta["completion_tokens"] == 8 for _, meta in branches), branches
+        again = server.post("/generate", {"text": shared, "sampling_params": {"max_new_tokens": 1}})
+        assert again["meta_info"]["cached_tokens"] == 64 * (again["meta_info"]["prompt_tokens"] // 64), again
+        stats = server.kv_pool_stats()
+        assert stats["kv_cache_dtype"] == "zipcache2"
+        # tiny: 2 layers x 2 KV heads x D 16, G 64, NS 26. Per token and head: KIVI's 2-bit page 8 + 1 + 4 (codes,
+        # key scale+zero per page, value scale+zero per token); per page: c and the salient key scale+zero
+        # 3 x 16 x 2 / 64, and per salient row its offset, 4-bit key and value codes and value scale+zero
+        # 26 x (1 + 8 + 8 + 4) / 64.
+        per_head = 13 + 1.5 + 26 * 21 / 64
+        assert stats["base_bytes_per_token"] == pytest.approx(2 * 2 * per_head)
+
+
+def test_pool_too_small_completes_every_request_and_is_exact_in_the_deterministic_mode(capfd):
+    """12 requests x 160 tokens against a 16-page pool with retraction forced. With KVQ_PREFILL=paged and
+    KVQ_RESIDUAL=0 a page's compression is a function of its tokens and their queries alone, so the contended run
+    must agree with the uncontended one at least as well as bf16's does."""
+    model = tiny_llama(dtype="bfloat16")
+    prompts = _prompts(12)
+    exact = {"KVQ_PREFILL": "paged", "KVQ_RESIDUAL": "0"}
+    contended = {}
+    for name, (dtype, env) in {"auto": ("auto", {}), "zipcache2-paged-r0": ("zipcache2", exact)}.items():
+        free, _ = run_engine(model, dtype, prompts, max_total_tokens=4096, dtype="bfloat16", env=env)
+        tight, stats = run_engine(model, dtype, prompts, max_total_tokens=1024, dtype="bfloat16",
+                                  env={**env, "SGLANG_TEST_RETRACT": "1"})
+        assert stats["capacity_tokens"] == 1024
+        assert all(len(o) == GREEDY["max_new_tokens"] for o in tight), "a request did not complete"
+        contended[name] = agreement(free, tight)
+    assert re.search(r"#retracted_reqs: [1-9]", capfd.readouterr().err), "no request was retracted"
+    assert contended["zipcache2-paged-r0"] >= contended["auto"], contended
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"KVQ_ZIPCACHE_SALIENT": "0"}, "KVQ_ZIPCACHE_SALIENT=0.0 must be in (0, 1)"),
+    ({"KVQ_ZIPCACHE_SALIENT": "1.5"}, "KVQ_ZIPCACHE_SALIENT=1.5 must be in (0, 1)"),
+    ({"KVQ_ZIPCACHE_SALIENT": "most"}, "KVQ_ZIPCACHE_SALIENT='most' is not a number"),
+])
+def test_bad_zipcache_knobs_fail_before_the_model_loads(tiny, env, message, monkeypatch):
+    import sglang
+
+    from sgl_kvq.config import KVQConfigError
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(KVQConfigError, match=re.escape(message)):
+        sglang.Engine(model_path=str(tiny), device="cpu", log_level="error", kv_cache_dtype="zipcache2")
