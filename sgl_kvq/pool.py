@@ -102,7 +102,7 @@ class KVQTokenToKVPool(KVCache):
                     **({"gear_rank": self.cfg.lowrank_rank, "outliers_per_key_channel": self.shape.NK,
                         "outliers_per_value_token": self.shape.NV} if self.cfg.has_correction else {}),
                     **({"logquant_window": self.cfg.logquant_window, "logquant_rows_per_page": self.cfg.logquant_rows}
-                       if self.cfg.has_rows else {})},
+                       if self.cfg.has_rows else {}),
                     **({"salient_per_page": self.cfg.salient_per_page, "salient_bits": self.cfg.salient_bits}
                        if self.cfg.is_zipcache else {})},
         )
