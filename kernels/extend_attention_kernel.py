@@ -55,7 +55,8 @@ def _extend_attention_kernel(
             page = tl.load(kv_indices + kv_lo + j).to(tl.int64)
             n_valid = tl.where(j == n_base - 1, last_base, G)
             m, l, acc = _base_page_step(q, m, l, acc, KC, KS, KZ, VC, VS, VZ, KU, KW, VU, VW, KOV, KOI, VOV, VOI,
-                                        VCH, SI, SKC, SKS, SKZ, SVC, SVS, SVZ, page, n_valid, kvh, n_heads, offs_t, offs_d, stride_kc_slot,
+                                        VCH, SI, SKC, SKS, SKZ, SVC, SVS, SVZ,
+                                        page, n_valid, kvh, n_heads, offs_t, offs_d, stride_kc_slot,
                                         stride_kc_head, stride_ks_page, stride_ks_head, stride_vs_slot,
                                         stride_vs_head, sm_scale_log2, G, D, BITS, VG, RANK, NK, NV, NSAL,
                                         DOT_FP32)
