@@ -72,7 +72,11 @@ class KVQTokenToKVPool(KVCache):
         s = self.store
 
         def nbytes(prefix: str) -> int:
-            names = [n for n in self.shape.base_shapes() if n.startswith(prefix)] + [f"ov_{prefix[0]}"]
+            # zipcache2's salient plane: s_k_* / s_v_* with their side, the offsets (s_idx) and the saliency
+            # accumulator (ov_score, which reads keys) with K
+            extra = ["s_idx", "ov_score"] if prefix == "k_" and self.cfg.is_zipcache else []
+            names = [n for n in self.shape.base_shapes() if n.startswith(prefix) or n.startswith("s_" + prefix)] \
+                + [f"ov_{prefix[0]}"] + extra
             return sum(getattr(s, n).numel() * getattr(s, n).element_size() for n in names)
 
         k, v = nbytes("k_"), nbytes("v_")

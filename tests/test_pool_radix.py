@@ -332,3 +332,16 @@ def test_frame_of_reused_page_is_not_read():
         if i % 3 == 2:
             ep.tree.evict(EvictParams(num_tokens=64))
     assert ep.checked >= 8 * 4
+
+
+@pytest.mark.parametrize("name", ["kivi2", "gear2", "zipcache2"])
+def test_kv_size_bytes_names_every_device_tensor(name):
+    """get_kv_size_bytes (SGLang's KV bytes, the live pool's kv_bytes) counts the whole base and the overlay's K/V
+    state (zipcache2's salient plane and saliency accumulator included); only the frame tags are left out."""
+    from sgl_kvq.config import parse_kv_cache_dtype
+
+    cfg = parse_kv_cache_dtype(name)
+    pool = KVQTokenToKVPool(4 * 64, PoolShape(L, H, D, 4, cfg), "cpu", torch.float32, num_req_slots=3)
+    s = pool.store
+    tags = sum(t.numel() * t.element_size() for t in (s.ov_tag, s.ov_gen))
+    assert sum(pool.get_kv_size_bytes()) == s.base_bytes() + s.overlay_bytes() - tags
