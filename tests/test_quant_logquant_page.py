@@ -94,7 +94,8 @@ def test_served_pool_reads_what_the_reference_reconstructs(W):
     shape = PoolShape(layers=1, heads=H, head_dim=D, num_pages=8, cfg=cfg)
     store = QuantizedKVStore(cfg, shape, num_req_slots=2, model_dtype=torch.float32, device="cpu")
     pages = torch.tensor([5, 2, 6, 3, 8, 1])  # any pool pages, in position order
-    store.store_pages(0, pages, k[:n * G].reshape(n, G, H, D), v[:n * G].reshape(n, G, H, D), torch.arange(n))
+    store.store_pages(0, pages, k[:n * G].reshape(n, G, H, D), v[:n * G].reshape(n, G, H, D),
+                      lpages=torch.arange(n))
     i32 = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
     plan = PagedPlan(i32(0, n), pages.int(), i32(G), i32(0, 0), i32(), i32(0))
     k_pool, v_pool = gather_context(store.layer_view(0), plan, 0)
