@@ -20,7 +20,8 @@ def test_kl_kit_reads_the_essay_prompts_offline(tmp_path, monkeypatch):
         ids = kl_test_utils.get_input_ids(tokenizer_path=str(model), num_samples=kl_test_utils.DEFAULT_NUM_SAMPLES)
     assert kl_test_utils.CACHE_DIR != files["longbench_dir"]  # restored
     assert len(ids) == kl_test_utils.DEFAULT_NUM_SAMPLES
-    assert all(bc.KL_PROMPT_TOKENS[0] <= len(x) <= bc.KL_PROMPT_TOKENS[1] for x in ids)
+    assert all(bc.KL_PROMPT_TAIL[0] <= len(x) % 64 <= bc.KL_PROMPT_TAIL[1] for x in ids)
+    assert all(len(x) % 64 + bc.KL_NEW_TOKENS - 1 >= 64 for x in ids), "the decode turn completes no page"
     assert len({tuple(x[:64]) for x in ids}) == len(ids), "two KL prompts share their first page"
     convs = json.loads(open(files["sharegpt"]).read())
     assert len(convs) == 500 and all(len(c["conversations"]) >= 2 for c in convs)
@@ -41,7 +42,10 @@ def test_regressions_are_the_tests_bf16_passes_and_the_dtype_does_not():
             "kl": {"outcome": "fail", "kl": 0.0031, "message": "AssertionError: avg_kl_div=0.0031 > threshold"}}
     assert list(bc.regressions(base, rows)) == ["kl"]
     assert "0.00310" in bc.regressions(base, rows)["kl"]
-    assert list(bc.regressions(base, {"a": {"outcome": "pass"}})) == ["kl"]  # a missing row is not a pass
-    report = bc.report_from_tests({"kits": {"bf16": base, "kivi2": rows}}, "cmd")
+    assert bc.regressions(base, {"a": {"outcome": "pass"}}) == {}  # not run is not a regression: listed apart
+    report = bc.report_from_tests({"kits": {"bf16": base, "kivi2": rows, "kivi4": {"a": {"outcome": "error"}}}},
+                                  "cmd")
     assert report["groups"]["kits"]["kivi2"]["regressions"].keys() == {"kl"}
+    assert report["groups"]["kits"]["kivi4"]["not_run"] == ["b", "kl"]
+    assert report["groups"]["kits"]["kivi4"]["regressions"].keys() == {"a"}
     assert report["groups"]["kits"]["bf16"]["passed"] == 2

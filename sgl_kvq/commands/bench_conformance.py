@@ -42,8 +42,10 @@ KV_CACHE_GB = 1.0
 # new tokens per node); these keep one server's kits to minutes on 2 CPU cores while every code path stays.
 SANITY_NEW_TOKENS = {"sanity_max_new_tokens_short": 32, "sanity_max_new_tokens_long": 64}  # the kits: 64 / 128
 KL_SAMPLES = 4
-KL_PROMPT_TOKENS = (320, 640)  # each prompt's length is drawn from this range (the kit: 0.5x-1.5x of 3000)
-KL_NEW_TOKENS = 64
+# Each KL prompt is 4-6 whole pages of 64 plus 34-60 tokens (the kit: 1,500-4,500 tokens), so the decode-hit turn's
+# 32 new tokens complete one more page: the kit counts a decode hit only when more than the prompt is cached.
+KL_PROMPT_PAGES, KL_PROMPT_TAIL = (4, 6), (34, 60)
+KL_NEW_TOKENS = 32
 ABORT_REQUESTS = 16  # the kit: 32 (a 2-core CPU admits them slowly; 16 still keeps requests running and queued)
 ABORT_NEW_TOKENS = 2048  # aborted after the kit's 2 s; the kit's 16,000 exceeds SmolLM2's 8,192 context
 RADIX_NODES = 24
@@ -91,13 +93,12 @@ def prepare_offline_data(model, workdir: Path) -> dict:
     longbench = workdir / "longbench"
     longbench.mkdir(exist_ok=True)
     # The kit loads `input_ids_{path}_{3000}_{48}.json` before it would download: 48 prompts, of which it uses the
-    # first kl_div_max_samples. They are consecutive pieces of the essays' token stream (so no two share a prefix),
-    # each of a length drawn from KL_PROMPT_TOKENS.
+    # first kl_div_max_samples. They are consecutive pieces of the essays' token stream (so no two share a prefix).
     rng = random.Random(0)
     stream = tok.encode(data.essay_text())
     prompts, at = [], 0
     while len(prompts) < kl_test_utils.DEFAULT_NUM_SAMPLES:
-        n = rng.randint(*KL_PROMPT_TOKENS)
+        n = 64 * rng.randint(*KL_PROMPT_PAGES) + rng.randint(*KL_PROMPT_TAIL)
         prompts.append(stream[at:at + n])
         at += n
     assert at <= len(stream), f"the essays hold {len(stream)} tokens, the KL prompts need {at}"
@@ -231,12 +232,12 @@ def run_kits(server, model, files: dict, only: list[str] | None = None) -> dict[
 
 
 def regressions(baseline: dict[str, dict], rows: dict[str, dict]) -> dict[str, str]:
-    """Kit tests bf16 passes that this dtype does not, with the dtype's message. KL tests are compared too: their
-    threshold is the kit's for every dtype (a dtype over it is listed here with its measured KL)."""
+    """Kit tests bf16 passes that this dtype ran and did not pass, with the dtype's message. KL tests are compared
+    too: their threshold is the kit's for every dtype (a dtype over it is listed here with its measured KL)."""
     out = {}
     for test, base in baseline.items():
-        if base["outcome"] == "pass" and rows.get(test, {}).get("outcome") != "pass":
-            row = rows.get(test, {"outcome": "missing"})
+        row = rows.get(test)
+        if base["outcome"] == "pass" and row is not None and row["outcome"] != "pass":
             out[test] = f"{row['outcome']}: {row.get('message', '')}" + (f" (kl {row['kl']:.5f})" if "kl" in row
                                                                            else "")
     return out
@@ -258,7 +259,7 @@ def add_arguments(p) -> None:
 
 def report_from_tests(doc: dict, command: str) -> dict:
     """The report of `run` from a test run's rows ({group: {dtype: {test: row}}}), bf16 as the baseline per group."""
-    sizes = {**SANITY_NEW_TOKENS, "kl_samples": KL_SAMPLES, "kl_prompt_tokens": KL_PROMPT_TOKENS,
+    sizes = {**SANITY_NEW_TOKENS, "kl_samples": KL_SAMPLES, "kl_prompt_pages": KL_PROMPT_PAGES, "kl_prompt_tail": KL_PROMPT_TAIL,
              "kl_new_tokens": KL_NEW_TOKENS, "abort_requests": ABORT_REQUESTS, "abort_new_tokens": ABORT_NEW_TOKENS,
              "radix_nodes": RADIX_NODES, "radix_chunk": RADIX_CHUNK, "cache_hit": CACHE_HIT}
     report = {"command": command, "kv_cache_gb": KV_CACHE_GB, "sizes": sizes, "kit_kl_threshold": KIT_KL_THRESHOLD,
@@ -269,6 +270,7 @@ def report_from_tests(doc: dict, command: str) -> dict:
             out[dtype] = {"tests": rows, "passed": sum(r["outcome"] == "pass" for r in rows.values())}
             if dtype != "bf16" and "bf16" in by_dtype:
                 out[dtype]["regressions"] = regressions(by_dtype["bf16"], rows)
+                out[dtype]["not_run"] = sorted(set(by_dtype["bf16"]) - set(rows))
     return report
 
 
