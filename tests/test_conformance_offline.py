@@ -49,3 +49,27 @@ def test_regressions_are_the_tests_bf16_passes_and_the_dtype_does_not():
     assert report["groups"]["kits"]["kivi4"]["not_run"] == ["b", "kl"]
     assert report["groups"]["kits"]["kivi4"]["regressions"].keys() == {"a"}
     assert report["groups"]["kits"]["bf16"]["passed"] == 2
+
+
+def test_the_baseline_rule_fails_a_regression_and_reports_a_documented_kl_excess(monkeypatch):
+    import pytest
+
+    from conformance import against_baseline
+
+    monkeypatch.setattr(bc, "KL_OVER_KIT_THRESHOLD", {"kivi2": {"t_kl": {"measured": 0.15, "bound": 0.25}}})
+    base: dict = {}
+    against_baseline(base, "bf16", "k.t", {"outcome": "pass"})
+    with pytest.raises(pytest.xfail.Exception):  # bf16 itself fails: expected failure for every dtype
+        against_baseline(base, "bf16", "k.hard", {"outcome": "fail", "message": "no 391"})
+    against_baseline(base, "bf16", "k.t_kl", {"outcome": "pass", "kl": 0.0009})
+    against_baseline(base, "kivi2", "k.t", {"outcome": "pass"})
+    with pytest.raises(pytest.fail.Exception, match="which bf16 passes"):
+        against_baseline(base, "kivi4", "k.t", {"outcome": "error", "message": "500"})
+    with pytest.raises(pytest.xfail.Exception):
+        against_baseline(base, "kivi2", "k.hard", {"outcome": "fail"})
+    with pytest.raises(pytest.xfail.Exception, match="documented"):
+        against_baseline(base, "kivi2", "k.t_kl", {"outcome": "fail", "kl": 0.16})
+    with pytest.raises(AssertionError, match="over its documented bound"):
+        against_baseline(base, "kivi2", "k.t_kl", {"outcome": "fail", "kl": 0.3})
+    with pytest.raises(pytest.fail.Exception, match="KL 0.16000"):  # undocumented dtype: a plain failure
+        against_baseline(base, "kivi1", "k.t_kl", {"outcome": "fail", "kl": 0.16})
