@@ -18,16 +18,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.engine]
 # test_programs.py's programs that fit a RuntimeEndpoint, with their arguments. Left out: test_image_qa (needs a
 # vision model), test_completion_speculative / test_chat_completion_speculative (API speculative execution,
 # num_api_spec_tokens, is for the OpenAI/Anthropic backends), test_parallel_decoding (a 512-token summary after 6
-# generations: 10+ minutes of 2-core CPU decode per dtype; its fork/join path is test_parallel_encoding's).
+# generations: 10+ minutes of 2-core CPU decode per dtype), test_parallel_encoding (its concate_and_append join calls
+# /concate_and_append_request, which SGLang 0.5.23's server does not have: 404, and the program then waits forever).
 PROGRAMS = {
     "test_few_shot_qa": {}, "test_mt_bench": {}, "test_select": {"check_answer": True}, "test_decode_int": {},
     "test_decode_json_regex": {}, "test_decode_json": {}, "test_expert_answer": {}, "test_tool_use": {},
-    "test_react": {}, "test_parallel_encoding": {}, "test_stream": {}, "test_stream_logprobs": {}, "test_regex": {},
+    "test_react": {}, "test_stream": {}, "test_stream_logprobs": {}, "test_regex": {},
     "test_dtype_gen": {}, "test_gen_min_new_tokens": {},
 }
-# CI runs three programs with short generations that cover choice scoring, fork/join over a shared prefix and
-# streamed logprobs; KVQ_TEST_CONFORMANCE_PROGRAMS=all runs every program above.
-CI_PROGRAMS = ["test_select", "test_parallel_encoding", "test_stream_logprobs"]
+# CI runs two programs with short generations, choice scoring and streamed logprobs (forks are in test_e2e_*.py); KVQ_TEST_CONFORMANCE_PROGRAMS=all runs every program above.
+CI_PROGRAMS = ["test_select", "test_stream_logprobs"]
 RUN_PROGRAMS = list(PROGRAMS) if os.environ.get("KVQ_TEST_CONFORMANCE_PROGRAMS") == "all" else CI_PROGRAMS
 BASELINE: dict[str, dict] = {}
 QUESTION = "Name three primary colors."
@@ -52,11 +52,13 @@ def _openai(server):
 def test_openai_client_streaming_and_not_give_the_same_answer(served, endpoint):
     """Each call on a flushed cache, so both read the same cold prefill: the streamed deltas must join to the
     non-streamed text, with the same finish reason and completion token count."""
+    import requests
+
     dtype, server = served
     client = _openai(server)
     out = {}
     for stream in (False, True):
-        server.post("/flush_cache", {})
+        requests.post(server.base + "/flush_cache", timeout=60).raise_for_status()  # answers plain text
         kw = dict(model="default", max_tokens=24, temperature=0, stream=stream)
         if stream:
             kw["stream_options"] = {"include_usage": True}
