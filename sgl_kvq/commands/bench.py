@@ -1,5 +1,5 @@
-"""`sgl-kvq bench <what>`: `multiturn`, `capacity`, `decode`, `serving` (sgl_kvq/commands/bench_*.py) and `kernels`
-(bench/kernels.py)."""
+"""`sgl-kvq bench <what>`: `multiturn`, `capacity`, `decode`, `serving`, `conformance` (sgl_kvq/commands/bench_*.py)
+and `kernels` (bench/kernels.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ BENCHMARKS = {
     "decode": ("sgl_kvq.commands.bench_decode", "decode ms/step and tok/s vs context length per dtype, from servers"),
     "serving": ("sgl_kvq.commands.bench_serving", "SGLang's load generator against one server per dtype, two KV "
                 "budget regimes, several concurrencies"),
+    "conformance": ("sgl_kvq.commands.bench_conformance", "SGLang's own server test kits against bf16 and each kvq "
+                    "dtype at the same pinned KV budget (a kvq dtype must pass what bf16 passes)"),
 }
 
 

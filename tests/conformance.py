@@ -1,0 +1,86 @@
+"""Shared by the conformance test modules: which dtypes run, one SmolLM2 server per dtype at the same pinned KV
+budget, and the rule that a kvq dtype passes every check its bf16 baseline passes.
+
+CI runs bf16, kivi2 and specache2 (the KIVI pool; SpeCache's host tier and two decode lanes).
+KVQ_TEST_CONFORMANCE_DTYPES=all runs every name in sgl_kvq.config.DTYPE_NAMES, so a dtype added there is covered
+without edits (or give a comma list); bf16 always runs first, as the baseline."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from sgl_kvq.commands import bench_conformance as bc
+from sgl_kvq.config import DTYPE_NAMES
+
+CI_DTYPES = ["kivi2", "specache2"]
+
+
+def dtypes() -> list[str]:
+    chosen = os.environ.get("KVQ_TEST_CONFORMANCE_DTYPES", "")
+    if chosen == "all":
+        picked = list(DTYPE_NAMES)
+    else:
+        picked = [d for d in chosen.split(",") if d] or CI_DTYPES
+    return ["bf16"] + [d for d in picked if d != "bf16"]
+
+
+@contextlib.contextmanager
+def pinned_server(model, dtype: str, log_path):
+    """`sgl-kvq serve` for one dtype with KVQ_KV_CACHE_GB pinned (bench_conformance.KV_CACHE_GB for every dtype)."""
+    from sgl_kvq.launch import ServerProcess
+
+    saved = os.environ.get("KVQ_KV_CACHE_GB")
+    os.environ["KVQ_KV_CACHE_GB"] = str(bc.KV_CACHE_GB)
+    try:
+        with ServerProcess(bc.server_args(model, dtype), log_path=log_path) as server:
+            yield server
+    finally:
+        if saved is None:
+            os.environ.pop("KVQ_KV_CACHE_GB", None)
+        else:
+            os.environ["KVQ_KV_CACHE_GB"] = saved
+
+
+def record(group: str, dtype: str, key: str, row: dict) -> None:
+    """With KVQ_CONFORMANCE_JSON=PATH, add the row to PATH ({group: {dtype: {key: row}}}): a test run's
+    measurements in the shape `sgl-kvq bench conformance` writes, read back by it (--from-tests)."""
+    path = os.environ.get("KVQ_CONFORMANCE_JSON")
+    if not path:
+        return
+    p = Path(path)
+    doc = json.loads(p.read_text()) if p.exists() else {}
+    doc.setdefault(group, {}).setdefault(dtype, {})[key] = row
+    p.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def against_baseline(baseline: dict, dtype: str, key: str, row: dict) -> None:
+    """Record bf16's row, or hold a kvq dtype's row to it: pass where bf16 passes (an expected failure, with both
+    messages, where bf16 fails too). A KL row over the kit's threshold is an expected failure only when
+    bench_conformance.KL_OVER_KIT_THRESHOLD documents it, and then must stay under its stated bound."""
+    if dtype == "bf16":
+        baseline[key] = row
+        if row["outcome"] != "pass":
+            pytest.xfail(f"bf16 (the baseline) {row['outcome']}s it: {row.get('message', '')}")
+        return
+    base = baseline.get(key)
+    if base is None:
+        pytest.skip("bf16's run of this check is not in this session (it is the baseline): select bf16 too")
+    if row["outcome"] == "pass":
+        return
+    if base["outcome"] != "pass":
+        pytest.xfail(f"bf16 fails it too ({base.get('message', '')}); {dtype}: {row.get('message', '')}")
+    name = key.split(".", 1)[-1]
+    known = bc.KL_OVER_KIT_THRESHOLD.get(dtype, {}).get(name)
+    if known and "kl" in row:
+        assert row["kl"] < known["bound"], (
+            f"{dtype} {name}: KL {row['kl']:.5f} over its documented bound {known['bound']} "
+            f"(measured {known['measured']}; the kit's threshold {bc.KIT_KL_THRESHOLD})")
+        pytest.xfail(f"{dtype} {name}: KL {row['kl']:.5f} > the kit's {bc.KIT_KL_THRESHOLD} (bf16 "
+                     f"{base.get('kl', float('nan')):.5f}); documented, under its bound {known['bound']}")
+    pytest.fail(f"{dtype} {row['outcome']}s {key}, which bf16 passes: {row.get('message', '')}"
+                + (f" (KL {row['kl']:.5f}, bf16 {base.get('kl', float('nan')):.5f})" if "kl" in row else ""))
