@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from conformance import against_baseline, dtypes, pinned_server, record
+from conformance import against_baseline, dtypes, kit_tests, pinned_server, record
 from sgl_kvq.commands import bench_conformance as bc
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
@@ -36,7 +36,7 @@ def kit_server(request, smollm2_model, kit_files, tmp_path_factory):
         yield request.param, bc.kit_classes(server, smollm2_model, kit_files)
 
 
-@pytest.mark.parametrize("kit_test", bc.kit_test_names())
+@pytest.mark.parametrize("kit_test", kit_tests())
 def test_kvq_dtype_passes_every_kit_test_bf16_passes(kit_server, kit_test):
     dtype, classes = kit_server
     kit, name = kit_test.split(".", 1)
