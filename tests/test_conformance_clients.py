@@ -26,7 +26,8 @@ PROGRAMS = {
     "test_react": {}, "test_stream": {}, "test_stream_logprobs": {}, "test_regex": {},
     "test_dtype_gen": {}, "test_gen_min_new_tokens": {},
 }
-# CI runs two programs with short generations, choice scoring and streamed logprobs (forks are in test_e2e_*.py); KVQ_TEST_CONFORMANCE_PROGRAMS=all runs every program above.
+# CI runs two programs with short generations, choice scoring and streamed logprobs (forks are in test_e2e_*.py);
+# KVQ_TEST_CONFORMANCE_PROGRAMS=all runs every program above.
 CI_PROGRAMS = ["test_select", "test_stream_logprobs"]
 RUN_PROGRAMS = list(PROGRAMS) if os.environ.get("KVQ_TEST_CONFORMANCE_PROGRAMS") == "all" else CI_PROGRAMS
 BASELINE: dict[str, dict] = {}

@@ -118,7 +118,8 @@ BAD = [
     ({"kv_cache_dtype": "specache2", "attention_backend": "kvq_triton"}, {}, "run on kvq_torch only"),
     ({"kv_cache_dtype": "specache1"}, {"KVQ_PREFILL": "paged"}, "applies to kivi only"),
     ({"kv_cache_dtype": "specache1"}, {"KVQ_TOPK": "0"}, "top-k 0 must be at least 1"),
-    ({"kv_cache_dtype": "specache2"}, {"KVQ_SPECACHE_PREFIX": "disk"}, "KVQ_SPECACHE_PREFIX='disk'; choose one of host"),
+    ({"kv_cache_dtype": "specache2"}, {"KVQ_SPECACHE_PREFIX": "disk"},
+     "KVQ_SPECACHE_PREFIX='disk'; choose one of host"),
 ]
 
 

@@ -11,8 +11,8 @@ import torch
 from sgl_kvq.commands import eval_attention
 from sgl_kvq.eval import attention
 
-EXPECTED = {"fp16", "per-token-2", "kivi4", "kivi2", "kivi1", "kivi1-plain", "gear-l-2", "gear-2", "zipcache", "zipcache-0.6",
-            "logquant-2", "logquant-2-w21"}
+EXPECTED = {"fp16", "per-token-2", "kivi4", "kivi2", "kivi1", "kivi1-plain", "gear-l-2", "gear-2", "zipcache",
+            "zipcache-0.6", "logquant-2", "logquant-2-w21"}
 
 
 def _args(tmp_path, model, *extra):

@@ -267,7 +267,8 @@ def add_arguments(p) -> None:
 
 def report_from_tests(doc: dict, command: str) -> dict:
     """The report of `run` from a test run's rows ({group: {dtype: {test: row}}}), bf16 as the baseline per group."""
-    sizes = {**SANITY_NEW_TOKENS, "kl_samples": KL_SAMPLES, "kl_prompt_pages": KL_PROMPT_PAGES, "kl_prompt_tail": KL_PROMPT_TAIL,
+    sizes = {**SANITY_NEW_TOKENS, "kl_samples": KL_SAMPLES, "kl_prompt_pages": KL_PROMPT_PAGES,
+             "kl_prompt_tail": KL_PROMPT_TAIL,
              "kl_new_tokens": KL_NEW_TOKENS, "abort_requests": ABORT_REQUESTS, "abort_new_tokens": ABORT_NEW_TOKENS,
              "radix_nodes": RADIX_NODES, "radix_chunk": RADIX_CHUNK, "cache_hit": CACHE_HIT}
     report = {"command": command, "kv_cache_gb": KV_CACHE_GB, "sizes": sizes, "kit_kl_threshold": KIT_KL_THRESHOLD,
