@@ -31,6 +31,38 @@ def _prompts(n: int, words: int = 120) -> list[str]:
     return [" ".join(rng.choice(vocab) for _ in range(words)) for _ in range(n)]
 
 
+def contended_agreement_in_the_deterministic_mode(dtype: str, capfd) -> dict[str, float]:
+    """12 requests x 160 tokens of the tiny bf16 Llama, uncontended (4,096-token pool) and contended (a 16-page pool
+    with retraction forced), for bf16 and for `dtype` with KVQ_PREFILL=paged and KVQ_RESIDUAL=0: every request must
+    complete and a request must have been retracted -> {"auto": bf16's, dtype: dtype's} agreement of the contended
+    run with the uncontended one (shared by the per-format e2e modules)."""
+    model = tiny_llama(dtype="bfloat16")
+    prompts = _prompts(12)
+    exact = {"KVQ_PREFILL": "paged", "KVQ_RESIDUAL": "0"}
+    contended = {}
+    for name, env in (("auto", {}), (dtype, exact)):
+        free, _ = run_engine(model, name, prompts, max_total_tokens=4096, dtype="bfloat16", env=env)
+        tight, stats = run_engine(model, name, prompts, max_total_tokens=1024, dtype="bfloat16",
+                                  env={**env, "SGLANG_TEST_RETRACT": "1"})
+        assert stats["capacity_tokens"] == 1024
+        assert all(len(o) == GREEDY["max_new_tokens"] for o in tight), "a request did not complete"
+        contended[name] = agreement(free, tight)
+    assert re.search(r"#retracted_reqs: [1-9]", capfd.readouterr().err), "no request was retracted"
+    return contended
+
+
+def refused_before_load(model, kv_cache_dtype: str, env: dict, message: str, monkeypatch) -> None:
+    """An Engine with `env` set raises KVQConfigError matching `message` before any model loads."""
+    import sglang
+
+    from sgl_kvq.config import KVQConfigError
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(KVQConfigError, match=re.escape(message)):
+        sglang.Engine(model_path=str(model), device="cpu", log_level="error", kv_cache_dtype=kv_cache_dtype)
+
+
 @pytest.mark.parametrize("dtype", GEAR_DTYPES)
 def test_kvq_triton_gives_the_same_tokens_as_kvq_torch(tiny, dtype):
     prompts = _prompts(3)
@@ -70,19 +102,8 @@ def test_pool_too_small_completes_every_request_and_is_exact_in_the_deterministi
     retraction forced. With KVQ_PREFILL=paged and KVQ_RESIDUAL=0 a page's compression is a function of its tokens
     alone (power iteration from a fixed start), so the contended run must agree with the uncontended one at least
     as well as bf16's does."""
-    model = tiny_llama(dtype="bfloat16")
-    prompts = _prompts(12)
-    exact = {"KVQ_PREFILL": "paged", "KVQ_RESIDUAL": "0"}
-    contended = {}
-    for name, (dtype, env) in {"auto": ("auto", {}), "gear2-paged-r0": ("gear2", exact)}.items():
-        free, _ = run_engine(model, dtype, prompts, max_total_tokens=4096, dtype="bfloat16", env=env)
-        tight, stats = run_engine(model, dtype, prompts, max_total_tokens=1024, dtype="bfloat16",
-                                  env={**env, "SGLANG_TEST_RETRACT": "1"})
-        assert stats["capacity_tokens"] == 1024
-        assert all(len(o) == GREEDY["max_new_tokens"] for o in tight), "a request did not complete"
-        contended[name] = agreement(free, tight)
-    assert re.search(r"#retracted_reqs: [1-9]", capfd.readouterr().err), "no request was retracted"
-    assert contended["gear2-paged-r0"] >= contended["auto"], contended
+    contended = contended_agreement_in_the_deterministic_mode("gear2", capfd)
+    assert contended["gear2"] >= contended["auto"], contended
 
 
 @pytest.mark.parametrize("env,message", [
@@ -91,11 +112,4 @@ def test_pool_too_small_completes_every_request_and_is_exact_in_the_deterministi
     ({"KVQ_GEAR_ITERS": "two"}, "KVQ_GEAR_ITERS='two' is not a"),
 ])
 def test_bad_gear_knobs_fail_before_the_model_loads(tiny, env, message, monkeypatch):
-    import sglang
-
-    from sgl_kvq.config import KVQConfigError
-
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    with pytest.raises(KVQConfigError, match=re.escape(message)):
-        sglang.Engine(model_path=str(tiny), device="cpu", log_level="error", kv_cache_dtype="gear2")
+    refused_before_load(tiny, "gear2", env, message, monkeypatch)

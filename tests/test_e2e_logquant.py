@@ -5,15 +5,13 @@ small for the workload, bad LogQuant knobs refused before the model loads, and t
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
 from sgl_kvq.launch import ServerProcess
 from sgl_kvq.models import tiny_llama
 from multiturn import multiturn_cached_tokens
-from test_e2e_gear import _prompts
-from test_e2e_serving import GREEDY, agreement, run_engine
+from test_e2e_gear import _prompts, contended_agreement_in_the_deterministic_mode, refused_before_load
+from test_e2e_serving import run_engine
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -59,19 +57,8 @@ def test_pool_too_small_completes_every_request_and_is_exact_in_the_deterministi
     retraction forced. With KVQ_PREFILL=paged and KVQ_RESIDUAL=0 a page's codes and rows are a function of its
     tokens and position alone, so the contended run must agree with the uncontended one at least as well as
     bf16's does."""
-    model = tiny_llama(dtype="bfloat16")
-    prompts = _prompts(12)
-    exact = {"KVQ_PREFILL": "paged", "KVQ_RESIDUAL": "0"}
-    contended = {}
-    for name, (dtype, env) in {"auto": ("auto", {}), "logquant2-paged-r0": ("logquant2", exact)}.items():
-        free, _ = run_engine(model, dtype, prompts, max_total_tokens=4096, dtype="bfloat16", env=env)
-        tight, stats = run_engine(model, dtype, prompts, max_total_tokens=1024, dtype="bfloat16",
-                                  env={**env, "SGLANG_TEST_RETRACT": "1"})
-        assert stats["capacity_tokens"] == 1024
-        assert all(len(o) == GREEDY["max_new_tokens"] for o in tight), "a request did not complete"
-        contended[name] = agreement(free, tight)
-    assert re.search(r"#retracted_reqs: [1-9]", capfd.readouterr().err), "no request was retracted"
-    assert contended["logquant2-paged-r0"] >= contended["auto"], contended
+    contended = contended_agreement_in_the_deterministic_mode("logquant2", capfd)
+    assert contended["logquant2"] >= contended["auto"], contended
 
 
 @pytest.mark.parametrize("env,message", [
@@ -80,11 +67,4 @@ def test_pool_too_small_completes_every_request_and_is_exact_in_the_deterministi
     ({"KVQ_GROUP_SIZE": "256", "KVQ_RESIDUAL": "256"}, "G=256 must be at most 128"),
 ])
 def test_bad_logquant_knobs_fail_before_the_model_loads(tiny, env, message, monkeypatch):
-    import sglang
-
-    from sgl_kvq.config import KVQConfigError
-
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    with pytest.raises(KVQConfigError, match=re.escape(message)):
-        sglang.Engine(model_path=str(tiny), device="cpu", log_level="error", kv_cache_dtype="logquant2")
+    refused_before_load(tiny, "logquant2", env, message, monkeypatch)

@@ -5,15 +5,13 @@ pool too small for the workload, bad ZipCache knobs refused before the model loa
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
 from sgl_kvq.launch import ServerProcess
 from sgl_kvq.models import tiny_llama
 from multiturn import multiturn_cached_tokens
-from test_e2e_gear import _prompts
-from test_e2e_serving import GREEDY, agreement, run_engine
+from test_e2e_gear import _prompts, contended_agreement_in_the_deterministic_mode, refused_before_load
+from test_e2e_serving import run_engine
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -60,19 +58,8 @@ def test_pool_too_small_completes_every_request_and_is_exact_in_the_deterministi
     """12 requests x 160 tokens against a 16-page pool with retraction forced. With KVQ_PREFILL=paged and
     KVQ_RESIDUAL=0 a page's compression is a function of its tokens and their queries alone, so the contended run
     must agree with the uncontended one at least as well as bf16's does."""
-    model = tiny_llama(dtype="bfloat16")
-    prompts = _prompts(12)
-    exact = {"KVQ_PREFILL": "paged", "KVQ_RESIDUAL": "0"}
-    contended = {}
-    for name, (dtype, env) in {"auto": ("auto", {}), "zipcache2-paged-r0": ("zipcache2", exact)}.items():
-        free, _ = run_engine(model, dtype, prompts, max_total_tokens=4096, dtype="bfloat16", env=env)
-        tight, stats = run_engine(model, dtype, prompts, max_total_tokens=1024, dtype="bfloat16",
-                                  env={**env, "SGLANG_TEST_RETRACT": "1"})
-        assert stats["capacity_tokens"] == 1024
-        assert all(len(o) == GREEDY["max_new_tokens"] for o in tight), "a request did not complete"
-        contended[name] = agreement(free, tight)
-    assert re.search(r"#retracted_reqs: [1-9]", capfd.readouterr().err), "no request was retracted"
-    assert contended["zipcache2-paged-r0"] >= contended["auto"], contended
+    contended = contended_agreement_in_the_deterministic_mode("zipcache2", capfd)
+    assert contended["zipcache2"] >= contended["auto"], contended
 
 
 @pytest.mark.parametrize("env,message", [
@@ -81,11 +68,4 @@ def test_pool_too_small_completes_every_request_and_is_exact_in_the_deterministi
     ({"KVQ_ZIPCACHE_SALIENT": "most"}, "KVQ_ZIPCACHE_SALIENT='most' is not a number"),
 ])
 def test_bad_zipcache_knobs_fail_before_the_model_loads(tiny, env, message, monkeypatch):
-    import sglang
-
-    from sgl_kvq.config import KVQConfigError
-
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    with pytest.raises(KVQConfigError, match=re.escape(message)):
-        sglang.Engine(model_path=str(tiny), device="cpu", log_level="error", kv_cache_dtype="zipcache2")
+    refused_before_load(tiny, "zipcache2", env, message, monkeypatch)
