@@ -217,13 +217,9 @@ def test_pool_through_radix_tree(seed, bits, G, window_pages):
     assert ep.checked > 0
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 2**31), method=st.sampled_from(["gear", "gearl"]), window_pages=st.sampled_from([0, 1]))
-def test_gear_pool_through_radix_tree(seed, method, window_pages):
-    """GEAR pages (codes + low-rank factors + outliers) shared, evicted and reused behind the radix tree read back
-    as the reference compression of their true K/V."""
-    rng = random.Random(seed)
-    cfg = KVQConfig(method=method, bits=2, group_size=8, value_group=8, residual=window_pages * 8)
+def _shared_life(cfg: KVQConfig, rng: random.Random) -> None:
+    """Six requests over three shared trunks (G = 8 pages), chunked extends, decodes and random evictions through
+    a 14-page pool; every read is checked against the reference (Episode.check)."""
     ep = Episode(cfg, num_pages=14, rng=rng)
     trunks = [[rng.randrange(100) for _ in range(rng.randrange(8, 40))] for _ in range(3)]
     for _ in range(6):
@@ -234,6 +230,16 @@ def test_gear_pool_through_radix_tree(seed, method, window_pages):
         if rng.random() < 0.3:
             ep.tree.evict(EvictParams(num_tokens=rng.randrange(1, 6) * 8))
     assert ep.checked > 0
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31), method=st.sampled_from(["gear", "gearl"]), window_pages=st.sampled_from([0, 1]))
+def test_gear_pool_through_radix_tree(seed, method, window_pages):
+    """GEAR pages (codes + low-rank factors + outliers) shared, evicted and reused behind the radix tree read back
+    as the reference compression of their true K/V."""
+    rng = random.Random(seed)
+    cfg = KVQConfig(method=method, bits=2, group_size=8, value_group=8, residual=window_pages * 8)
+    _shared_life(cfg, rng)
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -245,16 +251,7 @@ def test_zipcache_pool_through_radix_tree(seed, ratio, window_pages):
     rng = random.Random(seed)
     cfg = KVQConfig(method="zipcache", bits=2, group_size=8, value_group=8, residual=window_pages * 8,
                     zipcache_salient=ratio)
-    ep = Episode(cfg, num_pages=14, rng=rng)
-    trunks = [[rng.randrange(100) for _ in range(rng.randrange(8, 40))] for _ in range(3)]
-    for _ in range(6):
-        trunk = rng.choice(trunks)
-        tokens = trunk[: rng.randrange(1, len(trunk) + 1)] + [rng.randrange(100) for _ in range(rng.randrange(0, 16))]
-        ep.run_request(tokens, decode_steps=rng.randrange(0, 11), chunk=rng.choice([3, 7, 8, 21]),
-                       slot=rng.randrange(1, 5))
-        if rng.random() < 0.3:
-            ep.tree.evict(EvictParams(num_tokens=rng.randrange(1, 6) * 8))
-    assert ep.checked > 0
+    _shared_life(cfg, rng)
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
