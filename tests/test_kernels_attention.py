@@ -146,6 +146,34 @@ def test_extend_matches_reference(case, bits, dtype):
     assert_close_written(out, ref, dtype)
 
 
+def _check_decode_format(case, dtype, *, seed, **extras):
+    """Decode over 2-bit pages carrying a format's extras (make_pool's gear= / salient= / rows=) vs ref_decode."""
+    G, H, group, D, VG, reqs = CASES[case]
+    kv, paged = make_pool(G, H, D, VG, 2, reqs, dtype, seed=seed, **extras)
+    q = torch.randn(len(reqs), H * group, D, generator=torch.Generator().manual_seed(1)).to(dtype)
+    ref = ref_decode(q, kv, paged, D ** -0.5)
+    p = dec.plan(to_device(paged), num_qo_heads=H * group, num_kv_heads=H, head_dim=D, page_size=G,
+                 max_splits=3, min_pages_per_split=1)
+    out = torch.full_like(q, float("nan"), device=DEVICE)
+    dec.decode_attention(q.to(DEVICE), to_device(kv), p, D ** -0.5, out=out)
+    assert_close_written(out, ref, dtype)
+
+
+def _check_extend_format(case, *, seed, **extras):
+    """Extend over 2-bit pages carrying a format's extras vs ref_extend (fp32)."""
+    G, H, group, D, VG, reqs = EXTEND_CASES[case]
+    kv, paged = make_pool(G, H, D, VG, 2, [(b, o) for b, o, _ in reqs], torch.float32, seed=seed, **extras)
+    gen = torch.Generator().manual_seed(2)
+    qo_indptr = torch.tensor([0] + [n for _, _, n in reqs]).cumsum(0).int()
+    N = int(qo_indptr[-1])
+    q, k_new, v_new = (torch.randn(N, h, D, generator=gen) for h in (H * group, H, H))
+    ref = ref_extend(q, k_new, v_new, qo_indptr, kv, paged, D ** -0.5)
+    out = torch.full_like(q, float("nan"), device=DEVICE)
+    extend_attention(q.to(DEVICE), k_new.to(DEVICE), v_new.to(DEVICE), qo_indptr.to(DEVICE), to_device(kv),
+                     to_device(paged), D ** -0.5, out=out)
+    assert_close_written(out, ref, torch.float32)
+
+
 # GEAR pages (rank, outliers per key channel NK, per value token NV): the correction in registers vs
 # gear_page.correct_keys / correct_values in the reference, over odd shapes (GQA 3 and 4, D 128 and 256, partial
 # last pages, contexts shorter than a page).
@@ -156,31 +184,13 @@ GEAR = {"gear2": (2, 1, 1), "gearl2": (2, 0, 0), "rank3-nk2-nv3": (3, 2, 3)}
 @pytest.mark.parametrize("gear", list(GEAR))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_gear_matches_reference(case, gear, dtype):
-    G, H, group, D, VG, reqs = CASES[case]
-    kv, paged = make_pool(G, H, D, VG, 2, reqs, dtype, seed=3, gear=GEAR[gear])
-    q = torch.randn(len(reqs), H * group, D, generator=torch.Generator().manual_seed(1)).to(dtype)
-    ref = ref_decode(q, kv, paged, D ** -0.5)
-    p = dec.plan(to_device(paged), num_qo_heads=H * group, num_kv_heads=H, head_dim=D, page_size=G,
-                 max_splits=3, min_pages_per_split=1)
-    out = torch.full_like(q, float("nan"), device=DEVICE)
-    dec.decode_attention(q.to(DEVICE), to_device(kv), p, D ** -0.5, out=out)
-    assert_close_written(out, ref, dtype)
+    _check_decode_format(case, dtype, seed=3, gear=GEAR[gear])
 
 
 @pytest.mark.parametrize("case", list(EXTEND_CASES))
 @pytest.mark.parametrize("gear", list(GEAR))
 def test_extend_gear_matches_reference(case, gear):
-    G, H, group, D, VG, reqs = EXTEND_CASES[case]
-    kv, paged = make_pool(G, H, D, VG, 2, [(b, o) for b, o, _ in reqs], torch.float32, seed=4, gear=GEAR[gear])
-    gen = torch.Generator().manual_seed(2)
-    qo_indptr = torch.tensor([0] + [n for _, _, n in reqs]).cumsum(0).int()
-    N = int(qo_indptr[-1])
-    q, k_new, v_new = (torch.randn(N, h, D, generator=gen) for h in (H * group, H, H))
-    ref = ref_extend(q, k_new, v_new, qo_indptr, kv, paged, D ** -0.5)
-    out = torch.full_like(q, float("nan"), device=DEVICE)
-    extend_attention(q.to(DEVICE), k_new.to(DEVICE), v_new.to(DEVICE), qo_indptr.to(DEVICE), to_device(kv),
-                     to_device(paged), D ** -0.5, out=out)
-    assert_close_written(out, ref, torch.float32)
+    _check_extend_format(case, seed=4, gear=GEAR[gear])
 
 
 def test_gear_correction_layout_is_checked():
@@ -201,31 +211,13 @@ SALIENT = [1, 7]
 @pytest.mark.parametrize("ns", SALIENT)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_zipcache_matches_reference(case, ns, dtype):
-    G, H, group, D, VG, reqs = CASES[case]
-    kv, paged = make_pool(G, H, D, VG, 2, reqs, dtype, seed=5, salient=ns)
-    q = torch.randn(len(reqs), H * group, D, generator=torch.Generator().manual_seed(1)).to(dtype)
-    ref = ref_decode(q, kv, paged, D ** -0.5)
-    p = dec.plan(to_device(paged), num_qo_heads=H * group, num_kv_heads=H, head_dim=D, page_size=G,
-                 max_splits=3, min_pages_per_split=1)
-    out = torch.full_like(q, float("nan"), device=DEVICE)
-    dec.decode_attention(q.to(DEVICE), to_device(kv), p, D ** -0.5, out=out)
-    assert_close_written(out, ref, dtype)
+    _check_decode_format(case, dtype, seed=5, salient=ns)
 
 
 @pytest.mark.parametrize("case", list(EXTEND_CASES))
 @pytest.mark.parametrize("ns", SALIENT)
 def test_extend_zipcache_matches_reference(case, ns):
-    G, H, group, D, VG, reqs = EXTEND_CASES[case]
-    kv, paged = make_pool(G, H, D, VG, 2, [(b, o) for b, o, _ in reqs], torch.float32, seed=6, salient=ns)
-    gen = torch.Generator().manual_seed(2)
-    qo_indptr = torch.tensor([0] + [n for _, _, n in reqs]).cumsum(0).int()
-    N = int(qo_indptr[-1])
-    q, k_new, v_new = (torch.randn(N, h, D, generator=gen) for h in (H * group, H, H))
-    ref = ref_extend(q, k_new, v_new, qo_indptr, kv, paged, D ** -0.5)
-    out = torch.full_like(q, float("nan"), device=DEVICE)
-    extend_attention(q.to(DEVICE), k_new.to(DEVICE), v_new.to(DEVICE), qo_indptr.to(DEVICE), to_device(kv),
-                     to_device(paged), D ** -0.5, out=out)
-    assert_close_written(out, ref, torch.float32)
+    _check_extend_format(case, seed=6, salient=ns)
 
 
 def test_zipcache_salient_layout_is_checked():
@@ -247,31 +239,13 @@ ROWS = {"M1": 1, "M3": 3, "M8": 8}
 @pytest.mark.parametrize("rows", list(ROWS))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_logquant_rows_match_reference(case, rows, dtype):
-    G, H, group, D, VG, reqs = CASES[case]
-    kv, paged = make_pool(G, H, D, VG, 2, reqs, dtype, seed=5, rows=ROWS[rows])
-    q = torch.randn(len(reqs), H * group, D, generator=torch.Generator().manual_seed(1)).to(dtype)
-    ref = ref_decode(q, kv, paged, D ** -0.5)
-    p = dec.plan(to_device(paged), num_qo_heads=H * group, num_kv_heads=H, head_dim=D, page_size=G,
-                 max_splits=3, min_pages_per_split=1)
-    out = torch.full_like(q, float("nan"), device=DEVICE)
-    dec.decode_attention(q.to(DEVICE), to_device(kv), p, D ** -0.5, out=out)
-    assert_close_written(out, ref, dtype)
+    _check_decode_format(case, dtype, seed=5, rows=ROWS[rows])
 
 
 @pytest.mark.parametrize("case", list(EXTEND_CASES))
 @pytest.mark.parametrize("rows", list(ROWS))
 def test_extend_logquant_rows_match_reference(case, rows):
-    G, H, group, D, VG, reqs = EXTEND_CASES[case]
-    kv, paged = make_pool(G, H, D, VG, 2, [(b, o) for b, o, _ in reqs], torch.float32, seed=6, rows=ROWS[rows])
-    gen = torch.Generator().manual_seed(2)
-    qo_indptr = torch.tensor([0] + [n for _, _, n in reqs]).cumsum(0).int()
-    N = int(qo_indptr[-1])
-    q, k_new, v_new = (torch.randn(N, h, D, generator=gen) for h in (H * group, H, H))
-    ref = ref_extend(q, k_new, v_new, qo_indptr, kv, paged, D ** -0.5)
-    out = torch.full_like(q, float("nan"), device=DEVICE)
-    extend_attention(q.to(DEVICE), k_new.to(DEVICE), v_new.to(DEVICE), qo_indptr.to(DEVICE), to_device(kv),
-                     to_device(paged), D ** -0.5, out=out)
-    assert_close_written(out, ref, torch.float32)
+    _check_extend_format(case, seed=6, rows=ROWS[rows])
 
 
 def test_logquant_rows_layout_is_checked():
