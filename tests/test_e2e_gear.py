@@ -5,7 +5,6 @@ loads, and the pool's bytes per token."""
 
 from __future__ import annotations
 
-import random
 import re
 
 import pytest
@@ -13,7 +12,8 @@ import pytest
 from sgl_kvq.launch import ServerProcess
 from sgl_kvq.models import tiny_llama
 from multiturn import multiturn_cached_tokens
-from test_e2e_serving import GREEDY, agreement, run_engine
+from contended import contended_agreement_in_the_deterministic_mode, contended_prompts
+from test_e2e_serving import run_engine
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -23,32 +23,6 @@ GEAR_DTYPES = ["gear2", "gearl2"]
 @pytest.fixture(scope="module")
 def tiny():
     return tiny_llama()
-
-
-def _prompts(n: int, words: int = 120) -> list[str]:
-    rng = random.Random(0)
-    vocab = "def class return import from self lambda yield while for if else try except with as print".split()
-    return [" ".join(rng.choice(vocab) for _ in range(words)) for _ in range(n)]
-
-
-def contended_agreement_in_the_deterministic_mode(dtype: str, capfd) -> dict[str, float]:
-    """12 requests x 160 tokens of the tiny bf16 Llama, uncontended (4,096-token pool) and contended (a 16-page pool
-    with retraction forced), for bf16 and for `dtype` with KVQ_PREFILL=paged and KVQ_RESIDUAL=0: every request must
-    complete and a request must have been retracted -> {"auto": bf16's, dtype: dtype's} agreement of the contended
-    run with the uncontended one (shared by the per-format e2e modules)."""
-    model = tiny_llama(dtype="bfloat16")
-    prompts = _prompts(12)
-    exact = {"KVQ_PREFILL": "paged", "KVQ_RESIDUAL": "0"}
-    contended = {}
-    for name, env in (("auto", {}), (dtype, exact)):
-        free, _ = run_engine(model, name, prompts, max_total_tokens=4096, dtype="bfloat16", env=env)
-        tight, stats = run_engine(model, name, prompts, max_total_tokens=1024, dtype="bfloat16",
-                                  env={**env, "SGLANG_TEST_RETRACT": "1"})
-        assert stats["capacity_tokens"] == 1024
-        assert all(len(o) == GREEDY["max_new_tokens"] for o in tight), "a request did not complete"
-        contended[name] = agreement(free, tight)
-    assert re.search(r"#retracted_reqs: [1-9]", capfd.readouterr().err), "no request was retracted"
-    return contended
 
 
 def refused_before_load(model, kv_cache_dtype: str, env: dict, message: str, monkeypatch) -> None:
@@ -65,7 +39,7 @@ def refused_before_load(model, kv_cache_dtype: str, env: dict, message: str, mon
 
 @pytest.mark.parametrize("dtype", GEAR_DTYPES)
 def test_kvq_triton_gives_the_same_tokens_as_kvq_torch(tiny, dtype):
-    prompts = _prompts(3)
+    prompts = contended_prompts(3)
     torch_out, stats = run_engine(tiny, dtype, prompts, attention_backend="kvq_torch", max_total_tokens=4096)
     triton_out, _ = run_engine(tiny, dtype, prompts, attention_backend="kvq_triton", max_total_tokens=4096,
                                env={"TRITON_INTERPRET": "1"})

@@ -10,7 +10,8 @@ import pytest
 from sgl_kvq.launch import ServerProcess
 from sgl_kvq.models import tiny_llama
 from multiturn import multiturn_cached_tokens
-from test_e2e_gear import _prompts, contended_agreement_in_the_deterministic_mode, refused_before_load
+from contended import contended_agreement_in_the_deterministic_mode, contended_prompts
+from test_e2e_gear import refused_before_load
 from test_e2e_serving import run_engine
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
@@ -23,7 +24,8 @@ def tiny():
 
 @pytest.mark.parametrize("window,rows", [("10", 1), ("21", 8)])
 def test_kvq_triton_gives_the_same_tokens_as_kvq_torch(tiny, window, rows):
-    prompts = _prompts(3, words=200)  # longer than (1 + ring) pages: page 0 and its rows are read from the base
+    # Longer than (1 + ring) pages: page 0 and its rows are read from the base.
+    prompts = contended_prompts(3, words=200)
     env = {"KVQ_LOGQUANT_WINDOW": window}
     torch_out, stats = run_engine(tiny, "logquant2", prompts, attention_backend="kvq_torch", max_total_tokens=4096,
                                   env=env)

@@ -15,7 +15,7 @@ import random
 
 import pytest
 
-from sgl_kvq.launch import ServerProcess, engine_kwargs
+from sgl_kvq.launch import ServerProcess
 from sgl_kvq.models import tiny_llama
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import subprocess
 import sys
 import urllib.request
@@ -85,22 +84,13 @@ def test_pool_too_small_completes_every_request_like_an_uncontended_run(capfd):
     quantization itself moves a run away from bf16 (the uncontended kvq run against the uncontended bf16 run,
     measured here): contention may perturb a kvq run at quantization-noise level, never more. A corrupted page read
     (another request's codes, a stale scale) derails a continuation far beyond that."""
-    model = tiny_llama(dtype="bfloat16")
-    rng = random.Random(0)
-    words = "def class return import from self lambda yield while for if else try except with as print".split()
-    prompts = [" ".join(rng.choice(words) for _ in range(120)) for _ in range(12)]
-    exact = {"KVQ_PREFILL": "paged", "KVQ_RESIDUAL": "0"}
-    runs = {"auto": ("auto", {}), "kivi4": ("kivi4", {}), "kivi2": ("kivi2", {}), "kivi2-paged-r0": ("kivi2", exact)}
+    from contended import DETERMINISTIC, uncontended_and_contended
+
+    runs = {"auto": ("auto", {}), "kivi4": ("kivi4", {}), "kivi2": ("kivi2", {}),
+            "kivi2-paged-r0": ("kivi2", DETERMINISTIC)}
     free, contended = {}, {}
     for name, (dtype, env) in runs.items():
-        free[name], _ = run_engine(model, dtype, prompts, max_total_tokens=4096, dtype="bfloat16", env=env)
-        tight, stats = run_engine(model, dtype, prompts, max_total_tokens=1024, dtype="bfloat16",
-                                  env={**env, "SGLANG_TEST_RETRACT": "1"})
-        assert stats["capacity_tokens"] == 1024
-        assert all(len(o) == GREEDY["max_new_tokens"] for o in tight), "a request did not complete"
-        contended[name] = agreement(free[name], tight)
-    log = capfd.readouterr().err
-    assert re.search(r"#retracted_reqs: [1-9]", log), "the contended runs never retracted a request"
+        free[name], contended[name] = uncontended_and_contended(dtype, env, capfd)
     quantization = {name: agreement(free[name], free["auto"]) for name in ("kivi4", "kivi2")}
     print("contended vs uncontended agreement:", contended, "uncontended kvq vs bf16:", quantization)
     assert contended["kivi2-paged-r0"] >= contended["auto"], contended

@@ -10,7 +10,8 @@ import pytest
 from sgl_kvq.launch import ServerProcess
 from sgl_kvq.models import tiny_llama
 from multiturn import multiturn_cached_tokens
-from test_e2e_gear import _prompts, contended_agreement_in_the_deterministic_mode, refused_before_load
+from contended import contended_agreement_in_the_deterministic_mode, contended_prompts
+from test_e2e_gear import refused_before_load
 from test_e2e_serving import run_engine
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
@@ -23,7 +24,7 @@ def tiny():
 
 @pytest.mark.parametrize("prefill", ["full", "paged"])
 def test_kvq_triton_gives_the_same_tokens_as_kvq_torch(tiny, prefill):
-    prompts = _prompts(3)
+    prompts = contended_prompts(3)
     env = {"KVQ_PREFILL": prefill}
     torch_out, stats = run_engine(tiny, "zipcache2", prompts, attention_backend="kvq_torch", max_total_tokens=4096,
                                   env=env)
