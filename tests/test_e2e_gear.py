@@ -9,9 +9,8 @@ import re
 
 import pytest
 
-from sgl_kvq.launch import ServerProcess
 from sgl_kvq.models import tiny_llama
-from multiturn import multiturn_cached_tokens
+from multiturn import radix_hits_over_http
 from contended import contended_agreement_in_the_deterministic_mode, contended_prompts
 from test_e2e_serving import run_engine
 
@@ -49,26 +48,12 @@ def test_kvq_triton_gives_the_same_tokens_as_kvq_torch(tiny, dtype):
 
 @pytest.mark.parametrize("dtype", GEAR_DTYPES)
 def test_http_server_multiturn_and_forked_program_hit_the_radix_cache(tiny, tmp_path, dtype, frontend_fork):
-    args = ["--model-path", str(tiny), "--kv-cache-dtype", dtype, "--dtype", "float32",
-            "--max-total-tokens", "4096", "--mem-fraction-static", "0.3"]
-    with ServerProcess(args, log_path=tmp_path / "server.log") as server:
-        cached, _ = multiturn_cached_tokens(server, turns=3)
-        assert cached[0] == 0 and all(c >= 64 and c % 64 == 0 for c in cached[1:]), cached
-        # A forked frontend-language program: its shared prefix lands in the radix tree as quantized pages that a
-        # later request matches whole. (Its two branches themselves report 0 cached tokens, on bf16 too: SGLang
-        # 0.5.23's RuntimeEndpoint sends them before the prefix request has been inserted.)
-        shared = "shared prefix for both branches " * 40
-        branches = frontend_fork(server.base, shared)
-        assert len(branches) == 2 and all(meta["completion_tokens"] == 8 for _, meta in branches), branches
-        again = server.post("/generate", {"text": shared, "sampling_params": {"max_new_tokens": 1}})
-        assert again["meta_info"]["cached_tokens"] == 64 * (again["meta_info"]["prompt_tokens"] // 64), again
-        stats = server.kv_pool_stats()
-        assert stats["kv_cache_dtype"] == dtype
-        # tiny: 2 layers x 2 KV heads x D 16, G 64. Per token and head: codes 2 x 4 B, key scale+zero 2 x 16 x 2 / 64,
-        # value scale+zero 2 x 2, rank-2 factors 2 x 2 x (64 + 16) x 2 / 64, gear2's outliers (fp16 + uint8 index;
-        # one per key channel per page, one per value token) 16 x 3 / 64 + 3.
-        per_head = 8 + 1 + 4 + 10 + (48 / 64 + 3 if dtype == "gear2" else 0)
-        assert stats["base_bytes_per_token"] == pytest.approx(2 * 2 * per_head)
+    stats = radix_hits_over_http(tiny, dtype, tmp_path / "server.log", frontend_fork)
+    # tiny: 2 layers x 2 KV heads x D 16, G 64. Per token and head: codes 2 x 4 B, key scale+zero 2 x 16 x 2 / 64,
+    # value scale+zero 2 x 2, rank-2 factors 2 x 2 x (64 + 16) x 2 / 64, gear2's outliers (fp16 + uint8 index;
+    # one per key channel per page, one per value token) 16 x 3 / 64 + 3.
+    per_head = 8 + 1 + 4 + 10 + (48 / 64 + 3 if dtype == "gear2" else 0)
+    assert stats["base_bytes_per_token"] == pytest.approx(2 * 2 * per_head)
 
 
 def test_pool_too_small_completes_every_request_and_is_exact_in_the_deterministic_mode(capfd):

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from sgl_kvq.launch import ServerProcess
 from sgl_kvq.models import tiny_llama
-from multiturn import multiturn_cached_tokens
+from multiturn import radix_hits_over_http
 from contended import contended_agreement_in_the_deterministic_mode, contended_prompts
 from test_e2e_gear import refused_before_load
 from test_e2e_serving import run_engine
@@ -35,24 +34,13 @@ def test_kvq_triton_gives_the_same_tokens_as_kvq_torch(tiny, prefill):
 
 
 def test_http_server_multiturn_and_forked_program_hit_the_radix_cache(tiny, tmp_path, frontend_fork):
-    args = ["--model-path", str(tiny), "--kv-cache-dtype", "zipcache2", "--dtype", "float32",
-            "--max-total-tokens", "4096", "--mem-fraction-static", "0.3"]
-    with ServerProcess(args, log_path=tmp_path / "server.log") as server:
-        cached, _ = multiturn_cached_tokens(server, turns=3)
-        assert cached[0] == 0 and all(c >= 64 and c % 64 == 0 for c in cached[1:]), cached
-        shared = "shared prefix for both branches " * 40
-        branches = frontend_fork(server.base, shared)
-        assert len(branches) == 2 and all(meta["completion_tokens"] == 8 for _, meta in branches), branches
-        again = server.post("/generate", {"text": shared, "sampling_params": {"max_new_tokens": 1}})
-        assert again["meta_info"]["cached_tokens"] == 64 * (again["meta_info"]["prompt_tokens"] // 64), again
-        stats = server.kv_pool_stats()
-        assert stats["kv_cache_dtype"] == "zipcache2"
-        # tiny: 2 layers x 2 KV heads x D 16, G 64, NS 26. Per token and head: KIVI's 2-bit page 8 + 1 + 4 (codes,
-        # key scale+zero per page, value scale+zero per token); per page: c and the salient key scale+zero
-        # 3 x 16 x 2 / 64, and per salient row its offset, 4-bit key and value codes and value scale+zero
-        # 26 x (1 + 8 + 8 + 4) / 64.
-        per_head = 13 + 1.5 + 26 * 21 / 64
-        assert stats["base_bytes_per_token"] == pytest.approx(2 * 2 * per_head)
+    stats = radix_hits_over_http(tiny, "zipcache2", tmp_path / "server.log", frontend_fork)
+    # tiny: 2 layers x 2 KV heads x D 16, G 64, NS 26. Per token and head: KIVI's 2-bit page 8 + 1 + 4 (codes,
+    # key scale+zero per page, value scale+zero per token); per page: c and the salient key scale+zero
+    # 3 x 16 x 2 / 64, and per salient row its offset, 4-bit key and value codes and value scale+zero
+    # 26 x (1 + 8 + 8 + 4) / 64.
+    per_head = 13 + 1.5 + 26 * 21 / 64
+    assert stats["base_bytes_per_token"] == pytest.approx(2 * 2 * per_head)
 
 
 def test_pool_too_small_completes_every_request_and_is_exact_in_the_deterministic_mode(capfd):
