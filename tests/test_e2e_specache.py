@@ -113,9 +113,32 @@ def test_http_server_and_frontend_language_on_specache2(tiny, tmp_path, frontend
     assert pool["specache"]["recall_wanted"] == 0  # the diagnostic is off by default
 
 
+@pytest.mark.parametrize("dtype", ["specache1", "specache2"])
+def test_kvq_triton_gives_the_same_tokens_as_kvq_torch(tiny, dtype):
+    """The fused lanes (kernels/specache_decode.py) against the torch lanes through the engine: the same real tokens,
+    the same speculative guesses (the guess hit count is row 1's argmax, step after step) and the same recall of the
+    device-selected top-k sets (KVQ_SPECACHE_RECALL=1, so the torch diagnostic scores both backends' prefetches)."""
+    from test_e2e_serving import run_engine
+
+    rng = random.Random(3)
+    prompts = [" ".join(rng.choice(WORDS) for _ in range(n)) for n in (150, 40, 90)]
+    env = {"KVQ_SPECACHE_RECALL": "1", "KVQ_TOPK": "8"}  # a top-k well below the base, so the sets matter
+    sampling = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+    torch_out, torch_pool = run_engine(tiny, dtype, prompts, sampling, env=env, attention_backend="kvq_torch",
+                                       max_total_tokens=4096)
+    triton_out, triton_pool = run_engine(tiny, dtype, prompts, sampling, env={**env, "TRITON_INTERPRET": "1"},
+                                         attention_backend="kvq_triton", max_total_tokens=4096)
+    assert triton_out == torch_out
+    a, b = torch_pool["specache"], triton_pool["specache"]
+    print(dtype, "torch", a, "triton", b)
+    for key in ("predecode_rows", "decode_steps", "prefetched_rows", "spec_token_guesses", "spec_token_hit_rate",
+                "recall_wanted"):
+        assert a[key] == b[key], key
+    assert a["top_k"] == 8 and a["recall_wanted"] > 0 and b["recall"] == pytest.approx(a["recall"], abs=0.01)
+
+
 BAD = [
     ({"kv_cache_dtype": "specache4"}, {}, "unknown kv cache dtype 'specache4'"),
-    ({"kv_cache_dtype": "specache2", "attention_backend": "kvq_triton"}, {}, "run on kvq_torch only"),
     ({"kv_cache_dtype": "specache1"}, {"KVQ_PREFILL": "paged"}, "applies to kivi only"),
     ({"kv_cache_dtype": "specache1"}, {"KVQ_TOPK": "0"}, "top-k 0 must be at least 1"),
     ({"kv_cache_dtype": "specache2"}, {"KVQ_SPECACHE_PREFIX": "disk"},
