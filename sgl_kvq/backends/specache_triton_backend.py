@@ -1,8 +1,11 @@
-"""kvq_triton for the specache dtypes: the same lanes, host tier and plans as kvq_torch's (specache_backend.py), with
-the decode of both lanes in one fused kernel per layer (sgl_kvq/kernels/specache_decode.py): packed pages and fp16
-frames are read in registers for both rows of a request, the prefetched 16-bit top-k rows replace their positions,
-and the speculative row's next top-k is selected on the device (select_topk), so the prefetch of the next step is
-issued without a host sync. Writes use the Triton quantize/scatter kernels (bit-exact with torch's).
+"""kvq_triton for the specache dtypes: the same lanes, host tier and extends as kvq_torch's (specache_backend.py).
+The two-lane decode is planned on the device (kvq_triton's build_decode over the real rows; both lanes read its
+entries, tests/test_specache_decode_metadata.py) and both lanes run in one fused kernel per layer
+(sgl_kvq/kernels/specache_decode.py): packed pages and fp16 frames are read in registers for both rows of a
+request, the prefetched 16-bit top-k rows replace their positions, and the speculative row's next top-k is selected
+on the device (select_topk), so the next step's prefetch (HostTier.prefetch: a copy stream, one event per layer) is
+issued without a host sync and overlaps the next layer's compute. The pre-decode keeps the host-built read-only plan.
+Writes use the Triton store/quantize kernels (bit-exact with torch's).
 
 Extends stay on the reference path of specache_backend.py (a cached prefix is read in 16 bits from the host tier,
 or with KVQ_SPECACHE_PREFIX=device as stored) and run eagerly, as kvq_triton's extends do. Decode runs eagerly too:
@@ -16,6 +19,8 @@ import torch
 
 from sgl_kvq.backends.specache_backend import KVQSpeCacheBackend
 from sgl_kvq.kernels import specache_decode as sd
+from sgl_kvq.metadata.device import DecodeBuffers, build_decode
+from sgl_kvq.plan import ForwardPlan, Step
 
 
 class KVQSpeCacheTritonBackend(KVQSpeCacheBackend):
@@ -30,13 +35,25 @@ class KVQSpeCacheTritonBackend(KVQSpeCacheBackend):
         self.num_qo_heads = mc.get_max_num_attention_heads() // get_parallel().attn_tp_size
         self.lane_plan: sd.SpeCachePlan | None = None
         self.scores: torch.Tensor | None = None
+        self.write_slots: torch.Tensor | None = None  # pool slots of the two-lane step's real rows
+        self.decode_bufs = DecodeBuffers(self.req_to_token.shape[0], -(-self.req_to_token.shape[1] // self.store.G),
+                                         self.store.ring, self.store.device)
 
     def init_forward_metadata(self, forward_batch):
-        super().init_forward_metadata(forward_batch)
+        lanes = self.sc.lanes
+        if forward_batch.forward_mode.is_decode() and lanes is not None and lanes.kind == "two_lane":
+            # kvq_triton's device-built decode metadata over the real rows: both lanes read its plan entries
+            n = lanes.n_real
+            self.write_slots = forward_batch.out_cache_loc[:n]
+            write, paged = build_decode(self.store, self.req_to_token, forward_batch.req_pool_indices,
+                                        forward_batch.seq_lens, self.write_slots, self.decode_bufs)
+            self.forward_plan = ForwardPlan(is_decode=True, steps=[Step(plan=paged, write=write)])
+            self.req = forward_batch.req_pool_indices.long()
+        else:
+            super().init_forward_metadata(forward_batch)
         if not forward_batch.forward_mode.is_decode():
             self.lane_plan = self.scores = None
             return
-        lanes = self.sc.lanes
         s = self.store.shape
         self.lane_plan = sd.plan(self.forward_plan.steps[0].plan, n_lanes=2 if lanes.kind == "two_lane" else 1,
                                  num_qo_heads=self.num_qo_heads, num_kv_heads=s.heads, head_dim=s.head_dim,
@@ -60,8 +77,8 @@ class KVQSpeCacheTritonBackend(KVQSpeCacheBackend):
             return out.reshape(q.shape[0], -1)
         n = sc.lanes.n_real
         if save_kv_cache:
-            self.store.write_layer(li, step.write, k[:n], v[:n], kernels=True)
-            sc.host.write(li, step.write.slots, k[:n], v[:n])
+            self.store.write_decode_layer(li, step.write, k[:n], v[:n])
+            sc.host.write(li, self.write_slots, k[:n], v[:n])
         sc.host.wait(li)
         if sc.recall:
             self._count_recall(q[:n], li, step.plan, layer.scaling)
