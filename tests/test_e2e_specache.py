@@ -134,7 +134,8 @@ def test_kvq_triton_gives_the_same_tokens_as_kvq_torch(tiny, dtype, monkeypatch)
     """The fused lanes (kernels/specache_decode.py) against the torch lanes through the engine, over two turns with
     radix hits: the same real tokens, the same speculative guesses (the guess hit count is row 1's argmax, step
     after step) and the same recall of the device-selected top-k sets (KVQ_SPECACHE_RECALL=1, so the torch
-    diagnostic scores both backends' prefetches; a near-tie may pick another position on one head, so recall agrees to 0.01)."""
+    diagnostic scores both backends' prefetches; a near-tie may pick another position on one head, so recall agrees
+    to 0.01)."""
     monkeypatch.setenv("KVQ_SPECACHE_RECALL", "1")
     monkeypatch.setenv("KVQ_TOPK", "8")  # a top-k well below the base, so the sets matter
     rng = random.Random(3)
