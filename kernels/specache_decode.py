@@ -71,7 +71,7 @@ def plan(paged: PagedPlan, *, n_lanes: int, num_qo_heads: int, num_kv_heads: int
     require(num_qo_heads % num_kv_heads == 0, f"{num_qo_heads} query heads over {num_kv_heads} KV heads")
     B = paged.batch_size
     if max_splits is None:
-        max_splits = default_max_splits(dev, n_lanes * B, num_kv_heads)
+        max_splits = default_max_splits(dev, B, num_kv_heads)  # one program serves both lanes: B x H programs
     if min_pages_per_split is None:
         min_pages_per_split = max(1, _MIN_TOKENS_PER_SPLIT // page_size)
     require(max_splits >= 1 and min_pages_per_split >= 1, "max_splits and min_pages_per_split must be >= 1")
