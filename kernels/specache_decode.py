@@ -106,7 +106,6 @@ def specache_decode(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, k
     for name, t in (("k_own", k_own), ("v_own", v_own)):
         require(tuple(t.shape) == (n, H, D) and t.stride(-1) == 1, f"{name} must be [{n}, {H}, {D}], got "
                 f"{tuple(t.shape)}")
-    require(k_own.stride() == v_own.stride(), "k_own and v_own strides differ")
     require(scores.dim() == 3 and scores.shape[:2] == (n, p.num_qo_heads) and scores.dtype == torch.float32
             and scores.stride(-1) == 1, f"scores must be [{n}, {p.num_qo_heads}, T] fp32")
     require(q.device == kv.ov_k.device == p.num_splits.device == scores.device,
@@ -136,7 +135,7 @@ def specache_decode(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, k
             tk, tv, tpos, req,
             pg.kv_indptr, pg.kv_indices, pg.kv_last_page_len, pg.ov_indptr, pg.ov_indices, pg.ov_last_page_len,
             p.num_splits, p.o_partial, p.lse_partial, scores, sm_scale * LOG2E, n,
-            q.stride(0), q.stride(1), k_own.stride(0), k_own.stride(1),
+            q.stride(0), q.stride(1), k_own.stride(0), k_own.stride(1), v_own.stride(0), v_own.stride(1),
             kv.k_codes.stride(0), kv.k_codes.stride(1), kv.k_scale.stride(0), kv.k_scale.stride(1),
             kv.v_scale.stride(0), kv.v_scale.stride(1),
             kv.ov_k.stride(0), kv.ov_k.stride(1), kv.ov_k.stride(2),

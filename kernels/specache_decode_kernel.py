@@ -38,7 +38,7 @@ def _specache_decode_kernel(
     Q, KC, KS, KZ, VC, VS, VZ, OVK, OVV, KOWN, VOWN, TK, TV, TPOS, REQ,
     kv_indptr, kv_indices, kv_last_page_len, ov_indptr, ov_indices, ov_last_page_len, num_splits,
     O_part, LSE_part, SCORES, sm_scale_log2, n_req,
-    stride_qb, stride_qh, stride_kob, stride_koh,
+    stride_qb, stride_qh, stride_kob, stride_koh, stride_vob, stride_voh,
     stride_kc_slot, stride_kc_head, stride_ks_page, stride_ks_head, stride_vs_slot, stride_vs_head,
     stride_ov_frame, stride_ov_tok, stride_ov_head,
     stride_tr, stride_th, stride_tk, stride_pr, stride_ph,
@@ -91,7 +91,7 @@ def _specache_decode_kernel(
             kt = tl.load(TK + tk_off[None, :] + offs_d[:, None], mask=usable[None, :], other=0.0).to(tl.float32)
             v = tl.load(TV + tk_off[:, None] + offs_d[None, :], mask=usable[:, None], other=0.0).to(tl.float32)
             own_k = tl.load(KOWN + b * stride_kob + kvh * stride_koh + offs_d).to(tl.float32)
-            own_v = tl.load(VOWN + b * stride_kob + kvh * stride_koh + offs_d).to(tl.float32)
+            own_v = tl.load(VOWN + b * stride_vob + kvh * stride_voh + offs_d).to(tl.float32)
             is_own = offs_k == K
             kt = tl.where(is_own[None, :], own_k[:, None], kt)
             v = tl.where(is_own[:, None], own_v[None, :], v)

@@ -29,6 +29,7 @@ CASES = {
     "G16-mha-odd-k5": (16, 2, 1, 64, 64, 5, [(0, 5), (48, 13), (160, 16), (37, 0)]),
     "G32-gqa3-k24": (32, 1, 3, 128, 32, 24, [(0, 40), (64, 1), (7, 0), (95, 0)]),
     "G16-gqa4-k40-short": (16, 2, 4, 64, 16, 40, [(11, 0), (32, 9), (0, 1)]),
+    "G16-one-request": (16, 2, 3, 64, 32, 7, [(80, 21)]),
 }
 
 
@@ -62,8 +63,9 @@ def test_lanes_match_torch(case, bits, dtype, lanes):
     n, Hq = len(reqs), H * group
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(lanes * n, Hq, D, generator=gen).to(dtype)
-    k_own = (torch.randn(n, H, D, generator=gen) * 1.5).to(dtype)
-    v_own = torch.randn(n, H, D, generator=gen).to(dtype)
+    # own K/V as the engine hands them over: views with different row strides (k and v of one fused projection)
+    kv_own = torch.randn(n, 3, H, D, generator=gen).to(dtype)
+    k_own, v_own = kv_own[:, 0] * 1.5, kv_own[:, 2]
     base = [paged.base_len(b, G) for b in range(n)]
     topk = _topk_buffers(n, H, K, D, base, dtype, gen) if lanes == 2 else None
     sm_scale = D ** -0.5

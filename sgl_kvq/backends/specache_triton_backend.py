@@ -7,8 +7,9 @@ on the device (select_topk), so the next step's prefetch (HostTier.prefetch: a c
 issued without a host sync and overlaps the next layer's compute. The pre-decode keeps the host-built read-only plan.
 Writes use the Triton store/quantize kernels (bit-exact with torch's).
 
-Extends stay on the reference path of specache_backend.py (a cached prefix is read in 16 bits from the host tier,
-or with KVQ_SPECACHE_PREFIX=device as stored) and run eagerly, as kvq_triton's extends do. Decode runs eagerly too:
+Extends run eagerly, as kvq_triton's do: a cached prefix read in 16 bits from the host tier (the default) takes the
+reference path of specache_backend.py; with KVQ_SPECACHE_PREFIX=device the prefix as stored is read by kvq_triton's
+fused extend kernel. Decode runs eagerly too:
 the lanes hook is on SGLang's eager decode forward (patches/specache_lanes.py), so patches/resolution.py turns
 decode CUDA graphs off for specache.
 """
@@ -19,6 +20,7 @@ import torch
 
 from sgl_kvq.backends.specache_backend import KVQSpeCacheBackend
 from sgl_kvq.kernels import specache_decode as sd
+from sgl_kvq.kernels.extend_attention import extend_attention
 from sgl_kvq.metadata.device import DecodeBuffers, build_decode
 from sgl_kvq.plan import ForwardPlan, Step
 
@@ -64,6 +66,19 @@ class KVQSpeCacheTritonBackend(KVQSpeCacheBackend):
         T = int(lens.max()) if lens is not None and lens.numel() else self.req_to_token.shape[1]
         self.scores = torch.empty(self.lane_plan.batch_size, self.num_qo_heads, max(T, 1), dtype=torch.float32,
                                   device=self.store.device)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        if self.store.cfg.specache_prefix != "device":
+            return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        # KVQ_SPECACHE_PREFIX=device: the prefix as stored, which kvq_triton's fused extend reads (kivi's extend)
+        q, k, v, li = self._views(q, k, v, layer)
+        step = self.forward_plan.steps[0]  # specache extends are "full" (config.py): one step
+        out = extend_attention(q.contiguous(), k.contiguous(), v.contiguous(), step.qo_indptr,
+                               self.store.layer_view(li), step.plan, layer.scaling, max_qo_len=step.max_qo_len)
+        if save_kv_cache:
+            self.store.write_layer(li, step.write, k, v, kernels=True)
+            self.sc.host.write(li, step.write.slots, k, v)
+        return out.reshape(q.shape[0], -1)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         q, k, v, li = self._views(q, k, v, layer)
