@@ -155,6 +155,28 @@ def test_kvq_triton_gives_the_same_tokens_as_kvq_torch(tiny, dtype, prefix, monk
     assert a["top_k"] == 8 and a["recall_wanted"] > 0 and b["recall"] == pytest.approx(a["recall"], abs=0.01)
 
 
+def test_kvq_triton_batched_lanes_with_retraction(tiny, capfd):
+    """Batched two-lane steps on kvq_triton (2B rows, requests joining and leaving the batch) through a 16-page pool
+    with SGLang's retraction test mode: every request completes, resumed requests pre-decode again, and the lanes'
+    counters move. (Tokens are compared with kvq_torch one request at a time above: which requests share a batch
+    depends on timing.)"""
+    rng = random.Random(5)
+    prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randrange(60, 140))) for _ in range(6)]
+    llm = engine(tiny, "specache1", env={"SGLANG_TEST_RETRACT": "1"}, attention_backend="kvq_triton",
+                 max_total_tokens=1024)
+    try:
+        outs = llm.generate(prompts, {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True})
+        sc = kv_pool(llm)["specache"]
+    finally:
+        llm.shutdown()
+        os.environ.pop("SGLANG_TEST_RETRACT", None)
+    assert re.search(r"#retracted_reqs: [1-9]", capfd.readouterr().err), "no request was retracted"
+    assert all(len(o["output_ids"]) == 24 for o in outs)
+    assert sc["predecode_rows"] > 6 and sc["decode_steps"] >= 23 and sc["prefetched_rows"] > 0
+    assert sc["spec_token_guesses"] > 0
+    print("kvq_triton batched specache1:", sc)
+
+
 BAD = [
     ({"kv_cache_dtype": "specache4"}, {}, "unknown kv cache dtype 'specache4'"),
     ({"kv_cache_dtype": "specache1"}, {"KVQ_PREFILL": "paged"}, "applies to kivi only"),
