@@ -86,6 +86,7 @@ def test_lanes_match_torch(case, bits, dtype, lanes):
     out, lse = sd.specache_decode(q.to(DEVICE), k_own.to(DEVICE), v_own.to(DEVICE), to_device(kv), p, dev_topk,
                                   sm_scale, scores)
     assert_close_written(out, ref, dtype)
+    assert all(scores[b, :, :base[b]].isfinite().all() for b in range(n)), "a base position's score was not written"
 
     pos = sd.select_topk(scores, lse[(lanes - 1) * n:], p.base_tokens, H, K).cpu()
     assert pos.shape == ref_pos.shape
