@@ -115,9 +115,9 @@ def test_http_server_and_frontend_language_on_specache2(tiny, tmp_path, frontend
 
 def _two_turns(model, dtype, backend, prompts):
     """Two greedy turns, the second extending each conversation (a radix hit, then a pre-decode) -> (token ids of
-    both turns, the second turn's cached tokens, the pool's specache stats). One request at a time: which requests
-    share a batch depends on when the scheduler sees them, and a batch's numerics can flip a near-tie top-k pick,
-    whose 16-bit rows then change the output (kvq_torch against itself diverged so once: recall 0.569 vs 0.614);
+    both turns, the second turn's cached tokens, the pool's specache stats). One request at a time: batched, kvq_torch
+    against itself diverged once (recall 0.569 vs 0.614), most likely because which requests share a batch depends
+    on timing and a batch's numerics can flip a near-tie top-k pick, whose 16-bit rows then change the output;
     batched lanes are compared in tests/test_kernels_specache.py and tests/test_specache_decode_metadata.py."""
     rng = random.Random(4)
     sampling = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
