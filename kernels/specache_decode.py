@@ -145,7 +145,8 @@ def specache_decode(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, k
             p.o_partial.stride(0), p.o_partial.stride(1), p.o_partial.stride(2),
             p.lse_partial.stride(0), p.lse_partial.stride(1), scores.stride(0), scores.stride(1),
             GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(L * group)), D=D, G=G, BITS=kv.bits, VG=VG,
-            K=K, BLOCK_K=max(16, triton.next_power_of_2(K + 1)), NLANES=L, SPEC_LANE=L - 1,
+            K=K, BLOCK_K=max(16, triton.next_power_of_2(K + 1)), BLOCK_P=triton.next_power_of_2(K), NLANES=L,
+            SPEC_LANE=L - 1,
             USE_TOPK=topk is not None, MAX_SPLITS=p.max_splits, DOT_FP32=dot_in_fp32(q.dtype),
         )
     merge_state(p.o_partial, p.lse_partial, p.merge_splits, out=out, lse_out=lse)

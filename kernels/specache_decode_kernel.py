@@ -44,7 +44,8 @@ def _specache_decode_kernel(
     stride_tr, stride_th, stride_tk, stride_pr, stride_ph,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_sb, stride_sh,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
-    VG: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, NLANES: tl.constexpr, SPEC_LANE: tl.constexpr,
+    VG: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, NLANES: tl.constexpr,
+    SPEC_LANE: tl.constexpr,
     USE_TOPK: tl.constexpr, MAX_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
@@ -104,13 +105,19 @@ def _specache_decode_kernel(
             per_split = tl.cdiv(n_pages, ns)
             p_start = split * per_split
             p_end = tl.minimum(p_start + per_split, n_pages)
+            if USE_TOPK:
+                # the membership test runs on every base page: over the K slots only (BLOCK_P = K padded), not the
+                # 16-bit split's K + 1 (own row), which would double it at K = 64
+                offs_p = tl.arange(0, BLOCK_P)
+                mpos = tl.load(TPOS + r * stride_pr + kvh * stride_ph + offs_p, mask=offs_p < K, other=-1)
+                mpos = tl.where((mpos >= 0) & (mpos < base_tokens), mpos, -1)
             for j in range(p_start, tl.minimum(p_end, n_base)):
                 page = tl.load(kv_indices + kv_lo + j).to(tl.int64)
                 n_valid = tl.where(j == n_base - 1, last_base, G)
                 pos = j * G + offs_t
                 valid = offs_t < n_valid
                 if USE_TOPK:
-                    replaced = tl.sum(((pos[:, None] == tpos[None, :]) & usable[None, :]).to(tl.int32), axis=1)
+                    replaced = tl.sum((pos[:, None] == mpos[None, :]).to(tl.int32), axis=1)
                     valid = valid & (replaced == 0)
                 kt = _base_page_kt(KC, KS, KZ, page, kvh, offs_t, offs_d, stride_kc_slot, stride_kc_head,
                                    stride_ks_page, stride_ks_head, G, BITS)
