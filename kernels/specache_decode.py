@@ -2,7 +2,7 @@
 
     p = plan(paged, n_lanes=2, num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=G)     # per batch
     out, lse = specache_decode(q, k_own, v_own, kv, p, topk, sm_scale, scores=s)               # per layer
-    pos = select_topk(s, lse_spec, base_tokens, num_kv_heads, top_k)                           # per layer
+    pos = select_topk(s, lse_spec, base_tokens, num_kv_heads, top_k)  # per layer: head_mass (Triton) + torch.topk
 
 Rows of q [n_lanes * n, Hq, D] are lane-major; with two lanes rows [0, n) are the real tokens (the output lane) and
 rows [n, 2n) their speculative tokens; with one lane (the pre-decode) every row is speculative. Both lanes read the
@@ -33,6 +33,7 @@ from .checks import MODEL_DTYPES, check_layer, check_paged, dot_in_fp32, require
 from .decode_attention import _MIN_TOKENS_PER_SPLIT, LOG2E, default_max_splits
 from .merge_state import merge_state
 from .specache_decode_kernel import _specache_decode_kernel
+from .specache_mass_kernel import _head_mass_kernel
 
 
 @dataclass
@@ -153,17 +154,46 @@ def specache_decode(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, k
     return out, lse
 
 
-def select_topk(scores: torch.Tensor, lse: torch.Tensor, base_tokens: torch.Tensor, num_kv_heads: int,
-                top_k: int) -> torch.Tensor:
-    """scores [n, Hq, T] (specache_decode's, log2 units), lse [n, Hq] (the speculative rows' merged lse) ->
-    [n, H, top_k] int64: per KV head the base positions with the most attention mass summed over its query heads,
-    -1 padded past each request's base tokens (sgl_kvq/specache/attention.py top_positions); positions past a
-    request's base are never read as mass (the kernel leaves them unwritten). Device ops only."""
+def head_mass_ref(scores: torch.Tensor, lse: torch.Tensor, base_tokens: torch.Tensor,
+                  num_kv_heads: int) -> torch.Tensor:
+    """Torch reference of head_mass."""
     n, Hq, T = scores.shape
     p = torch.exp2(scores - (lse * LOG2E)[:, :, None])
     mass = p.view(n, num_kv_heads, Hq // num_kv_heads, T).sum(2)
     in_base = torch.arange(T, device=scores.device)[None, None, :] < base_tokens[:, None, None]
-    mass = torch.where(in_base, mass, -1.0)  # below any real mass (>= 0): base positions are picked first
+    return torch.where(in_base, mass, -1.0)
+
+
+def head_mass(scores: torch.Tensor, lse: torch.Tensor, base_tokens: torch.Tensor, num_kv_heads: int,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """scores [n, Hq, T] (specache_decode's, log2 units), lse [n, Hq] (the speculative rows' merged lse), base_tokens
+    [n] -> [n, H, T] fp32: each base position's attention probability summed over the KV head's query heads; -1 at
+    positions past a request's base (never read there: the decode kernel leaves them unwritten)."""
+    n, Hq, T = scores.shape
+    require(Hq % num_kv_heads == 0 and scores.dtype == torch.float32 and scores.stride(-1) == 1,
+            "scores must be [n, Hq, T] fp32 with Hq a multiple of the KV heads")
+    require(tuple(lse.shape) == (n, Hq) and lse.dtype == torch.float32 and lse.stride(-1) == 1,
+            f"lse must be [{n}, {Hq}] fp32")
+    require(tuple(base_tokens.shape) == (n,), f"base_tokens must be [{n}]")
+    if out is None:
+        out = torch.empty(n, num_kv_heads, T, dtype=torch.float32, device=scores.device)
+    require(tuple(out.shape) == (n, num_kv_heads, T) and out.stride(-1) == 1, "out must be [n, H, T]")
+    group = Hq // num_kv_heads
+    block_t = 256
+    if n and T:
+        _head_mass_kernel[(n, num_kv_heads, triton.cdiv(T, block_t))](
+            scores, lse, base_tokens, out, T, scores.stride(0), scores.stride(1), lse.stride(0), out.stride(0),
+            out.stride(1), GROUP=group, BLOCK_G=triton.next_power_of_2(group), BLOCK_T=block_t)
+    return out
+
+
+def select_topk(scores: torch.Tensor, lse: torch.Tensor, base_tokens: torch.Tensor, num_kv_heads: int,
+                top_k: int) -> torch.Tensor:
+    """scores [n, Hq, T], lse [n, Hq] as head_mass takes them -> [n, H, top_k] int64: per KV head the base positions
+    with the most attention mass summed over its query heads, -1 padded past each request's base tokens
+    (sgl_kvq/specache/attention.py top_positions). Device ops only."""
+    n, _, T = scores.shape
+    mass = head_mass(scores, lse, base_tokens, num_kv_heads)  # -1 past the base: base positions are picked first
     k = min(top_k, T)
     idx = mass.topk(k, dim=-1).indices
     pos = torch.where(idx < base_tokens[:, None, None], idx, -1)
