@@ -2,7 +2,9 @@
 # One-shot kernel check on a CUDA machine (torch 2.11+cu130, triton 3.6, no sglang needed):
 #   1. kernel tests on CUDA (fp32, fp16 and bf16 cases; bit-exact quantize-pack in every dtype) and the decode
 #      metadata tests, including a real CUDA-graph capture/replay of a decode step,
-#   2. the full decode benchmark sweep (bf16, bits 1/2/4, Llama-3-8B and SmolLM2 heads).
+#   2. the full decode benchmark sweep (bf16, bits 1/2/4, Llama-3-8B and SmolLM2 heads),
+#   3. SpeCache's step latency (speculative prefetch vs fetch after attention vs kivi, batch 1-64) and the share of
+#      the host-tier copy hidden behind compute (bench/specache_step.py; pinned host memory: a few GiB).
 # Logs and JSON go to $OUT when set (else bench/results/). Run from anywhere: bash bench/gpu_kernel_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +24,7 @@ PY
 if $PY -c "import pytest" 2>/dev/null; then
     # -p no:cacheprovider: the checkout may be read-only; --junitxml keeps per-test results
     $PY -m pytest -p no:cacheprovider -q tests/test_kernels_quantize.py tests/test_kernels_attention.py \
-        tests/test_decode_metadata.py \
+        tests/test_decode_metadata.py tests/test_kernels_specache.py tests/test_specache_decode_metadata.py \
         --junitxml="$DEST/kernel_tests.xml" 2>&1 | tee "$DEST/kernel_tests.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 else
@@ -31,6 +33,8 @@ else
 fi
 
 $PY bench/kernels.py --out "$DEST" 2>&1 | tee "$DEST/bench_kernels.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+$PY bench/specache_step.py --out "$DEST" 2>&1 | tee "$DEST/bench_specache_step.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 echo "gpu_kernel_check: exit $status; results in $DEST"
 exit $status

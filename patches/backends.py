@@ -26,6 +26,10 @@ def register() -> None:
 
         @register_attention_backend("kvq_triton")
         def create_kvq_triton_backend(runner):
+            if getattr(runner.token_to_kv_pool, "specache", None) is not None:
+                from sgl_kvq.backends.specache_triton_backend import KVQSpeCacheTritonBackend
+
+                return KVQSpeCacheTritonBackend(runner)
             from sgl_kvq.backends.triton_backend import KVQTritonBackend
 
             return KVQTritonBackend(runner)

@@ -14,13 +14,11 @@ logger = logging.getLogger("sgl_kvq")
 _SOURCE = "sgl_kvq"
 
 
-def kvq_backend_for(device: str | None, cfg=None) -> str:
-    # kvq_triton reads packed pages in fused Triton kernels on CUDA; kvq_torch is the reference and the CPU path,
-    # and the only backend with SpeCache's two lanes.
+def kvq_backend_for(device: str | None) -> str:
+    # kvq_triton reads packed pages in fused Triton kernels on CUDA (SpeCache's two lanes included); kvq_torch is
+    # the reference and the CPU path.
     from sgl_kvq.patches.backends import triton_backend_available
 
-    if cfg is not None and cfg.is_specache:
-        return "kvq_torch"
     return "kvq_triton" if (device in (None, "cuda") and triton_backend_available()) else "kvq_torch"
 
 
@@ -78,9 +76,6 @@ def validate(server_args, view, cfg) -> None:
                              "packed pool does not describe its buffers to SGLang's KV transfer)")
     if (getattr(view, "pp_size", 1) or 1) > 1:
         raise KVQConfigError(f"sgl_kvq: pipeline parallelism is not supported with {cfg.name} yet")
-    if cfg.is_specache and backend == "kvq_triton":
-        raise KVQConfigError(f"sgl_kvq: {cfg.name}'s two decode lanes run on kvq_torch only (no Triton kernels for "
-                             "them yet); drop --attention-backend or use kvq_torch")
     if backend == "kvq_triton" and view.device == "cpu":
         logger.warning("sgl_kvq: kvq_triton on CPU runs Triton's interpreter (TRITON_INTERPRET=1): slow")
     from sglang.srt.arg_groups.overrides import model_config_of
@@ -88,7 +83,7 @@ def validate(server_args, view, cfg) -> None:
     model_config = model_config_of(server_args)
     check_hf_config(model_config.hf_config, cfg)
     _check_pinned_budget(cfg, model_config, view, server_args.max_running_requests)
-    if (backend or kvq_backend_for(view.device, cfg)) == "kvq_triton":
+    if (backend or kvq_backend_for(view.device)) == "kvq_triton":
         _check_triton_shapes(cfg, model_config.head_dim)
 
 
@@ -103,7 +98,7 @@ def resolve(server_args, previous) -> None:
     # max_running_requests is left to the pool sizing (patches/sizing.py): it follows from the KV budget.
     decided = {"page_size": cfg.group_size}
     if server_args.attention_backend is None:
-        decided["attention_backend"] = kvq_backend_for(view.device, cfg)
+        decided["attention_backend"] = kvq_backend_for(view.device)
     declare_resolution(server_args, _SOURCE, **decided)
     logger.info("sgl_kvq: %s with %s", cfg, decided)
     previous(server_args)
@@ -114,6 +109,8 @@ def resolve(server_args, previous) -> None:
         from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, with_phase
 
         graphs = resolving_view(server_args).cuda_graph_config
-        for phase in (Phase.PREFILL,) if backend == "kvq_triton" else (Phase.DECODE, Phase.PREFILL):
+        # SpeCache's lanes hook SGLang's eager decode forward (patches/specache_lanes.py): its decode runs eagerly.
+        eager_decode = backend == "kvq_torch" or cfg.is_specache
+        for phase in (Phase.DECODE, Phase.PREFILL) if eager_decode else (Phase.PREFILL,):
             graphs = with_phase(graphs, phase, backend=Backend.DISABLED)
         declare_resolution(server_args, _SOURCE, cuda_graph_config=graphs)

@@ -66,7 +66,7 @@ class KVQSpeCacheBackend(KVQTorchBackend):
         out = attention_ref.ref_extend(q, k, v, step.qo_indptr, self.store.layer_view(li), step.plan, layer.scaling,
                                        contexts=contexts)
         if save_kv_cache:
-            self.store.write_layer(li, step.write, k, v)
+            self.store.write_layer(li, step.write, k, v, kernels=self.write_kernels)
             self.sc.host.write(li, step.write.slots, k, v)
         return out.reshape(q.shape[0], -1)
 
@@ -75,6 +75,17 @@ class KVQSpeCacheBackend(KVQTorchBackend):
         kv = self.store.layer_view(li)
         B = plan.batch_size
         return [gather_context(kv, plan, b) for b in range(B)], [plan.base_len(b, kv.G) for b in range(B)]
+
+    def _count_recall(self, q, li: int, plan, sm_scale: float) -> None:
+        """The recall diagnostic (KVQ_SPECACHE_RECALL=1): the real rows q [n, Hq, D] against their exact top-k
+        over the 16-bit context read back from the host tier (a full-context read per layer and step)."""
+        sc, G = self.sc, self.store.G
+        n = q.shape[0]
+        lens = [plan.seq_len(b, G) for b in range(n)]
+        exact = [sc.host.rows(li, self.req_to_token[r, :t].long()) for r, t in zip(self.req.tolist(), lens)]
+        counts = recall(q, exact, [plan.base_len(b, G) for b in range(n)], sc.topk_pos[li, self.req], sm_scale)
+        sc.recall_hits += sum(h for h, _ in counts)
+        sc.recall_wanted += sum(w for _, w in counts)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         q, k, v, li = self._views(q, k, v, layer)
@@ -91,11 +102,7 @@ class KVQSpeCacheBackend(KVQTorchBackend):
         contexts, n_base = self._contexts(li, step.plan)
         topk_pos = sc.topk_pos[li, self.req]
         if sc.recall:
-            lens = [step.plan.seq_len(b, self.store.G) for b in range(n)]
-            exact = [sc.host.rows(li, self.req_to_token[r, :t].long()) for r, t in zip(self.req.tolist(), lens)]
-            counts = recall(q[:n], exact, n_base, topk_pos, layer.scaling)
-            sc.recall_hits += sum(h for h, _ in counts)
-            sc.recall_wanted += sum(w for _, w in counts)
+            self._count_recall(q[:n], li, step.plan, layer.scaling)
         contexts = with_topk(contexts, n_base, sc.topk_k[li, self.req], sc.topk_v[li, self.req], topk_pos)
         real = output_rows(q[:n], contexts, layer.scaling)
         spec, pos = speculative_rows(q[n:], k[n:], v[n:], contexts, n_base, layer.scaling, sc.top_k)

@@ -1,0 +1,202 @@
+"""SpeCache's decode lanes in one kernel launch per layer (jitted code: specache_decode_kernel.py).
+
+    p = plan(paged, n_lanes=2, num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=G)     # per batch
+    out, lse = specache_decode(q, k_own, v_own, kv, p, topk, sm_scale, scores=s)               # per layer
+    pos = select_topk(s, lse_spec, base_tokens, num_kv_heads, top_k)  # per layer: head_mass (Triton) + torch.topk
+
+Rows of q [n_lanes * n, Hq, D] are lane-major; with two lanes rows [0, n) are the real tokens (the output lane) and
+rows [n, 2n) their speculative tokens; with one lane (the pre-decode) every row is speculative. Both lanes read the
+same keys (the paper's Algorithm 3, sgl_kvq/specache/attention.py is the reference): request b's packed base and
+fp16 frames, with each position in its prefetched top-k set (topk.pos [R, H, K], -1 = none, positions >= the base
+tokens ignored) read from its 16-bit row (topk.k/v [R, H, K, D], indexed by request slot topk.req[b]) instead of
+the codes; the speculative lane also reads its own k_own/v_own [n, H, D], which are never stored. No context is
+dequantized to memory: codes are read once per page for both lanes. A top-k set must not repeat a position (the
+torch.topk that selects it cannot).
+
+The speculative lane's scores over the packed base land in `scores` [n, Hq, T >= the longest base] fp32 (log2
+units): every position below a request's base tokens is written (by the base pass, or by the 16-bit split for a
+prefetched one), nothing past it (not even a fill: at batch 64, 32 query heads and 32k tokens that is 268 MB per
+layer); select_topk masks by base length, turning them and the merged lse into the next top-k positions on the
+device, with fixed shapes and no host sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from sgl_kvq.plan import LayerKV, PagedPlan
+
+from .checks import MODEL_DTYPES, check_layer, check_paged, dot_in_fp32, require
+from .decode_attention import _MIN_TOKENS_PER_SPLIT, LOG2E, default_max_splits
+from .merge_state import merge_state
+from .specache_decode_kernel import _specache_decode_kernel
+from .specache_mass_kernel import _head_mass_kernel
+
+
+@dataclass
+class SpeCachePlan:
+    paged: PagedPlan
+    n_lanes: int  # 2: output + speculative rows per request; 1: speculative rows only (pre-decode)
+    num_splits: torch.Tensor  # [n] int32 base/frame splits of request b (the 16-bit split is one more)
+    merge_splits: torch.Tensor  # [n_lanes * n] int32: num_splits + 1 for each row
+    max_splits: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    o_partial: torch.Tensor  # [n_lanes * n, Hq, max_splits + 1, D] fp32
+    lse_partial: torch.Tensor  # [n_lanes * n, Hq, max_splits + 1] fp32
+    base_tokens: torch.Tensor  # [n] int64 tokens in request b's packed base
+
+    @property
+    def batch_size(self) -> int:
+        return self.num_splits.numel()
+
+
+@dataclass
+class TopK:
+    """One layer's prefetched rows: k, v [R, H, K, D] model dtype, pos [R, H, K] int64 (-1: none), req [n] the
+    request slot of each batch request."""
+    k: torch.Tensor
+    v: torch.Tensor
+    pos: torch.Tensor
+    req: torch.Tensor
+
+
+def plan(paged: PagedPlan, *, n_lanes: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+         max_splits: int | None = None, min_pages_per_split: int | None = None) -> SpeCachePlan:
+    dev = paged.kv_indptr.device
+    check_paged(paged, dev)
+    require(n_lanes in (1, 2), f"n_lanes must be 1 or 2, got {n_lanes}")
+    require(num_qo_heads % num_kv_heads == 0, f"{num_qo_heads} query heads over {num_kv_heads} KV heads")
+    B = paged.batch_size
+    if max_splits is None:
+        max_splits = default_max_splits(dev, B, num_kv_heads)  # one program serves both lanes: B x H programs
+    if min_pages_per_split is None:
+        min_pages_per_split = max(1, _MIN_TOKENS_PER_SPLIT // page_size)
+    require(max_splits >= 1 and min_pages_per_split >= 1, "max_splits and min_pages_per_split must be >= 1")
+    n_base = paged.kv_indptr.diff()
+    n_pages = n_base + paged.ov_indptr.diff()
+    num_splits = ((n_pages + min_pages_per_split - 1) // min_pages_per_split).clamp(1, max_splits).to(torch.int32)
+    base_tokens = torch.where(n_base > 0, (n_base - 1) * page_size + paged.kv_last_page_len, 0).long()
+    S = max_splits + 1
+    return SpeCachePlan(
+        paged=paged, n_lanes=n_lanes, num_splits=num_splits, merge_splits=(num_splits + 1).repeat(n_lanes),
+        max_splits=max_splits, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        page_size=page_size,
+        o_partial=torch.empty(n_lanes * B, num_qo_heads, S, head_dim, dtype=torch.float32, device=dev),
+        lse_partial=torch.empty(n_lanes * B, num_qo_heads, S, dtype=torch.float32, device=dev),
+        base_tokens=base_tokens,
+    )
+
+
+def specache_decode(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, kv: LayerKV, p: SpeCachePlan,
+                    topk: TopK | None, sm_scale: float, scores: torch.Tensor,
+                    out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (out [n_lanes * n, Hq, D] in q's dtype, lse [n_lanes * n, Hq] fp32 natural log); writes `scores` below
+    each request's base tokens.
+    topk None: no prefetched rows (the pre-decode reads the context as stored)."""
+    H, D, G, VG = check_layer(kv)
+    require(kv.corr is None and kv.rows is None and kv.sal is None, "SpeCache pages are plain KIVI pages")
+    n, L = p.batch_size, p.n_lanes
+    require(q.dim() == 3 and tuple(q.shape) == (L * n, p.num_qo_heads, D),
+            f"q must be [{L} x {n}, Hq={p.num_qo_heads}, D={D}], got {tuple(q.shape)}")
+    require(q.dtype in MODEL_DTYPES and q.stride(-1) == 1, f"q must be a contiguous-last-dim model dtype, {q.dtype}")
+    require((H, D, G) == (p.num_kv_heads, p.head_dim, p.page_size),
+            f"plan was made for (H, D, G) = {(p.num_kv_heads, p.head_dim, p.page_size)}, pool has {(H, D, G)}")
+    for name, t in (("k_own", k_own), ("v_own", v_own)):
+        require(tuple(t.shape) == (n, H, D) and t.stride(-1) == 1, f"{name} must be [{n}, {H}, {D}], got "
+                f"{tuple(t.shape)}")
+    require(scores.dim() == 3 and scores.shape[:2] == (n, p.num_qo_heads) and scores.dtype == torch.float32
+            and scores.stride(-1) == 1, f"scores must be [{n}, {p.num_qo_heads}, T] fp32")
+    require(q.device == kv.ov_k.device == p.num_splits.device == scores.device,
+            "q, the pool, the plan and the scores are on different devices")
+    if topk is None:
+        K, tk, tv, tpos, req = 1, kv.ov_k, kv.ov_v, p.base_tokens, p.base_tokens  # never read
+        t_strides = (0, 0, 0, 0, 0)
+    else:
+        R, Ht, K, Dt = topk.k.shape
+        require((Ht, Dt) == (H, D) and topk.v.shape == topk.k.shape and topk.v.stride() == topk.k.stride(),
+                f"top-k rows must be [R, {H}, K, {D}], got {tuple(topk.k.shape)}")
+        require(tuple(topk.pos.shape) == (R, H, K) and topk.pos.dtype == torch.int64, "top-k pos must be [R, H, K]")
+        require(topk.k.stride(-1) == 1 and topk.pos.stride(-1) == 1, "top-k buffers need a contiguous last dim")
+        require(tuple(topk.req.shape) == (n,), f"top-k req must be [{n}]")
+        tk, tv, tpos, req = topk.k, topk.v, topk.pos, topk.req
+        t_strides = (tk.stride(0), tk.stride(1), tk.stride(2), tpos.stride(0), tpos.stride(1))
+    require(scores.shape[2] >= 1, "scores need at least one position")
+    if out is None:
+        out = torch.empty_like(q)
+    lse = torch.empty(L * n, p.num_qo_heads, dtype=torch.float32, device=q.device)
+    group = p.num_qo_heads // H
+    pg = p.paged
+    if n:
+        _specache_decode_kernel[(n, H, p.max_splits + 1)](
+            q, kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes, kv.v_scale, kv.v_zero, kv.ov_k, kv.ov_v, k_own, v_own,
+            tk, tv, tpos, req,
+            pg.kv_indptr, pg.kv_indices, pg.kv_last_page_len, pg.ov_indptr, pg.ov_indices, pg.ov_last_page_len,
+            p.num_splits, p.o_partial, p.lse_partial, scores, sm_scale * LOG2E, n,
+            q.stride(0), q.stride(1), k_own.stride(0), k_own.stride(1), v_own.stride(0), v_own.stride(1),
+            kv.k_codes.stride(0), kv.k_codes.stride(1), kv.k_scale.stride(0), kv.k_scale.stride(1),
+            kv.v_scale.stride(0), kv.v_scale.stride(1),
+            kv.ov_k.stride(0), kv.ov_k.stride(1), kv.ov_k.stride(2),
+            *t_strides,
+            p.o_partial.stride(0), p.o_partial.stride(1), p.o_partial.stride(2),
+            p.lse_partial.stride(0), p.lse_partial.stride(1), scores.stride(0), scores.stride(1),
+            GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(L * group)), D=D, G=G, BITS=kv.bits, VG=VG,
+            K=K, BLOCK_K=max(16, triton.next_power_of_2(K + 1)), BLOCK_P=triton.next_power_of_2(K), NLANES=L,
+            SPEC_LANE=L - 1,
+            USE_TOPK=topk is not None, MAX_SPLITS=p.max_splits, DOT_FP32=dot_in_fp32(q.dtype),
+        )
+    merge_state(p.o_partial, p.lse_partial, p.merge_splits, out=out, lse_out=lse)
+    return out, lse
+
+
+def head_mass_ref(scores: torch.Tensor, lse: torch.Tensor, base_tokens: torch.Tensor,
+                  num_kv_heads: int) -> torch.Tensor:
+    """Torch reference of head_mass."""
+    n, Hq, T = scores.shape
+    p = torch.exp2(scores - (lse * LOG2E)[:, :, None])
+    mass = p.view(n, num_kv_heads, Hq // num_kv_heads, T).sum(2)
+    in_base = torch.arange(T, device=scores.device)[None, None, :] < base_tokens[:, None, None]
+    return torch.where(in_base, mass, -1.0)
+
+
+def head_mass(scores: torch.Tensor, lse: torch.Tensor, base_tokens: torch.Tensor, num_kv_heads: int,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """scores [n, Hq, T] (specache_decode's, log2 units), lse [n, Hq] (the speculative rows' merged lse), base_tokens
+    [n] -> [n, H, T] fp32: each base position's attention probability summed over the KV head's query heads; -1 at
+    positions past a request's base (never read there: the decode kernel leaves them unwritten)."""
+    n, Hq, T = scores.shape
+    require(Hq % num_kv_heads == 0 and scores.dtype == torch.float32 and scores.stride(-1) == 1,
+            "scores must be [n, Hq, T] fp32 with Hq a multiple of the KV heads")
+    require(tuple(lse.shape) == (n, Hq) and lse.dtype == torch.float32 and lse.stride(-1) == 1,
+            f"lse must be [{n}, {Hq}] fp32")
+    require(tuple(base_tokens.shape) == (n,), f"base_tokens must be [{n}]")
+    if out is None:
+        out = torch.empty(n, num_kv_heads, T, dtype=torch.float32, device=scores.device)
+    require(tuple(out.shape) == (n, num_kv_heads, T) and out.stride(-1) == 1, "out must be [n, H, T]")
+    group = Hq // num_kv_heads
+    block_t = 256
+    if n and T:
+        _head_mass_kernel[(n, num_kv_heads, triton.cdiv(T, block_t))](
+            scores, lse, base_tokens, out, T, scores.stride(0), scores.stride(1), lse.stride(0), out.stride(0),
+            out.stride(1), GROUP=group, BLOCK_G=triton.next_power_of_2(group), BLOCK_T=block_t)
+    return out
+
+
+def select_topk(scores: torch.Tensor, lse: torch.Tensor, base_tokens: torch.Tensor, num_kv_heads: int,
+                top_k: int) -> torch.Tensor:
+    """scores [n, Hq, T], lse [n, Hq] as head_mass takes them -> [n, H, top_k] int64: per KV head the base positions
+    with the most attention mass summed over its query heads, -1 padded past each request's base tokens
+    (sgl_kvq/specache/attention.py top_positions). Device ops only."""
+    n, _, T = scores.shape
+    mass = head_mass(scores, lse, base_tokens, num_kv_heads)  # -1 past the base: base positions are picked first
+    k = min(top_k, T)
+    idx = mass.topk(k, dim=-1).indices
+    pos = torch.where(idx < base_tokens[:, None, None], idx, -1)
+    if k < top_k:
+        pos = torch.cat([pos, pos.new_full((n, num_kv_heads, top_k - k), -1)], dim=-1)
+    return pos

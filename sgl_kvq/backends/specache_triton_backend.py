@@ -1,0 +1,105 @@
+"""kvq_triton for the specache dtypes: the same lanes, host tier and extends as kvq_torch's (specache_backend.py).
+The two-lane decode is planned on the device (kvq_triton's build_decode over the real rows; both lanes read its
+entries, tests/test_specache_decode_metadata.py) and both lanes run in one fused kernel per layer
+(sgl_kvq/kernels/specache_decode.py): packed pages and fp16 frames are read in registers for both rows of a
+request, the prefetched 16-bit top-k rows replace their positions, and the speculative row's next top-k is selected
+on the device (select_topk), so the next step's prefetch (HostTier.prefetch: a copy stream, one event per layer) is
+issued without a host sync and overlaps the next layer's compute. The pre-decode keeps the host-built read-only plan.
+Writes use the Triton store/quantize kernels (bit-exact with torch's).
+
+Extends run eagerly, as kvq_triton's do: a cached prefix read in 16 bits from the host tier (the default) takes the
+reference path of specache_backend.py; with KVQ_SPECACHE_PREFIX=device the prefix as stored is read by kvq_triton's
+fused extend kernel. Decode runs eagerly too:
+the lanes hook is on SGLang's eager decode forward (patches/specache_lanes.py), so patches/resolution.py turns
+decode CUDA graphs off for specache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sgl_kvq.backends.specache_backend import KVQSpeCacheBackend
+from sgl_kvq.kernels import specache_decode as sd
+from sgl_kvq.kernels.extend_attention import extend_attention
+from sgl_kvq.metadata.device import DecodeBuffers, build_decode
+from sgl_kvq.plan import ForwardPlan, Step
+
+
+class KVQSpeCacheTritonBackend(KVQSpeCacheBackend):
+    name = "kvq_triton"
+    write_kernels = True
+
+    def __init__(self, model_runner):
+        super().__init__(model_runner)
+        from sglang.srt.runtime_context import get_parallel
+
+        mc = model_runner.model_config
+        self.num_qo_heads = mc.get_max_num_attention_heads() // get_parallel().attn_tp_size
+        self.lane_plan: sd.SpeCachePlan | None = None
+        self.scores: torch.Tensor | None = None
+        self.write_slots: torch.Tensor | None = None  # pool slots of the two-lane step's real rows
+        self.decode_bufs = DecodeBuffers(self.req_to_token.shape[0], -(-self.req_to_token.shape[1] // self.store.G),
+                                         self.store.ring, self.store.device)
+
+    def init_forward_metadata(self, forward_batch):
+        lanes = self.sc.lanes
+        if forward_batch.forward_mode.is_decode() and lanes is not None and lanes.kind == "two_lane":
+            # kvq_triton's device-built decode metadata over the real rows: both lanes read its plan entries
+            n = lanes.n_real
+            self.write_slots = forward_batch.out_cache_loc[:n]
+            write, paged = build_decode(self.store, self.req_to_token, forward_batch.req_pool_indices,
+                                        forward_batch.seq_lens, self.write_slots, self.decode_bufs)
+            self.forward_plan = ForwardPlan(is_decode=True, steps=[Step(plan=paged, write=write)])
+            self.req = forward_batch.req_pool_indices.long()
+        else:
+            super().init_forward_metadata(forward_batch)
+        if not forward_batch.forward_mode.is_decode():
+            self.lane_plan = self.scores = None
+            return
+        s = self.store.shape
+        self.lane_plan = sd.plan(self.forward_plan.steps[0].plan, n_lanes=2 if lanes.kind == "two_lane" else 1,
+                                 num_qo_heads=self.num_qo_heads, num_kv_heads=s.heads, head_dim=s.head_dim,
+                                 page_size=self.store.G)
+        # The scores cover every base position of the batch: no request's context is longer than its seq_len
+        # (host-side in SGLang's batch), so the bound needs no device sync.
+        lens = getattr(forward_batch, "seq_lens_cpu", None)
+        T = int(lens.max()) if lens is not None and lens.numel() else self.req_to_token.shape[1]
+        self.scores = torch.empty(self.lane_plan.batch_size, self.num_qo_heads, max(T, 1), dtype=torch.float32,
+                                  device=self.store.device)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        if self.store.cfg.specache_prefix != "device":
+            return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        # KVQ_SPECACHE_PREFIX=device: the prefix as stored, which kvq_triton's fused extend reads (kivi's extend)
+        q, k, v, li = self._views(q, k, v, layer)
+        step = self.forward_plan.steps[0]  # specache extends are "full" (config.py): one step
+        out = extend_attention(q.contiguous(), k.contiguous(), v.contiguous(), step.qo_indptr,
+                               self.store.layer_view(li), step.plan, layer.scaling, max_qo_len=step.max_qo_len)
+        if save_kv_cache:
+            self.store.write_layer(li, step.write, k, v, kernels=True)
+            self.sc.host.write(li, step.write.slots, k, v)
+        return out.reshape(q.shape[0], -1)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        q, k, v, li = self._views(q, k, v, layer)
+        sc, step, p = self.sc, self.forward_plan.steps[0], self.lane_plan
+        kv = self.store.layer_view(li)  # views of the pool: they read this step's write below
+        H = self.store.shape.heads
+        if sc.lanes.kind == "predecode":
+            out, lse = sd.specache_decode(q.contiguous(), k.contiguous(), v.contiguous(), kv, p, None,
+                                          layer.scaling, self.scores)
+            sc.prefetch(li, self.req, sd.select_topk(self.scores, lse, p.base_tokens, H, sc.top_k), self.req_to_token)
+            return out.reshape(q.shape[0], -1)
+        n = sc.lanes.n_real
+        if save_kv_cache:
+            self.store.write_decode_layer(li, step.write, k[:n], v[:n])
+            sc.host.write(li, self.write_slots, k[:n], v[:n])
+        sc.host.wait(li)
+        if sc.recall:
+            self._count_recall(q[:n], li, step.plan, layer.scaling)
+        topk = sd.TopK(sc.topk_k[li], sc.topk_v[li], sc.topk_pos[li], self.req)
+        out, lse = sd.specache_decode(q.contiguous(), k[n:].contiguous(), v[n:].contiguous(), kv, p, topk,
+                                      layer.scaling, self.scores)
+        sc.prefetch(li, self.req, sd.select_topk(self.scores, lse[n:], p.base_tokens, H, sc.top_k),
+                    self.req_to_token)
+        return out.reshape(q.shape[0], -1)
