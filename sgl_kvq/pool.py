@@ -126,6 +126,19 @@ class KVQTokenToKVPool(KVCache):
     def layer_index(self, layer_id: int) -> int:
         return layer_id - self.start_layer
 
+    # ---- prefill/decode KV transfer (sgl_kvq/pd_transfer.py) ----
+    def get_contiguous_buf_infos(self):
+        """Every packed base buffer per layer, page-indexed: what SGLang's transfer backends register and send."""
+        from sgl_kvq.pd_transfer import base_buf_infos
+
+        return base_buf_infos(self.store)
+
+    def get_request_state_buf_infos(self):
+        """The overlay frames (open page and fp16 window) per layer, indexed by request slot."""
+        from sgl_kvq.pd_transfer import request_state_buf_infos
+
+        return request_state_buf_infos(self.store)
+
     # ---- stock accessors: refused, they would expose or accept unquantized rows ----
     def _refuse(self, what: str):
         raise KVQPoolError(f"sgl_kvq: {what} is not available on a {self.cfg.name} pool (packed codes); only the "
