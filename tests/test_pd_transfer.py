@@ -21,14 +21,12 @@ from sglang.srt.disaggregation.common.conn import CommonKVManager  # noqa: E402
 from sglang.srt.disaggregation.common.utils import group_concurrent_contiguous  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 
-from sgl_kvq.attention_ref import gather_context, ref_decode  # noqa: E402
 from sgl_kvq.config import parse_kv_cache_dtype  # noqa: E402
 from sgl_kvq.layout import PoolShape  # noqa: E402
-from sgl_kvq.metadata.host import begin_batch, plan_contexts  # noqa: E402
 from sgl_kvq.pd_transfer import adopt_frames, base_entries  # noqa: E402
 from sgl_kvq.pool import KVQTokenToKVPool  # noqa: E402
+from pool_writes import D, H, HQ, L, read, write  # noqa: E402
 
-L, H, D, HQ, SM = 3, 2, 64, 4, 0.125  # 3 layers: LogQuant's 9 buffers give an odd entry count
 DTYPES = ["kivi2", "kivi4", "kivi1", "gear2", "gearl2", "logquant2", "zipcache2"]
 
 
@@ -47,32 +45,6 @@ def loopback_send(src: tuple, dst: tuple, src_idx: list[int], dst_idx: list[int]
             ctypes.memmove(d_ptr + d_run[0] * item, s_ptr + s_run[0] * item, item * len(s_run))
             moved += item * len(s_run)
     return moved
-
-
-def kv_of(pos: torch.Tensor, layer: int, seed: int):
-    """K, V [T, H, D] and Q [T, HQ, D] for positions pos: a function of (position, layer) only."""
-    out = []
-    for p in pos.tolist():
-        g = torch.Generator().manual_seed(seed * 1_000_003 + layer * 10_007 + p)
-        out.append((torch.randn(H, D, generator=g) * 2 + torch.arange(D) * 0.05, torch.randn(H, D, generator=g),
-                    torch.randn(HQ, D, generator=g)))
-    return tuple(torch.stack(x) for x in zip(*out))
-
-
-def write(pool, r: int, pages: torch.Tensor, start: int, end: int, seed: int) -> None:
-    G = pool.shape.G
-    pos = torch.arange(start, end)
-    locs = pages[pos // G] * G + pos % G
-    bw = begin_batch(pool.store, locs, torch.full_like(pos, r), pos, torch.full_like(pos, end))
-    for layer in range(L):
-        k, v, q = kv_of(pos, layer, seed)
-        pool.store.write_layer(layer, bw, k, v, q=q if pool.cfg.is_zipcache else None, sm_scale=SM)
-
-
-def read(pool, r: int, pages: torch.Tensor, n: int, q: torch.Tensor):
-    plan = plan_contexts(pool.store, [pages], [r], [n])
-    views = [pool.store.layer_view(layer) for layer in range(L)]
-    return [gather_context(kv, plan, 0) for kv in views], [ref_decode(q, kv, plan, SM) for kv in views], plan
 
 
 @pytest.mark.parametrize("name", DTYPES)
