@@ -110,6 +110,9 @@ class KVQTokenToKVPool(KVCache):
                     **({"salient_per_page": self.cfg.salient_per_page, "salient_bits": self.cfg.salient_bits}
                        if self.cfg.is_zipcache else {})},
         )
+        host = getattr(self, "hicache_host", None)  # HiCache's host tier (patches/hicache.py)
+        if host is not None:
+            stats.update(hicache_host_tokens=host.size, hicache_host_bytes=host.nbytes(), hicache_layout=host.layout)
         if self.specache is not None:
             stats["specache"] = self.specache.stats()
             stats["host_bytes"] = self.host_bytes()
