@@ -1,9 +1,12 @@
 """HiCache on SGLang's CPU engine with a kvq dtype: the host tier is the packed host pool (patches/hicache.py,
 sgl_kvq/host_pool.py). A prefix pushed out of a device pool too small to keep it comes back from the host, and the
-request that reuses it decodes exactly the tokens it decodes when the prefix never left the device."""
+request that reuses it decodes exactly the tokens it decodes when the prefix never left the device. CI runs kivi2;
+KVQ_TEST_HICACHE_DTYPES=all adds the formats with extras (GEAR's correction, LogQuant's rows, ZipCache's salient
+plane)."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -14,6 +17,8 @@ from sgl_kvq.models import tiny_llama
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 PROMPT, PAGES_KEPT = 448, 7  # tokens per prompt: 7 complete pages of G = 64
+DTYPES = ["kivi2", "gear2", "gearl2", "logquant2", "zipcache2"] \
+    if os.environ.get("KVQ_TEST_HICACHE_DTYPES") == "all" else ["kivi2"]
 
 
 def run(dtype: str, **kw) -> tuple[list, dict]:
@@ -32,14 +37,15 @@ def run(dtype: str, **kw) -> tuple[list, dict]:
     return [(o["meta_info"]["cached_tokens"], o["output_ids"]) for o in outs], stats
 
 
-def test_evicted_prefix_comes_back_from_the_host_tier(monkeypatch):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_evicted_prefix_comes_back_from_the_host_tier(monkeypatch, dtype):
     monkeypatch.setenv("KVQ_KV_CACHE_GB", "0.25")  # a small budget; max_total_tokens sizes the device pool
-    hi, stats = run("kivi2", max_total_tokens=1024, enable_hierarchical_cache=True, hicache_ratio=4.0)
+    hi, stats = run(dtype, max_total_tokens=1024, enable_hierarchical_cache=True, hicache_ratio=4.0)
     # the device holds fewer tokens than the four prompts sent after the first: its pages had to leave the device
     assert stats["capacity_tokens"] < 4 * PROMPT
     assert stats["hicache_host_tokens"] >= 4 * stats["capacity_tokens"]
     assert stats["hicache_host_bytes"] == stats["hicache_host_tokens"] * stats["base_bytes_per_token"]
     assert hi[-1][0] == PAGES_KEPT * 64, "the first prompt's complete pages are a host hit"
-    ref, _ = run("kivi2", max_total_tokens=8192)  # the prefix never leaves the device
+    ref, _ = run(dtype, max_total_tokens=8192)  # the prefix never leaves the device
     assert ref[-1][0] == PAGES_KEPT * 64
     assert [o for _, o in hi] == [o for _, o in ref]
