@@ -17,12 +17,9 @@ of every buffer and layer, buffer-major.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from sglang.srt.mem_cache.pool_host.base import HostKVCache
 
-logger = logging.getLogger(__name__)
 
 LAYOUTS = ("layer_first", "page_first")
 

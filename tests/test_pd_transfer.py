@@ -2,7 +2,7 @@
 path, in chunks) is moved into a second pool of another size through exactly the buffers the pool describes
 (get_contiguous_buf_infos: pages; get_request_state_buf_infos: the request's overlay frames), with the addressing of
 SGLang's mooncake backend (its own run grouping and K/V half pairing; the byte copy is a memmove on loopback, since
-no transfer engine runs on this machine: README "Scale-out"). The decode pool must then read every context exactly
+no transfer engine runs on this machine: README "Past one rank"). The decode pool must then read every context exactly
 as the prefill pool does, and keep doing so while both decode past the open page.
 """
 
