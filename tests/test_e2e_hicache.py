@@ -29,12 +29,14 @@ def run(dtype: str, **kw) -> tuple[list, dict]:
     prompts = [[rng.randrange(5, 900) for _ in range(PROMPT)] for _ in range(5)]
     llm = sglang.Engine(**engine_kwargs(tiny_llama(), dtype, dtype="float32", log_level="error", **kw))
     try:
-        outs = [llm.generate(input_ids=ids, sampling_params={"max_new_tokens": 8, "temperature": 0})
-                for ids in prompts + [prompts[0] + [7, 8, 9]]]
+        outs = [llm.generate(input_ids=ids, sampling_params={"max_new_tokens": 8, "temperature": 0},
+                             return_logprob=True) for ids in prompts + [prompts[0] + [7, 8, 9]]]
         stats = llm.get_server_info()["internal_states"][0]["kv_pool"]
     finally:
         llm.shutdown()
-    return [(o["meta_info"]["cached_tokens"], o["output_ids"]) for o in outs], stats
+    # the logprobs too: a few greedy tokens of a tiny random model can survive a damaged prefix
+    return [(o["meta_info"]["cached_tokens"], o["output_ids"], [t[0] for t in o["meta_info"]["output_token_logprobs"]])
+            for o in outs], stats
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -48,4 +50,5 @@ def test_evicted_prefix_comes_back_from_the_host_tier(monkeypatch, dtype):
     assert hi[-1][0] == PAGES_KEPT * 64, "the first prompt's complete pages are a host hit"
     ref, _ = run(dtype, max_total_tokens=8192)  # the prefix never leaves the device
     assert ref[-1][0] == PAGES_KEPT * 64
-    assert [o for _, o in hi] == [o for _, o in ref]
+    assert [o for _, o, _ in hi] == [o for _, o, _ in ref]
+    assert [lp for _, _, lp in hi] == [lp for _, _, lp in ref]
