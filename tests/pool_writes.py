@@ -4,6 +4,8 @@ PD transfer and the HiCache host pool."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from sgl_kvq.attention_ref import gather_context, ref_decode
@@ -12,14 +14,16 @@ from sgl_kvq.metadata.host import begin_batch, plan_contexts
 L, H, D, HQ, SM = 3, 2, 64, 4, 0.125  # 3 layers: LogQuant's 9 buffers give an odd transfer entry count
 
 
+@functools.lru_cache(maxsize=None)
+def _table(layer: int, seed: int, n: int = 1024):
+    g = torch.Generator().manual_seed(seed * 1_000_003 + layer)
+    return (torch.randn(n, H, D, generator=g) * 2 + torch.arange(D) * 0.05, torch.randn(n, H, D, generator=g),
+            torch.randn(n, HQ, D, generator=g))
+
+
 def kv_of(pos: torch.Tensor, layer: int, seed: int):
-    """K, V [T, H, D] and Q [T, HQ, D] for positions pos: a function of (position, layer) only."""
-    out = []
-    for p in pos.tolist():
-        g = torch.Generator().manual_seed(seed * 1_000_003 + layer * 10_007 + p)
-        out.append((torch.randn(H, D, generator=g) * 2 + torch.arange(D) * 0.05, torch.randn(H, D, generator=g),
-                    torch.randn(HQ, D, generator=g)))
-    return tuple(torch.stack(x) for x in zip(*out))
+    """K, V [T, H, D] and Q [T, HQ, D] for positions pos: a function of (position, layer, seed) only."""
+    return tuple(t[pos] for t in _table(layer, seed))
 
 
 def write(pool, r: int, pages: torch.Tensor, start: int, end: int, seed: int) -> None:
