@@ -75,6 +75,12 @@ def validate(server_args, view, cfg) -> None:
         # the packed pages only, and evicting a page would leave its host rows behind.
         raise KVQConfigError(f"sgl_kvq: --enable-hierarchical-cache (HiCache) is not supported with {cfg.name} (it "
                              "keeps its own host tier); use kivi/gear/logquant/zipcache dtypes with HiCache")
+    from sgl_kvq.host_pool import LAYOUTS
+
+    layout = getattr(view, "hicache_mem_layout", None)
+    if getattr(view, "enable_hierarchical_cache", None) and layout not in (None, *LAYOUTS):
+        raise KVQConfigError(f"sgl_kvq: --hicache-mem-layout {layout} is not available for {cfg.name}'s packed host "
+                             f"pool; use {' or '.join(LAYOUTS)}")
     if (getattr(view, "disaggregation_mode", None) or "null") != "null":
         # The pool describes its packed pages and its per-request fp16 frames (sgl_kvq/pd_transfer.py, tested pool
         # to pool in tests/test_pd_transfer.py), but SGLang's KV managers send per-request state only for the pool
