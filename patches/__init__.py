@@ -34,7 +34,7 @@ def load() -> None:
         return
     from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
 
-    from sgl_kvq.patches import (backends, dtype, observability, pool_build, resolution, retraction, sizing,
+    from sgl_kvq.patches import (backends, dtype, hicache, observability, pool_build, resolution, retraction, sizing,
                                  specache_lanes)
 
     cli_args.register_backend_choices()
@@ -57,6 +57,8 @@ def load() -> None:
                           "._add_memory_usage", observability.add_kv_pool_stats, HookType.AFTER)
     HookRegistry.register("sglang.srt.model_executor.runner.eager_runner.EagerRunner._execute_decode",
                           specache_lanes.execute_decode, HookType.AROUND)
+    HookRegistry.register("sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler.build_kv_host_pool",
+                          hicache.build_kv_host_pool, HookType.AROUND)
 
 
 def _register_refusal(error: Exception) -> None:

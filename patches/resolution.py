@@ -63,17 +63,30 @@ def validate(server_args, view, cfg) -> None:
     unsupported = {
         "speculative_algorithm": "speculative decoding",
         "enable_mixed_chunk": "--enable-mixed-chunk",
-        "enable_hierarchical_cache": "--enable-hierarchical-cache (HiCache)",
         "enable_lora": "LoRA",
     }
     for field, what in unsupported.items():
         if getattr(view, field, None):
             raise KVQConfigError(f"sgl_kvq: {what} is not supported with --kv-cache-dtype {cfg.name} yet")
+    if getattr(view, "enable_hierarchical_cache", None) and cfg.is_specache:
+        # SpeCache keeps its own 16-bit host tier beside the pool (sgl_kvq/specache/); HiCache's host pool holds
+        # the packed pages only, and evicting a page would leave its host rows behind.
+        raise KVQConfigError(f"sgl_kvq: --enable-hierarchical-cache (HiCache) is not supported with {cfg.name} (it "
+                             "keeps its own host tier); use kivi/gear/logquant/zipcache dtypes with HiCache")
+    from sgl_kvq.host_pool import LAYOUTS
+
+    layout = getattr(view, "hicache_mem_layout", None)
+    if getattr(view, "enable_hierarchical_cache", None) and layout not in (None, *LAYOUTS):
+        raise KVQConfigError(f"sgl_kvq: --hicache-mem-layout {layout} is not available for {cfg.name}'s packed host "
+                             f"pool; use {' or '.join(LAYOUTS)}")
     if (getattr(view, "disaggregation_mode", None) or "null") != "null":
-        # SGLang's KV transfer registers the pool's buffers (get_contiguous_buf_infos); the packed pool does not
-        # describe its code/scale/zero buffers yet, and the prefill scheduler died with an AttributeError there.
+        # The pool describes its packed pages and its per-request fp16 frames (sgl_kvq/pd_transfer.py, tested pool
+        # to pool in tests/test_pd_transfer.py), but SGLang's KV managers send per-request state only for the pool
+        # types they know, so the decode side would get pages without the open page; no transfer backend runs on
+        # the CPU build to test that wiring (mooncake's engine.so links libcuda and libibverbs).
         raise KVQConfigError(f"sgl_kvq: prefill/decode disaggregation is not supported with {cfg.name} yet (the "
-                             "packed pool does not describe its buffers to SGLang's KV transfer)")
+                             "pool describes its packed pages, but SGLang's KV transfer does not carry the "
+                             "request's fp16 open page and window for it)")
     if (getattr(view, "pp_size", 1) or 1) > 1:
         raise KVQConfigError(f"sgl_kvq: pipeline parallelism is not supported with {cfg.name} yet")
     if backend == "kvq_triton" and view.device == "cpu":

@@ -18,6 +18,7 @@ HOOK_TARGETS = (
     "sglang.srt.mem_cache.common.release_kv_cache",
     "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController._add_memory_usage",
     "sglang.srt.model_executor.runner.eager_runner.EagerRunner._execute_decode",
+    "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler.build_kv_host_pool",
 )
 IMPORTED = (
     "sglang.srt.arg_groups.resolution_hooks.register_resolution_hook",
@@ -28,6 +29,7 @@ IMPORTED = (
     "sglang.srt.layers.attention.attention_registry.register_attention_backend",
     "sglang.srt.layers.attention.base_attn_backend.AttentionBackend",
     "sglang.srt.mem_cache.memory_pool.KVCache",
+    "sglang.srt.mem_cache.pool_host.base.HostKVCache",
     "sglang.srt.model_executor.cuda_graph_config.with_phase",
 )
 RESOLUTION_STEP = "handle_attention_backend_compatibility"

@@ -110,6 +110,9 @@ class KVQTokenToKVPool(KVCache):
                     **({"salient_per_page": self.cfg.salient_per_page, "salient_bits": self.cfg.salient_bits}
                        if self.cfg.is_zipcache else {})},
         )
+        host = getattr(self, "hicache_host", None)  # HiCache's host tier (patches/hicache.py)
+        if host is not None:
+            stats.update(hicache_host_tokens=host.size, hicache_host_bytes=host.nbytes(), hicache_layout=host.layout)
         if self.specache is not None:
             stats["specache"] = self.specache.stats()
             stats["host_bytes"] = self.host_bytes()
@@ -125,6 +128,19 @@ class KVQTokenToKVPool(KVCache):
 
     def layer_index(self, layer_id: int) -> int:
         return layer_id - self.start_layer
+
+    # ---- prefill/decode KV transfer (sgl_kvq/pd_transfer.py) ----
+    def get_contiguous_buf_infos(self):
+        """Every packed base buffer per layer, page-indexed: what SGLang's transfer backends register and send."""
+        from sgl_kvq.pd_transfer import base_buf_infos
+
+        return base_buf_infos(self.store)
+
+    def get_request_state_buf_infos(self):
+        """The overlay frames (open page and fp16 window) per layer, indexed by request slot."""
+        from sgl_kvq.pd_transfer import request_state_buf_infos
+
+        return request_state_buf_infos(self.store)
 
     # ---- stock accessors: refused, they would expose or accept unquantized rows ----
     def _refuse(self, what: str):

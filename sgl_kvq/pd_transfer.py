@@ -1,0 +1,70 @@
+"""How the packed pool describes itself to SGLang's prefill/decode KV transfer (sglang/srt/disaggregation/).
+
+SGLang's transfer backends (mooncake, nixl, ...) read `(data_ptrs, data_lens, item_lens)` from the pool's
+get_contiguous_buf_infos() and move a request's pages as `ptr + page_index * item_len`, `item_len * run` bytes per
+run of consecutive pages, pairing the prefill side's entry i with the decode side's entry i (plain MHA: the first
+half of the entries with the first half, the second half with the second). Every buffer PoolShape.base_shapes
+lists is [L, P or S, ...] with page p's rows contiguous in each layer (S = P * G slots, page p = slots p*G ..
+p*G+G-1), so each (buffer, layer) is one entry whose item is one page's bytes of it: codes, scales, zeros and every
+format's extras (GEAR's factors and outliers, LogQuant's row slots, ZipCache's salient plane) travel packed.
+
+The open page and the fp16 window are not in the base: they are the request's overlay frames (layout.py), owned by
+its request slot, which differs between the two servers. They are sent, not recomputed: SGLang's decode server runs
+no forward over prompt tokens (it starts from the first output token), so a recomputed open page would need a
+prefill step the decode side does not have. request_state_buf_infos() describes them like SGLang's per-request
+state buffers (indexed by req_pool_idx: item = one slot's `ring` frames of a layer), and adopt_frames() re-points
+the decode slot's frames at the decode side's pages once they have arrived. Their cost per request is `ring` pages
+of model-dtype K/V (R + G tokens at bf16 size), whatever the prompt length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sgl_kvq.layout import frame_of
+
+
+def base_entries(store) -> list[torch.Tensor]:
+    """One page-indexed tensor per (base buffer, layer), buffer-major. An odd count (e.g. LogQuant's 9 buffers
+    over an odd number of layers) repeats the smallest entry: SGLang's MHA pairing splits the list in two halves,
+    and sending the same bytes twice is harmless."""
+    entries = [getattr(store, name)[layer] for name in store.shape.base_shapes()
+               for layer in range(store.shape.layers)]
+    if len(entries) % 2:
+        entries.append(min(entries, key=lambda t: t.nbytes))
+    return entries
+
+
+def buf_infos(entries: list[torch.Tensor], items: int) -> tuple[list[int], list[int], list[int]]:
+    """(data_ptrs, data_lens, item_lens) over entries of `items` equal items each (pages, or request slots)."""
+    for t in entries:
+        if not t.is_contiguous() or t.nbytes % items:
+            raise AssertionError(f"sgl_kvq: a transfer entry {tuple(t.shape)} is not {items} contiguous items")
+    return [t.data_ptr() for t in entries], [t.nbytes for t in entries], [t.nbytes // items for t in entries]
+
+
+def base_buf_infos(store) -> tuple[list[int], list[int], list[int]]:
+    return buf_infos(base_entries(store), store.shape.P)
+
+
+def request_state_entries(store) -> list[torch.Tensor]:
+    """The overlay frames per layer (zipcache2: with the saliency accumulator of each frame), item = one request
+    slot's `ring` consecutive frames (frame_of: slot r owns frames r*ring .. r*ring+ring-1)."""
+    names = ("ov_k", "ov_v") + (("ov_score",) if store.cfg.is_zipcache else ())
+    return [getattr(store, n)[layer] for n in names for layer in range(store.shape.layers)]
+
+
+def request_state_buf_infos(store) -> tuple[list[int], list[int], list[int]]:
+    return buf_infos(request_state_entries(store), store.num_req_slots)
+
+
+def adopt_frames(store, req_slot: int, pages: torch.Tensor, seq_len: int) -> None:
+    """After a request's pages and frames arrived on this side: mark the frames of its last `ring` logical pages
+    (those the prefill side kept in fp16) as holding this side's pages `pages` (pool page ids of logical pages
+    0, 1, ...), at their current generation."""
+    G, ring = store.G, store.ring
+    n_pages = -(-seq_len // G)
+    for n in range(max(n_pages - ring, 0), n_pages):
+        f, p = frame_of(req_slot, n, ring), int(pages[n])
+        store.ov_tag[f] = p
+        store.ov_gen[f] = store.page_gen[p]
