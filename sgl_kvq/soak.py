@@ -283,10 +283,10 @@ def run_load(server, tokenizer_vocab: int, context_len: int, clients: int, secon
 
 
 def replay(base: str, turns: list[dict]) -> dict:
-    """Every completed turn again, one at a time (nothing else runs): {turns, identical, agreement} where
-    agreement is the mean fraction of each turn's tokens before its first difference."""
-    same, fractions = 0, []
-    for t in turns:
+    """Every completed turn again, one at a time (nothing else runs): {turns, identical, differing, agreement}
+    where agreement is the mean fraction of each turn's tokens before its first difference."""
+    same, fractions, differing = 0, [], []
+    for i, t in enumerate(turns):
         r = generate(base, t["input_ids"], t["max_new_tokens"])
         r.raise_for_status()
         out = r.json()["output_ids"]
@@ -294,7 +294,10 @@ def replay(base: str, turns: list[dict]) -> dict:
                                                                                         len(t["output_ids"])))
         same += out == t["output_ids"]
         fractions.append(n / max(len(t["output_ids"]), 1))
-    return {"turns": len(turns), "identical": same,
+        if out != t["output_ids"]:
+            differing.append({"turn": i, "prompt_tokens": len(t["input_ids"]), "first_difference": n,
+                              "new_tokens": len(t["output_ids"])})
+    return {"turns": len(turns), "identical": same, "differing": differing,
             "agreement": round(sum(fractions) / len(fractions), 4) if fractions else None}
 
 

@@ -39,6 +39,7 @@ def add_arguments(p) -> None:
     p.add_argument("--test-retract", action="store_true", help="also SGLANG_TEST_RETRACT=1 (SGLang retracts "
                    "every third decode step): retraction in a short run, whatever the machine's speed")
     p.add_argument("--json", metavar="PATH", help="write the runs here (after every run)")
+    p.add_argument("--append", action="store_true", help="add the runs to those already in --json")
     p.add_argument("--png", metavar="PATH", help="plot the resident memory curves here")
     p.add_argument("--logs", metavar="DIR", default=None, help="server logs (default: a temporary folder)")
 
@@ -96,6 +97,24 @@ def soak_one(model, dtype: str, mode: str, seconds: float, clients: int, max_tot
     }
 
 
+def refusal(dtype: str, mode: str) -> str | None:
+    """Why the dtype refuses the mode's knobs (specache prefills in full: no deterministic mode), or None."""
+    from sgl_kvq.config import KVQConfigError, is_kvq_dtype, parse_kv_cache_dtype
+
+    if not is_kvq_dtype(dtype):
+        return None
+    saved = {k: os.environ.get(k) for k in MODES[mode]}
+    os.environ.update(MODES[mode])
+    try:
+        parse_kv_cache_dtype(dtype)
+    except KVQConfigError as e:
+        return str(e)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    return None
+
+
 def verdict(row: dict) -> list[str]:
     """What a run got wrong, in words (empty: it passed)."""
     bad = []
@@ -149,9 +168,16 @@ def run(args) -> int:
     command = "sgl-kvq bench soak " + " ".join(getattr(args, "_argv", sys.argv[3:]))
     report = {"command": command, "model": str(args.model), "max_total_tokens": args.max_total_tokens,
               "rss_growth_bound_mib": RSS_GROWTH_MIB, "runs": []}
+    if args.append and args.json and Path(args.json).exists():
+        old = json.loads(Path(args.json).read_text())
+        report["command"], report["runs"] = old["command"] + " ; " + command, old["runs"]
     failed = False
     for dtype in [d for d in args.dtypes.split(",") if d]:
         for mode in [m for m in args.modes.split(",") if m]:
+            refused = refusal(dtype, mode)
+            if refused:
+                print(f"{dtype} {mode}: not run: {refused}", flush=True)
+                continue
             row = soak_one(model, dtype, mode, args.seconds, args.clients, args.max_total_tokens,
                            logs / f"{dtype}-{mode}.log", args.replay_max, args.test_retract)
             row["problems"] = verdict(row)
