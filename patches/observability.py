@@ -15,5 +15,34 @@ def add_kv_pool_stats(result, self, state, *args, **kwargs):
     stats = pool.stats(capacity) if isinstance(pool, KVQTokenToKVPool) else kv_cache_stats(pool, capacity)
     # What the pool was sized from and how many requests run at once: capacity comparisons need both.
     stats.update(kv_budget_bytes=profiled_budget_bytes(), max_running_requests=scheduler.max_running_requests)
+    stats["live"] = live_counts(scheduler, pool)
     state["kv_pool"] = stats
     return result
+
+
+def live_counts(scheduler, pool) -> dict:
+    """What requests hold right now: free KV tokens, the radix tree's evictable and locked tokens, free request
+    slots and, for a kvq pool, overlay frames still tagged with an allocated page. With no request in flight and
+    after /flush_cache, each returns to its value at startup (the soak's leak check: `sgl-kvq bench soak`)."""
+    import torch
+
+    from sgl_kvq.pool import KVQTokenToKVPool
+
+    tree = scheduler.tree_cache
+    out = {"free_tokens": int(scheduler.token_to_kv_pool_allocator.available_size()),
+           "evictable_tokens": int(tree.evictable_size()), "protected_tokens": int(tree.protected_size()),
+           "free_req_slots": int(scheduler.req_to_token_pool.available_size()),
+           "running_requests": len(scheduler.running_batch.reqs),
+           "waiting_requests": len(scheduler.waiting_queue)}
+    if isinstance(pool, KVQTokenToKVPool):
+        store = pool.store
+        tagged = store.ov_tag >= 0
+        pages = store.ov_tag.clamp(min=0)
+        current = tagged & (store.ov_gen == store.page_gen[pages])
+        allocator = scheduler.token_to_kv_pool_allocator
+        free = allocator.get_all_free_pages() if hasattr(allocator, "get_all_free_pages") else None
+        if free is not None:
+            # page 0 is reserved (padded rows' dummy page), never handed out, never a live request's page
+            current &= ~torch.isin(pages, free.to(pages.device)) & (pages != 0)
+        out["overlay_frames_live"] = int(current.sum())
+    return out

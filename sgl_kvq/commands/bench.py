@@ -1,4 +1,4 @@
-"""`sgl-kvq bench <what>`: `multiturn`, `capacity`, `decode`, `serving`, `conformance` (sgl_kvq/commands/bench_*.py)
+"""`sgl-kvq bench <what>`: `multiturn`, `capacity`, `decode`, `serving`, `conformance`, `soak` (sgl_kvq/commands/bench_*.py)
 and `kernels` (bench/kernels.py)."""
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ BENCHMARKS = {
                 "budget regimes, several concurrencies"),
     "conformance": ("sgl_kvq.commands.bench_conformance", "SGLang's own server test kits against bf16 and each kvq "
                     "dtype at the same pinned KV budget (a kvq dtype must pass what bf16 passes)"),
+    "soak": ("sgl_kvq.commands.bench_soak", "concurrent multi-turn load with disconnects, aborts and malformed "
+             "requests at a budget that evicts and retracts: errors, replay agreement, leaks, resident memory"),
 }
 
 

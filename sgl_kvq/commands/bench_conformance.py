@@ -261,6 +261,8 @@ def add_arguments(p) -> None:
     p.add_argument("--kv-cache-gb", type=float, default=KV_CACHE_GB, help="pinned KV budget per server")
     p.add_argument("--json", metavar="PATH", help="write every dtype's kit results here")
     p.add_argument("--logs", metavar="DIR", default=None, help="server logs (default: a temporary folder)")
+    p.add_argument("--resume", action="store_true", help="keep the kit rows already in --json and run, per dtype "
+                   "(bf16 included), only the kits it has no rows for: a cut-off matrix run goes on where it stopped")
     p.add_argument("--from-tests", metavar="PATH", help="build the report from the rows a pytest run of "
                    "tests/test_conformance_*.py wrote with KVQ_CONFORMANCE_JSON=PATH, instead of starting servers")
 
@@ -306,13 +308,28 @@ def run(args) -> int:
     os.environ["KVQ_KV_CACHE_GB"] = str(args.kv_cache_gb)
     command = "sgl-kvq bench conformance " + " ".join(getattr(args, "_argv", sys.argv[3:]))
     doc: dict = {"kits": {}}
+    if args.resume and args.json and Path(args.json).exists():
+        old = json.loads(Path(args.json).read_text())
+        doc["kits"] = {dt: {t: r for t, r in e["tests"].items() if t != "server"}
+                       for dt, e in old["groups"]["kits"].items()}
+        command = old["command"] + " ; " + command
+    report = report_from_tests(doc, command)
+    kit_tests = {}  # {kit: its "kit.test" names}
+    for name in kit_test_names():
+        kit_tests.setdefault(name.split(".")[0], set()).add(name)
     for dtype in dtypes:
         t0 = time.perf_counter()
+        have = set(doc["kits"].get(dtype, {}))
+        # a kit runs again unless every one of its tests has a row (CI's slice records single tests of a kit)
+        todo = [k for k in (only or kit_tests) if not kit_tests[k] <= have and f"{k}.*" not in have]
+        if not todo:
+            continue
         try:
             with ServerProcess(server_args(model, dtype), log_path=logs / f"{dtype}.log") as server:
-                rows = run_kits(server, model, files, only)
+                rows = run_kits(server, model, files, todo)
         except (RuntimeError, TimeoutError) as e:
             rows = {"server": {"outcome": "error", "message": str(e).splitlines()[0]}}
+        rows = {**doc["kits"].get(dtype, {}), **rows}
         doc["kits"][dtype] = rows
         report = report_from_tests(doc, command)
         report["kv_cache_gb"] = args.kv_cache_gb
