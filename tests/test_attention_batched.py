@@ -47,7 +47,7 @@ def test_batched_decode_matches_reference(B, group, bits):
     kv, plan = make_pool(G, H, D, VG, bits, reqs, torch.float32, seed=B + 7 * bits)
     q = torch.randn(B, H * group, D, generator=torch.Generator().manual_seed(group))
     ref = ref_decode(q, kv, plan, D ** -0.5)
-    out = attention_batched.decode(q, kv, attention_batched.prepare(plan, G), D ** -0.5)
+    out = attention_batched.decode(q, kv, attention_batched.prepare(plan, G, H), D ** -0.5)
     assert not out.isnan().any(), "a position past a context's end (NaN in the pool) reached the output"
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -69,7 +69,7 @@ def test_reads_only_the_batch_pages():
             kv.ov_k[f] = float("nan")
             kv.ov_v[f] = float("nan")
     q = torch.randn(len(reqs), H * 2, D)
-    out = attention_batched.decode(q, kv, attention_batched.prepare(plan, G), D ** -0.5)
+    out = attention_batched.decode(q, kv, attention_batched.prepare(plan, G, H), D ** -0.5)
     torch.testing.assert_close(out, ref_decode(q, kv, plan, D ** -0.5), rtol=1e-5, atol=1e-5)
 
 
@@ -80,7 +80,7 @@ def test_batched_decode_model_dtypes(dtype):
     reqs = [(2 * G, G + 3), (G - 1, 0), (0, 40)]
     kv, plan = make_pool(G, H, D, VG, 4, reqs, dtype, seed=11)
     q = torch.randn(len(reqs), H * 3, D).to(dtype)
-    out = attention_batched.decode(q, kv, attention_batched.prepare(plan, G), D ** -0.5)
+    out = attention_batched.decode(q, kv, attention_batched.prepare(plan, G, H), D ** -0.5)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), ref_decode(q, kv, plan, D ** -0.5).float(), rtol=1e-2, atol=1e-2)
 
@@ -94,7 +94,7 @@ def test_batched_decode_with_gear_correction_matches_reference(B, gear):
         kv, plan = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=B, gear=gear)
         q = torch.randn(B, H * 2, D, generator=torch.Generator().manual_seed(B))
         ref = ref_decode(q, kv, plan, D ** -0.5)
-        out = attention_batched.decode(q, kv, attention_batched.prepare(plan, G), D ** -0.5)
+        out = attention_batched.decode(q, kv, attention_batched.prepare(plan, G, H), D ** -0.5)
         assert not out.isnan().any()
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -110,7 +110,7 @@ def test_batched_decode_with_zipcache_salient_rows_matches_reference(B, group, n
         kv.sal.v_chan[0] = float("nan")  # dummy page 0 (padding reads it) may hold anything
         q = torch.randn(B, H * group, D, generator=torch.Generator().manual_seed(B))
         ref = ref_decode(q, kv, plan, D ** -0.5)
-        out = attention_batched.decode(q, kv, attention_batched.prepare(plan, G), D ** -0.5)
+        out = attention_batched.decode(q, kv, attention_batched.prepare(plan, G, H), D ** -0.5)
         assert not out.isnan().any()
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -124,7 +124,7 @@ def test_batched_decode_with_logquant_rows_matches_reference(B, M):
         kv, plan = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=B + M, rows=M)
         q = torch.randn(B, H * 2, D, generator=torch.Generator().manual_seed(B))
         ref = ref_decode(q, kv, plan, D ** -0.5)
-        out = attention_batched.decode(q, kv, attention_batched.prepare(plan, G), D ** -0.5)
+        out = attention_batched.decode(q, kv, attention_batched.prepare(plan, G, H), D ** -0.5)
         assert not out.isnan().any()
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
         kv.rows = None  # the rows change what is read

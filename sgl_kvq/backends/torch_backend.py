@@ -22,7 +22,7 @@ class KVQTorchBackend(KVQAttentionBackendBase):
 
     def decode(self, q, li, step, sm_scale):
         if self._batched is None or self._batched[0] is not step.plan:
-            self._batched = (step.plan, attention_batched.prepare(step.plan, self.store.G))
+            self._batched = (step.plan, attention_batched.prepare(step.plan, self.store.G, self.store.shape.heads))
         return attention_batched.decode(q, self.store.layer_view(li), self._batched[1], sm_scale)
 
     def support_triton(self):
