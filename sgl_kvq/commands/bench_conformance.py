@@ -33,13 +33,18 @@ KIT_KL_THRESHOLD = 0.002
 # Dtypes whose KL exceeds the kit's threshold on SmolLM2, per KL kit test: the measured avg KL (this module's sizes,
 # bench/results/conformance-smollm2.json) and a bound the test asserts instead, so a regression still fails.
 # kivi2: 2-bit keys and values move SmolLM2's next-token distribution far more than the kit allows (its cached-turn
-# ppl is +33%, bench/results/quality). specache2: its decode lanes read the 2-bit base plus 64 exact rows, the
-# kit's reference is a 16-bit prefill. Each bound is 1.6x the measured value.
+# ppl is +33%, bench/results/quality); logquant2's fp16 sink row cuts that 2-6x. kivi4 misses the kit's value by 20%.
+# specache2: its decode lanes read the 2-bit base plus 64 exact rows, the kit's reference is a 16-bit prefill.
+# Each bound is 1.6x the measured value (bench/results/conformance-full-smollm2.json).
 KL_OVER_KIT_THRESHOLD: dict[str, dict[str, dict]] = {
     "kivi2": {"test_input_output_logprobs_match_prefill_cache_hit": {"measured": 0.1009, "bound": 0.16},
               "test_input_output_logprobs_match_decode_cache_hit": {"measured": 0.1561, "bound": 0.25}},
     "specache2": {"test_input_output_logprobs_match_prefill_cache_hit": {"measured": 0.0069, "bound": 0.011},
                   "test_input_output_logprobs_match_decode_cache_hit": {"measured": 0.0130, "bound": 0.021}},
+    "kivi4": {"test_input_output_logprobs_match_prefill_cache_hit": {"measured": 0.00242, "bound": 0.0039},
+              "test_input_output_logprobs_match_decode_cache_hit": {"measured": 0.00236, "bound": 0.0038}},
+    "logquant2": {"test_input_output_logprobs_match_prefill_cache_hit": {"measured": 0.0439, "bound": 0.070},
+                  "test_input_output_logprobs_match_decode_cache_hit": {"measured": 0.0239, "bound": 0.038}},
 }
 
 # The pinned KV budget of every server: equal memory for bf16 and each kvq dtype, and room for the kits' 8k-token
