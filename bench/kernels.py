@@ -51,8 +51,10 @@ G, R, VG = 64, 64, 64  # page = key group, recent window, value channel group (s
 SGLANG_SPLITS = 8  # SGLang's default --triton-attention-num-kv-splits
 
 
-def timed(fn, device) -> float:
-    """Median microseconds of fn(). CUDA: CUDA-graph replay when capturable, else do_bench."""
+def timed(fn, device, graphs: bool = True) -> float:
+    """Median microseconds of fn(). CUDA: CUDA-graph replay when capturable (and `graphs`), else do_bench."""
+    if device.type == "cuda" and not graphs:
+        return 1e3 * triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
     if device.type == "cuda":
         try:
             return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")

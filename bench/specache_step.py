@@ -29,7 +29,6 @@ import json
 import os
 import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -60,16 +59,8 @@ TINY_MODELS = {"tiny-gqa": (4, 2, 64)}
 
 
 def timed(fn, device) -> float:
-    """Median microseconds of fn() (eager: SpeCache's decode is not graph-captured)."""
-    if device.type == "cuda":
-        return 1e3 * triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
-    fn()
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e6 * sorted(times)[1]
+    """Median microseconds of fn(), eager (SpeCache's decode is not graph-captured)."""
+    return bench_kernels.timed(fn, device, graphs=False)
 
 
 def bench_config(model, Hq, Hkv, D, B, ctx, bits, layers, top_k, dtype, device):
