@@ -29,6 +29,11 @@ class KVQAttentionBackendBase(AttentionBackend):
         self.store = pool.store
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         self.forward_plan: ForwardPlan | None = None
+        from sglang.srt.runtime_context import get_parallel
+
+        # This rank's query heads (the pool holds its KV heads): the kernels' launch shapes.
+        mc = model_runner.model_config
+        self.num_qo_heads = mc.get_max_num_attention_heads() // get_parallel().attn_tp_size
 
     def init_forward_metadata(self, forward_batch):
         mode = forward_batch.forward_mode

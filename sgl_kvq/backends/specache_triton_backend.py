@@ -31,10 +31,6 @@ class KVQSpeCacheTritonBackend(KVQSpeCacheBackend):
 
     def __init__(self, model_runner):
         super().__init__(model_runner)
-        from sglang.srt.runtime_context import get_parallel
-
-        mc = model_runner.model_config
-        self.num_qo_heads = mc.get_max_num_attention_heads() // get_parallel().attn_tp_size
         self.lane_plan: sd.SpeCachePlan | None = None
         self.scores: torch.Tensor | None = None
         self.write_slots: torch.Tensor | None = None  # pool slots of the two-lane step's real rows

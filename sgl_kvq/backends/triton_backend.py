@@ -21,10 +21,6 @@ class KVQTritonBackend(KVQAttentionBackendBase):
 
     def __init__(self, model_runner):
         super().__init__(model_runner)
-        from sglang.srt.runtime_context import get_parallel
-
-        mc = model_runner.model_config
-        self.num_qo_heads = mc.get_max_num_attention_heads() // get_parallel().attn_tp_size
         self.decode_plan = None
         self._allocate_decode_state(self.req_to_token.shape[0])
 
