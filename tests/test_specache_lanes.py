@@ -249,10 +249,20 @@ def test_the_scheduler_hook_exports_the_pool_stats_of_a_specache_pool_and_a_bf16
     from sgl_kvq.patches.observability import add_kv_pool_stats
 
     def exported(pool, capacity):
-        scheduler = SimpleNamespace(token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: pool),
-                                    max_total_num_tokens=capacity, max_running_requests=7)
+        allocator = SimpleNamespace(get_kvcache=lambda: pool, available_size=lambda: capacity - 3)
+        scheduler = SimpleNamespace(token_to_kv_pool_allocator=allocator, max_total_num_tokens=capacity,
+                                    max_running_requests=7,
+                                    tree_cache=SimpleNamespace(evictable_size=lambda: 2, protected_size=lambda: 1),
+                                    req_to_token_pool=SimpleNamespace(available_size=lambda: 5),
+                                    running_batch=SimpleNamespace(reqs=[None]), waiting_queue=[])
         state = {}
         assert add_kv_pool_stats("result", SimpleNamespace(scheduler=scheduler), state) == "result"
+        live = state["kv_pool"].pop("live")
+        assert live["free_tokens"] == capacity - 3 and live["evictable_tokens"] == 2
+        assert live["protected_tokens"] == 1 and live["free_req_slots"] == 5
+        assert live["running_requests"] == 1 and live["waiting_requests"] == 0
+        # no page has been written: no overlay frame is tagged with a page, so none is live
+        assert live.get("overlay_frames_live", 0) == 0
         return state["kv_pool"]
 
     basic = {"pool_class", "capacity_tokens", "kv_bytes", "kv_bytes_per_token", "page_size", "kv_budget_bytes",

@@ -10,6 +10,14 @@ from sgl_kvq.metadata.forward import build_forward_plan
 from sgl_kvq.plan import ForwardPlan
 
 
+def query_heads_on_this_rank(model_runner) -> int:
+    """This rank's query heads (the pool holds its KV heads): the Triton kernels' launch shapes. Only the Triton
+    backends ask, so kvq_torch builds without a published parallel config (its unit tests use a bare runner)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    return model_runner.model_config.get_max_num_attention_heads() // get_parallel().attn_tp_size
+
+
 class KVQAttentionBackendBase(AttentionBackend):
     """The forward plan built once per batch (sgl_kvq/metadata/), the write order per layer, the layer checks.
     Subclasses supply the attention compute (`extend`, `decode`) and whether writes use the Triton kernels."""
@@ -29,11 +37,6 @@ class KVQAttentionBackendBase(AttentionBackend):
         self.store = pool.store
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         self.forward_plan: ForwardPlan | None = None
-        from sglang.srt.runtime_context import get_parallel
-
-        # This rank's query heads (the pool holds its KV heads): the kernels' launch shapes.
-        mc = model_runner.model_config
-        self.num_qo_heads = mc.get_max_num_attention_heads() // get_parallel().attn_tp_size
 
     def init_forward_metadata(self, forward_batch):
         mode = forward_batch.forward_mode

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from sgl_kvq.backends.base import query_heads_on_this_rank
 from sgl_kvq.backends.specache_backend import KVQSpeCacheBackend
 from sgl_kvq.kernels import specache_decode as sd
 from sgl_kvq.kernels.extend_attention import extend_attention
@@ -31,6 +32,7 @@ class KVQSpeCacheTritonBackend(KVQSpeCacheBackend):
 
     def __init__(self, model_runner):
         super().__init__(model_runner)
+        self.num_qo_heads = query_heads_on_this_rank(model_runner)
         self.lane_plan: sd.SpeCachePlan | None = None
         self.scores: torch.Tensor | None = None
         self.write_slots: torch.Tensor | None = None  # pool slots of the two-lane step's real rows

@@ -8,7 +8,7 @@ and runs eagerly. Attention reads packed codes and dequantizes in registers."""
 
 from __future__ import annotations
 
-from sgl_kvq.backends.base import KVQAttentionBackendBase
+from sgl_kvq.backends.base import KVQAttentionBackendBase, query_heads_on_this_rank
 from sgl_kvq.kernels import decode_attention as decode_kernel
 from sgl_kvq.kernels.extend_attention import extend_attention
 from sgl_kvq.metadata.device import DecodeBuffers, build_decode
@@ -21,6 +21,7 @@ class KVQTritonBackend(KVQAttentionBackendBase):
 
     def __init__(self, model_runner):
         super().__init__(model_runner)
+        self.num_qo_heads = query_heads_on_this_rank(model_runner)
         self.decode_plan = None
         self._allocate_decode_state(self.req_to_token.shape[0])
 
