@@ -21,6 +21,7 @@ import os
 import platform
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -128,7 +129,7 @@ def bench_config(model, Hq, Hkv, D, B, ctx, bits_list, dtype, device, copy_bw, c
     for bits in bits_list:
         kv, paged, meta = build(B, ctx, Hq, Hkv, D, bits, dtype, device, gen)
         p = dec.plan(paged, num_qo_heads=Hq, num_kv_heads=Hkv, head_dim=D, page_size=G)
-        us = timed(lambda: dec.run(q, kv, p, sm_scale, out=out), device)
+        us = timed(partial(dec.run, q, kv, p, sm_scale, out=out), device)
         err = (out.float() - ref_decode(q, kv, paged, sm_scale).float()).abs().max().item() if check else None
         record(f"kvq{bits}", us, bytes_packed(B, Hq, Hkv, D, bits, meta["base_pages"], meta["overlay_frames"],
                                               esize), err)
@@ -160,8 +161,7 @@ def bench_config(model, Hq, Hkv, D, B, ctx, bits_list, dtype, device, copy_bw, c
     k_d = k_pages.view(B, n * G, Hkv, D)[:, :ctx].transpose(1, 2).contiguous()
     v_d = v_pages.view(B, n * G, Hkv, D)[:, :ctx].transpose(1, 2).contiguous()
     q4 = q.unsqueeze(2)
-    sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
-        q4, k_d, v_d, scale=sm_scale, enable_gqa=True)
+    sdpa = partial(torch.nn.functional.scaled_dot_product_attention, q4, k_d, v_d, scale=sm_scale, enable_gqa=True)
     us = timed(sdpa, device)
     ref = sdpa().squeeze(2)
     record("torch-sdpa", us, kv_bytes, (ours_dense.float() - ref.float()).abs().max().item() if check else None)

@@ -13,7 +13,6 @@ import logging
 import torch
 from sglang.srt.mem_cache.memory_pool import KVCache
 
-from sgl_kvq.config import KVQConfig
 from sgl_kvq.kv_store import QuantizedKVStore
 from sgl_kvq.layout import PoolShape
 
