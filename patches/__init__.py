@@ -34,8 +34,8 @@ def load() -> None:
         return
     from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
 
-    from sgl_kvq.patches import (backends, dtype, hicache, observability, pool_build, resolution, retraction, sizing,
-                                 specache_lanes)
+    from sgl_kvq.patches import (backends, dtype, hicache, observability, pd, pool_build, resolution, retraction,
+                                 sizing, specache_lanes)
 
     cli_args.register_backend_choices()
     backends.register()
@@ -59,6 +59,8 @@ def load() -> None:
                           specache_lanes.execute_decode, HookType.AROUND)
     HookRegistry.register("sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler.build_kv_host_pool",
                           hicache.build_kv_host_pool, HookType.AROUND)
+    HookRegistry.register("sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender.__init__",
+                          pd.mooncake_sender_init, HookType.AFTER)
 
 
 def _register_refusal(error: Exception) -> None:

@@ -19,6 +19,7 @@ HOOK_TARGETS = (
     "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController._add_memory_usage",
     "sglang.srt.model_executor.runner.eager_runner.EagerRunner._execute_decode",
     "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler.build_kv_host_pool",
+    "sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender.__init__",
 )
 IMPORTED = (
     "sglang.srt.arg_groups.resolution_hooks.register_resolution_hook",
