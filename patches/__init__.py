@@ -61,6 +61,12 @@ def load() -> None:
                           hicache.build_kv_host_pool, HookType.AROUND)
     HookRegistry.register("sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender.__init__",
                           pd.mooncake_sender_init, HookType.AFTER)
+    HookRegistry.register("sglang.srt.disaggregation.utils.setup_state_kv_args", pd.setup_state_kv_args,
+                          HookType.AFTER)
+    HookRegistry.register("sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.send_kv_chunk",
+                          pd.prefill_send_kv_chunk, HookType.BEFORE)
+    HookRegistry.register("sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req",
+                          pd.decode_commit_transfer, HookType.AFTER)
 
 
 def _register_refusal(error: Exception) -> None:

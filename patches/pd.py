@@ -14,3 +14,59 @@ def mooncake_sender_init(result, sender, *args, **kwargs):
 
     if not torch.cuda.is_available():
         sender.supports_host_tensor_indices = False
+
+
+def _kvq_pool(pool):
+    from sgl_kvq.pool import KVQTokenToKVPool
+
+    return pool if isinstance(pool, KVQTokenToKVPool) else None
+
+
+def setup_state_kv_args(result, kv_args, token_to_kv_pool, *args, **kwargs):
+    """Both sides: the packed pool's request state (its overlay frames and pd_window counts) is one REQUEST_ROW
+    component, which SGLang sends from the prefill's request slot to the decode's (sgl_kvq/pd_transfer.py)."""
+    pool = _kvq_pool(token_to_kv_pool)
+    if pool is None:
+        return
+    from sglang.srt.disaggregation.base.conn import StateType
+    from sglang.srt.disaggregation.utils import append_state_component
+
+    from sgl_kvq.pd_transfer import request_state_layer_ids
+
+    append_state_component(kv_args, StateType.REQUEST_ROW, *pool.get_request_state_buf_infos(),
+                           layer_ids=request_state_layer_ids(pool.store, pool.start_layer))
+
+
+def _request_pages(req_to_token, req_slot: int, seq_len: int, G: int):
+    return req_to_token[req_slot, :seq_len:G].cpu() // G
+
+
+def prefill_send_kv_chunk(scheduler, req, last_chunk: bool = False, end_idx=None):
+    """Prefill side, before the last chunk (the one that carries the request state) is sent: count the frames that
+    hold the request (pd_transfer.mark_window)."""
+    pool = _kvq_pool(scheduler.token_to_kv_pool_allocator.get_kvcache())
+    if pool is None or not last_chunk or req.kv.req_pool_idx is None:
+        return
+    from sgl_kvq.pd_transfer import mark_window
+
+    seq_len = min(req.extend_end, len(req.origin_input_ids))
+    slot = int(req.kv.req_pool_idx)
+    mark_window(pool.store, slot, _request_pages(scheduler.req_to_token_pool.req_to_token, slot, seq_len, pool.store.G),
+                seq_len)
+
+
+def decode_commit_transfer(result, queue, decode_req):
+    """Decode side, once a request's pages and state have arrived: its frames hold this side's pages
+    (pd_transfer.adopt_frames). An aborted transfer is left alone."""
+    from sglang.srt.disaggregation.utils import is_aborted
+
+    scheduler, req = queue.scheduler, decode_req.req
+    pool = _kvq_pool(scheduler.token_to_kv_pool_allocator.get_kvcache())
+    if pool is None or is_aborted(req):
+        return
+    from sgl_kvq.pd_transfer import adopt_frames
+
+    seq_len = len(req.origin_input_ids)
+    slot = int(req.kv.req_pool_idx)
+    adopt_frames(pool.store, slot, _request_pages(scheduler.req_to_token_pool.req_to_token, slot, seq_len, pool.store.G),
+                 seq_len)
