@@ -1,12 +1,25 @@
-"""Prefill/decode disaggregation hooks.
+"""Prefill/decode disaggregation hooks (sgl_kvq/pd_transfer.py says what the packed pool sends and why).
 
 mooncake_sender_init: SGLang's prefill side copies a request's page indices into pinned host memory and records a
 CUDA event when its mooncake sender `supports_host_tensor_indices` (prefill.py `_send_kv_chunk`); without CUDA that
 dies with "pin_memory=True requires a CUDA or other accelerator backend" on the first request, bf16 included. On a
 machine without CUDA the sender takes SGLang's other branch (plain `kv_to_page_indices`), whatever the KV dtype.
+
+prefill_early_send: with a radix hit SGLang sends the cached prefix's pages before the forward, after recording a
+CUDA event on the forward stream ("Tried to instantiate dummy base class Event" without CUDA, on the second request
+that shares a prefix). Without CUDA that optional early send is skipped: the final send covers the prefix too.
 """
 
 from __future__ import annotations
+
+import threading
+
+# Bytes this process's mooncake engine wrote to a peer, KV (pages and request state) and aux (the first token,
+# logprobs: SGLang's metadata buffers) apart: the prefill server reports them in its pool stats
+# (patches/observability.py) so a PD run measures what went over the wire, not what the descriptions promise.
+SENT = {"kv_bytes": 0, "aux_bytes": 0, "batches": 0}
+_lock = threading.Lock()
+_in_aux = threading.local()
 
 
 def mooncake_sender_init(result, sender, *args, **kwargs):
@@ -14,6 +27,14 @@ def mooncake_sender_init(result, sender, *args, **kwargs):
 
     if not torch.cuda.is_available():
         sender.supports_host_tensor_indices = False
+
+
+def prefill_early_send(orig, scheduler, *args, **kwargs):
+    import torch
+
+    if torch.cuda.is_available():
+        return orig(scheduler, *args, **kwargs)
+    return None
 
 
 def _kvq_pool(pool):
@@ -70,3 +91,21 @@ def decode_commit_transfer(result, queue, decode_req):
     slot = int(req.kv.req_pool_idx)
     adopt_frames(pool.store, slot, _request_pages(scheduler.req_to_token_pool.req_to_token, slot, seq_len, pool.store.G),
                  seq_len)
+
+
+def count_batch_transfer(orig, engine, *args, **kwargs):
+    ret = orig(engine, *args, **kwargs)
+    lengths = kwargs["lengths"] if "lengths" in kwargs else args[3]
+    if ret == 0:
+        with _lock:
+            SENT["aux_bytes" if getattr(_in_aux, "on", False) else "kv_bytes"] += int(sum(lengths))
+            SENT["batches"] += 1
+    return ret
+
+
+def count_aux(orig, manager, *args, **kwargs):
+    _in_aux.on = True
+    try:
+        return orig(manager, *args, **kwargs)
+    finally:
+        _in_aux.on = False
