@@ -9,8 +9,15 @@ the same with two HTTP posts. `mooncake_tcp` is SGLang's mooncake backend with t
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import signal
+import subprocess
+import sys
 import threading
+import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
@@ -31,10 +38,17 @@ def mooncake_available() -> str | None:
 
 
 def pd_argv(args: list[str], mode: str, bootstrap_port: int) -> list[str]:
-    """launch_server ARGS for one side of a PD pair."""
+    """launch_server ARGS for one side of a PD pair. A decode server without a GPU keeps no retraction backup unless
+    ARGS choose one: SGLang infers `host_pool` for its own pool, a HiCache host pool that pins memory with
+    cudaHostRegister ("Torch not compiled with CUDA enabled"); kvq dtypes default to none anyway
+    (patches/resolution.py)."""
+    from sgl_kvq.launch import has_gpu
+
     argv = list(args) + ["--disaggregation-mode", mode, "--disaggregation-transfer-backend", "mooncake_tcp"]
     if mode == "prefill":
         argv += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
+    elif not has_gpu() and not any(a.startswith("--disaggregation-decode-retraction-backup") for a in args):
+        argv += ["--disaggregation-decode-retraction-backup", "none"]
     return argv
 
 
@@ -91,3 +105,56 @@ def route(prefill: ServerProcess, decode: ServerProcess, bootstrap_port: int, pa
     if failure:
         raise RuntimeError(f"the prefill server failed the request: {failure[0]}") from failure[0]
     return out
+
+
+def router_available() -> bool:
+    try:
+        import sglang_router  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class Router:
+    """SGLang's PD router (sglang-router, `--pd-disaggregation`) in front of a PDPair, on 127.0.0.1. Use as a context
+    manager; post() like ServerProcess.post."""
+
+    def __init__(self, pair: PDPair, log_path: str | Path | None = None, startup_timeout: float = 300):
+        self.pair, self.log_path, self.startup_timeout = pair, log_path, startup_timeout
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "Router":
+        log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill",
+             self.pair.prefill.base, str(self.pair.bootstrap_port), "--decode", self.pair.decode.base,
+             "--host", "127.0.0.1", "--port", str(self.port)], stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True)
+        deadline = time.time() + self.startup_timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sglang-router exited with {self.proc.returncode} (log: {self.log_path})")
+            try:
+                with urllib.request.urlopen(self.base + "/health", timeout=10):
+                    return self
+            except OSError:
+                time.sleep(1.0)
+        self.__exit__()
+        raise TimeoutError(f"sglang-router not healthy after {self.startup_timeout}s (log: {self.log_path})")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+    def post(self, path: str, payload: dict, timeout: float = 1800) -> dict:
+        req = urllib.request.Request(self.base + path, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())

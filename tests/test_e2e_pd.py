@@ -3,7 +3,7 @@ fp16 frames (open page, window) to a decode server through mooncake's transfer e
 (sgl_kvq/pd_launch.py routes like SGLang's PD router), and the decode server continues exactly as one server with
 the same dtype does: same greedy tokens and logprobs (tiny fp32 Llama). The second request reuses the first one's 4
 complete pages from the prefill server's radix tree, so its window page is a radix hit the decode side must read
-from the base. The bytes mooncake wrote for each request (counted in the prefill server: patches/pd.py) are what the
+from the base; both go again through SGLang's PD router (sglang-router, which make setup installs). The bytes mooncake wrote for each request (counted in the prefill server: patches/pd.py) are what the
 pool's descriptions say: its pages packed plus one request slot's frames. CI runs kivi2; KVQ_TEST_PD_DTYPES=all adds bf16 (SGLang's own pool, the byte
 baseline) and the other non-SpeCache dtypes."""
 
@@ -19,7 +19,7 @@ from sgl_kvq.config import is_kvq_dtype, parse_kv_cache_dtype
 from sgl_kvq.launch import ServerProcess, baseline_page_size
 from sgl_kvq.layout import PoolShape
 from sgl_kvq.models import tiny_llama
-from sgl_kvq.pd_launch import PDPair, mooncake_available
+from sgl_kvq.pd_launch import PDPair, Router, mooncake_available, router_available
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -80,7 +80,8 @@ def test_pd_continues_exactly_as_one_server(dtype, tmp_path):
     def run_single():  # started beside the PD pair: the machine's cores wait on the same imports
         try:
             with ServerProcess(server_args(dtype), tmp_path / "single.log") as s:
-                single["answers"] = answers(lambda p: s.post("/generate", p))
+                single["answers"] = answers(lambda p: s.post("/generate", p)) + \
+                    answers(lambda p: s.post("/generate", p))
         except BaseException as e:  # noqa: BLE001 - re-raised in the test thread
             single["error"] = e
 
@@ -89,13 +90,22 @@ def test_pd_continues_exactly_as_one_server(dtype, tmp_path):
     sent = []
     try:
         with PDPair(server_args(dtype), log_dir=tmp_path) as pd:
-            def generate(payload):
-                before = pd.prefill.kv_pool_stats().get("pd_sent", {}).get("kv_bytes", 0)
-                out = pd.generate(payload)
-                sent.append(pd.prefill.kv_pool_stats()["pd_sent"]["kv_bytes"] - before)
-                return out
+            def measured(route):
+                def generate(payload):
+                    before = pd.prefill.kv_pool_stats().get("pd_sent", {}).get("kv_bytes", 0)
+                    out = route(payload)
+                    sent.append(pd.prefill.kv_pool_stats()["pd_sent"]["kv_bytes"] - before)
+                    return out
+                return generate
 
-            got = answers(generate)
+            got = answers(measured(pd.generate))
+            # the same prompts again (now radix hits on the prefill side) through SGLang's own PD router
+            if router_available():
+                with Router(pd, tmp_path / "router.log") as router:
+                    got += answers(measured(lambda p: router.post("/generate", p)))
+            else:
+                print("sglang-router is not installed: the second pass is routed by sgl_kvq.pd_launch too")
+                got += answers(measured(pd.generate))
     finally:
         t.join()
     if "error" in single:
@@ -103,7 +113,7 @@ def test_pd_continues_exactly_as_one_server(dtype, tmp_path):
     assert [ids for ids, _ in got] == [ids for ids, _ in single["answers"]]
     assert [lp for _, lp in got] == [lp for _, lp in single["answers"]]
     lengths = [len(p) for p in prompts()]
-    assert sent == [page_bytes(dtype, n) + state_bytes(dtype) for n in lengths]
+    assert sent == [page_bytes(dtype, n) + state_bytes(dtype) for n in lengths * 2]  # decode keeps no prefix
     pages, bf16 = sent[0] - state_bytes(dtype), page_bytes("bf16", lengths[0])
     print(f"{dtype}: mooncake wrote {sent[0]} B for a {lengths[0]}-token prompt: pages {pages} B "
           f"({pages / lengths[0]:.1f} B/token, bf16 pool's pages {bf16} B: {bf16 / pages:.2f}x fewer) + state "
