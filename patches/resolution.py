@@ -85,6 +85,11 @@ def validate(server_args, view, cfg) -> None:
         # side would get packed pages without the host rows its top-k lane reads.
         raise KVQConfigError(f"sgl_kvq: prefill/decode disaggregation is not supported with {cfg.name} (its "
                              "16-bit host tier is not sent); use a kivi/gear/logquant/zipcache dtype")
+    if mode == "decode" and getattr(view, "disaggregation_decode_enable_radix_cache", None):
+        # The prefill side then sends only the pages past the decode side's cached prefix; the frames of window
+        # pages inside that prefix are not handled (and not tested).
+        raise KVQConfigError(f"sgl_kvq: --disaggregation-decode-enable-radix-cache is not supported with {cfg.name} "
+                             "yet; drop it (the prefill server keeps its radix cache)")
     backup = getattr(view, "disaggregation_decode_retraction_backup", None)
     if mode == "decode" and backup not in (None, "none"):
         # Both backups copy plain K/V rows (get_cpu_copy, or a bf16 HiCache host pool), which the packed pool
