@@ -72,8 +72,8 @@ def prefill_send_kv_chunk(scheduler, req, last_chunk: bool = False, end_idx=None
 
     seq_len = min(req.extend_end, len(req.origin_input_ids))
     slot = int(req.kv.req_pool_idx)
-    mark_window(pool.store, slot, _request_pages(scheduler.req_to_token_pool.req_to_token, slot, seq_len, pool.store.G),
-                seq_len)
+    pages = _request_pages(scheduler.req_to_token_pool.req_to_token, slot, seq_len, pool.store.G)
+    mark_window(pool.store, slot, pages, seq_len)
 
 
 def decode_commit_transfer(result, queue, decode_req):
@@ -89,8 +89,8 @@ def decode_commit_transfer(result, queue, decode_req):
 
     seq_len = len(req.origin_input_ids)
     slot = int(req.kv.req_pool_idx)
-    adopt_frames(pool.store, slot, _request_pages(scheduler.req_to_token_pool.req_to_token, slot, seq_len, pool.store.G),
-                 seq_len)
+    pages = _request_pages(scheduler.req_to_token_pool.req_to_token, slot, seq_len, pool.store.G)
+    adopt_frames(pool.store, slot, pages, seq_len)
 
 
 def count_batch_transfer(orig, engine, *args, **kwargs):

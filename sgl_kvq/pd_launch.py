@@ -132,12 +132,14 @@ class Router:
              self.pair.prefill.base, str(self.pair.bootstrap_port), "--decode", self.pair.decode.base,
              "--host", "127.0.0.1", "--port", str(self.port)], stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True)
+        # /health answers as soon as the router listens, before it has activated its workers (a /generate then
+        # gets 503 "No prefill workers available", seen in its log); /readiness waits for them.
         deadline = time.time() + self.startup_timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"sglang-router exited with {self.proc.returncode} (log: {self.log_path})")
             try:
-                with urllib.request.urlopen(self.base + "/health", timeout=10):
+                with urllib.request.urlopen(self.base + "/readiness", timeout=10):
                     return self
             except OSError:
                 time.sleep(1.0)

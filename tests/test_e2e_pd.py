@@ -3,9 +3,10 @@ fp16 frames (open page, window) to a decode server through mooncake's transfer e
 (sgl_kvq/pd_launch.py routes like SGLang's PD router), and the decode server continues exactly as one server with
 the same dtype does: same greedy tokens and logprobs (tiny fp32 Llama). The second request reuses the first one's 4
 complete pages from the prefill server's radix tree, so its window page is a radix hit the decode side must read
-from the base; both go again through SGLang's PD router (sglang-router, which make setup installs). The bytes mooncake wrote for each request (counted in the prefill server: patches/pd.py) are what the
-pool's descriptions say: its pages packed plus one request slot's frames. CI runs kivi2; KVQ_TEST_PD_DTYPES=all adds bf16 (SGLang's own pool, the byte
-baseline) and the other non-SpeCache dtypes."""
+from the base; both go again through SGLang's PD router (sglang-router, which make setup installs). The bytes
+mooncake wrote for each request (counted in the prefill server: patches/pd.py) are what the pool's descriptions
+say: its pages packed plus one request slot's frames. CI runs kivi2; KVQ_TEST_PD_DTYPES=all adds bf16 (SGLang's own
+pool, the byte baseline) and the other non-SpeCache dtypes."""
 
 from __future__ import annotations
 
