@@ -34,8 +34,8 @@ def load() -> None:
         return
     from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
 
-    from sgl_kvq.patches import (backends, dtype, hicache, observability, pool_build, resolution, retraction, sizing,
-                                 specache_lanes)
+    from sgl_kvq.patches import (backends, dtype, hicache, observability, pd, pool_build, resolution, retraction,
+                                 sizing, specache_lanes)
 
     cli_args.register_backend_choices()
     backends.register()
@@ -59,6 +59,20 @@ def load() -> None:
                           specache_lanes.execute_decode, HookType.AROUND)
     HookRegistry.register("sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler.build_kv_host_pool",
                           hicache.build_kv_host_pool, HookType.AROUND)
+    HookRegistry.register("sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender.__init__",
+                          pd.mooncake_sender_init, HookType.AFTER)
+    HookRegistry.register("sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin"
+                          ".maybe_send_cached_prefix_chunk", pd.prefill_early_send, HookType.AROUND)
+    HookRegistry.register("sglang.srt.disaggregation.utils.setup_state_kv_args", pd.setup_state_kv_args,
+                          HookType.AFTER)
+    HookRegistry.register("sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.send_kv_chunk",
+                          pd.prefill_send_kv_chunk, HookType.BEFORE)
+    HookRegistry.register("sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req",
+                          pd.decode_commit_transfer, HookType.AFTER)
+    HookRegistry.register("sglang.srt.distributed.device_communicators.mooncake_transfer_engine."
+                          "MooncakeTransferEngine.batch_transfer_sync", pd.count_batch_transfer, HookType.AROUND)
+    HookRegistry.register("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_aux", pd.count_aux,
+                          HookType.AROUND)
 
 
 def _register_refusal(error: Exception) -> None:

@@ -16,6 +16,10 @@ def add_kv_pool_stats(result, self, state, *args, **kwargs):
     # What the pool was sized from and how many requests run at once: capacity comparisons need both.
     stats.update(kv_budget_bytes=profiled_budget_bytes(), max_running_requests=scheduler.max_running_requests)
     stats["live"] = live_counts(scheduler, pool)
+    from sgl_kvq.patches.pd import SENT
+
+    if SENT["batches"]:  # a PD prefill server: what its mooncake engine sent (patches/pd.py)
+        stats["pd_sent"] = dict(SENT)
     state["kv_pool"] = stats
     return result
 

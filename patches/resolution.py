@@ -79,14 +79,24 @@ def validate(server_args, view, cfg) -> None:
     if getattr(view, "enable_hierarchical_cache", None) and layout not in (None, *LAYOUTS):
         raise KVQConfigError(f"sgl_kvq: --hicache-mem-layout {layout} is not available for {cfg.name}'s packed host "
                              f"pool; use {' or '.join(LAYOUTS)}")
-    if (getattr(view, "disaggregation_mode", None) or "null") != "null":
-        # The pool describes its packed pages and its per-request fp16 frames (sgl_kvq/pd_transfer.py, tested pool
-        # to pool in tests/test_pd_transfer.py), but SGLang's KV managers send per-request state only for the pool
-        # types they know, so the decode side would get pages without the open page; no transfer backend runs on
-        # the CPU build to test that wiring (mooncake's engine.so links libcuda and libibverbs).
-        raise KVQConfigError(f"sgl_kvq: prefill/decode disaggregation is not supported with {cfg.name} yet (the "
-                             "pool describes its packed pages, but SGLang's KV transfer does not carry the "
-                             "request's fp16 open page and window for it)")
+    mode = getattr(view, "disaggregation_mode", None) or "null"
+    if mode != "null" and cfg.is_specache:
+        # SpeCache's 16-bit host tier (sgl_kvq/specache/) is not described to SGLang's KV transfer: the decode
+        # side would get packed pages without the host rows its top-k lane reads.
+        raise KVQConfigError(f"sgl_kvq: prefill/decode disaggregation is not supported with {cfg.name} (its "
+                             "16-bit host tier is not sent); use a kivi/gear/logquant/zipcache dtype")
+    if mode == "decode" and getattr(view, "disaggregation_decode_enable_radix_cache", None):
+        # The prefill side then sends only the pages past the decode side's cached prefix; the frames of window
+        # pages inside that prefix are not handled (and not tested).
+        raise KVQConfigError(f"sgl_kvq: --disaggregation-decode-enable-radix-cache is not supported with {cfg.name} "
+                             "yet; drop it (the prefill server keeps its radix cache)")
+    backup = getattr(view, "disaggregation_decode_retraction_backup", None)
+    if mode == "decode" and backup not in (None, "none"):
+        # Both backups copy plain K/V rows (get_cpu_copy, or a bf16 HiCache host pool), which the packed pool
+        # refuses; a retracted request is aborted (503) for the client to retry instead.
+        raise KVQConfigError(f"sgl_kvq: --disaggregation-decode-retraction-backup {backup} cannot hold {cfg.name} "
+                             "pages; use --disaggregation-decode-retraction-backup none (the default with kvq "
+                             "dtypes)")
     if (getattr(view, "pp_size", 1) or 1) > 1:
         raise KVQConfigError(f"sgl_kvq: pipeline parallelism is not supported with {cfg.name} yet")
     if backend == "kvq_triton" and view.device == "cpu":
@@ -110,6 +120,8 @@ def resolve(server_args, previous) -> None:
     validate(server_args, view, cfg)
     # max_running_requests is left to the pool sizing (patches/sizing.py): it follows from the KV budget.
     decided = {"page_size": cfg.group_size}
+    if (view.disaggregation_mode or "null") == "decode" and view.disaggregation_decode_retraction_backup is None:
+        decided["disaggregation_decode_retraction_backup"] = "none"  # see validate()
     if server_args.attention_backend is None:
         decided["attention_backend"] = kvq_backend_for(view.device)
     declare_resolution(server_args, _SOURCE, **decided)

@@ -19,6 +19,13 @@ HOOK_TARGETS = (
     "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController._add_memory_usage",
     "sglang.srt.model_executor.runner.eager_runner.EagerRunner._execute_decode",
     "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler.build_kv_host_pool",
+    "sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender.__init__",
+    "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.maybe_send_cached_prefix_chunk",
+    "sglang.srt.disaggregation.utils.setup_state_kv_args",
+    "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.send_kv_chunk",
+    "sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req",
+    "sglang.srt.distributed.device_communicators.mooncake_transfer_engine.MooncakeTransferEngine.batch_transfer_sync",
+    "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_aux",
 )
 IMPORTED = (
     "sglang.srt.arg_groups.resolution_hooks.register_resolution_hook",
@@ -31,6 +38,9 @@ IMPORTED = (
     "sglang.srt.mem_cache.memory_pool.KVCache",
     "sglang.srt.mem_cache.pool_host.base.HostKVCache",
     "sglang.srt.model_executor.cuda_graph_config.with_phase",
+    "sglang.srt.disaggregation.utils.append_state_component",
+    "sglang.srt.disaggregation.utils.is_aborted",
+    "sglang.srt.disaggregation.base.conn.StateType.REQUEST_ROW",
 )
 RESOLUTION_STEP = "handle_attention_backend_compatibility"
 

@@ -24,6 +24,17 @@ main() {
     echo "setup: $PY is Python $pyver; the locked CPU set needs 3.11 (set KVQ_PYTHON=/path/to/python3.11)" >&2
     exit 1
   fi
+  # mooncake's transfer engine (PD disaggregation, requirements/pd.txt) links libibverbs.so.1 even for TCP: the
+  # Debian package (about 3 s when apt works). Without it (no root, no apt) the PD engine tests skip and say so.
+  if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 '; then
+    if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+      apt-get install -y -qq libibverbs1 >/dev/null 2>&1 \
+        || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq libibverbs1 >/dev/null 2>&1; } \
+        || echo "setup: apt-get install libibverbs1 failed: the PD engine tests will skip" >&2
+    else
+      echo "setup: libibverbs.so.1 is missing (apt-get install libibverbs1 as root): the PD engine tests will skip" >&2
+    fi
+  fi
   # The checkout path is part of the stamp: the editable install and the shim .pth point into it.
   want=$({ cat "$REQ"/*.txt "$ROOT/pyproject.toml" "$0"; echo "$ROOT $pyver"; } | sha256sum | cut -d' ' -f1)
   if [[ -f $STAMP && $(cat "$STAMP") == "$want" ]] && "$VENV/bin/python" -c '' 2>/dev/null; then
@@ -43,6 +54,7 @@ main() {
   # (pip would list every CUDA-only requirement of sglang as a conflict here: expected, so not shown.)
   "${PIP[@]}" --no-warn-conflicts -r "$REQ/sglang-cpu-deps.txt" -r "$REQ/dev.txt"
   "${PIP[@]}" --no-deps -r "$REQ/data.txt"
+  "${PIP[@]}" --no-deps -r "$REQ/pd.txt"
   "${PIP[@]}" --no-deps --no-build-isolation -e "$ROOT"
   # CPU import shims (sgl_kernel, torchvision): only this CPU venv sees them, through a .pth file.
   SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')

@@ -47,6 +47,8 @@ class QuantizedKVStore:
         self.ov_tag = torch.full((F,), -1, dtype=torch.int64, device=self.device)
         self.ov_gen = torch.zeros(F, dtype=torch.int64, device=self.device)
         self.page_gen = torch.zeros(shape.P, dtype=torch.int64, device=self.device)
+        # PD only: how many of a slot's frames hold its request (sgl_kvq/pd_transfer.py), sent with the frames
+        self.pd_window = torch.zeros(num_req_slots, dtype=torch.int64, device=self.device)
         if cfg.is_zipcache:
             self.ov_score = torch.zeros((L, F, self.G, H), dtype=torch.float32, device=self.device)
         if cfg.has_rows:

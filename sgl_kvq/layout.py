@@ -45,6 +45,9 @@ Overlay (fp16 tokens that override the base: the open page and the recent window
     page_gen [P]                int64   bumped whenever offset 0 of a page is written, i.e. when a freed page is
                                         reused: SGLang never tells the pool about frees, so a frame is valid only
                                         while (ov_tag, ov_gen) still names the page's current contents.
+    pd_window [max_running_requests] int64  prefill/decode transfer only: how many of the slot's last frames hold its
+                                        request's pages, counted by the prefill side and sent with the frames
+                                        (sgl_kvq/pd_transfer.py)
 """
 
 from __future__ import annotations

@@ -15,6 +15,16 @@ prefill step the decode side does not have. request_state_buf_infos() describes 
 state buffers (indexed by req_pool_idx: item = one slot's `ring` frames of a layer), and adopt_frames() re-points
 the decode slot's frames at the decode side's pages once they have arrived. Their cost per request is `ring` pages
 of model-dtype K/V (R + G tokens at bf16 size), whatever the prompt length.
+
+Not every one of the last `ring` pages has its frame on the prefill side: a page that was a radix hit was written
+by another request, so this request's frame for it holds something else and both sides must read that page from the
+base. The prefill side counts the frames that hold the request's pages (mark_window: the longest valid suffix, the
+rule plan_contexts reads by) into the slot's `pd_window` entry, which travels with the frames; the decode side adopts
+exactly that many (adopt_frames).
+
+In SGLang the frames are one REQUEST_ROW state component (sent row to row: item i of the prefill's slot to item i of
+the decode's slot), with a model layer id per entry so mooncake pairs entries one to one (flat) instead of splitting
+the list into K and V halves.
 """
 
 from __future__ import annotations
@@ -49,22 +59,52 @@ def base_buf_infos(store) -> tuple[list[int], list[int], list[int]]:
 
 def request_state_entries(store) -> list[torch.Tensor]:
     """The overlay frames per layer (zipcache2: with the saliency accumulator of each frame), item = one request
-    slot's `ring` consecutive frames (frame_of: slot r owns frames r*ring .. r*ring+ring-1)."""
+    slot's `ring` consecutive frames (frame_of: slot r owns frames r*ring .. r*ring+ring-1), then the slots'
+    pd_window counts (item = one slot's count)."""
     names = ("ov_k", "ov_v") + (("ov_score",) if store.cfg.is_zipcache else ())
-    return [getattr(store, n)[layer] for n in names for layer in range(store.shape.layers)]
+    return [getattr(store, n)[layer] for n in names for layer in range(store.shape.layers)] + [store.pd_window]
+
+
+def request_state_layer_ids(store, start_layer: int = 0) -> list[int]:
+    """The model layer of each request_state_entries entry (the pd_window counts: the first layer's)."""
+    per = 2 + int(store.cfg.is_zipcache)
+    return [start_layer + layer for _ in range(per) for layer in range(store.shape.layers)] + [start_layer]
 
 
 def request_state_buf_infos(store) -> tuple[list[int], list[int], list[int]]:
     return buf_infos(request_state_entries(store), store.num_req_slots)
 
 
-def adopt_frames(store, req_slot: int, pages: torch.Tensor, seq_len: int) -> None:
-    """After a request's pages and frames arrived on this side: mark the frames of its last `ring` logical pages
-    (those the prefill side kept in fp16) as holding this side's pages `pages` (pool page ids of logical pages
-    0, 1, ...), at their current generation."""
+def window_pages(store, req_slot: int, pages: torch.Tensor, seq_len: int) -> int:
+    """How many of the request's last `ring` logical pages (pool pages `pages` of logical pages 0, 1, ...) its
+    frames hold, as the longest suffix (metadata.host.plan_contexts reads the same suffix)."""
     G, ring = store.G, store.ring
     n_pages = -(-seq_len // G)
+    held = 0
+    for n in range(n_pages - 1, max(n_pages - ring, 0) - 1, -1):
+        f, p = frame_of(req_slot, n, ring), int(pages[n])
+        if int(store.ov_tag[f]) != p or int(store.ov_gen[f]) != int(store.page_gen[p]):
+            break
+        held += 1
+    return held
+
+
+def mark_window(store, req_slot: int, pages: torch.Tensor, seq_len: int) -> None:
+    """Prefill side, before the request's state is sent: record in the slot's pd_window how many frames hold it."""
+    store.pd_window[req_slot] = window_pages(store, req_slot, pages, seq_len)
+
+
+def adopt_frames(store, req_slot: int, pages: torch.Tensor, seq_len: int) -> None:
+    """Decode side, after a request's pages and state arrived: mark the frames of its last pd_window[req_slot]
+    logical pages (those the prefill side held in fp16) as holding this side's pages `pages` (pool page ids of
+    logical pages 0, 1, ...), at their current generation; the other frames of the slot are emptied."""
+    G, ring = store.G, store.ring
+    n_pages = -(-seq_len // G)
+    held = int(store.pd_window[req_slot])
+    if not 0 <= held <= min(ring, n_pages):
+        raise RuntimeError(f"sgl_kvq: request slot {req_slot} received pd_window {held} for {n_pages} pages "
+                           f"(ring {ring}): the request state did not arrive intact")
     for n in range(max(n_pages - ring, 0), n_pages):
         f, p = frame_of(req_slot, n, ring), int(pages[n])
-        store.ov_tag[f] = p
+        store.ov_tag[f] = p if n >= n_pages - held else -1
         store.ov_gen[f] = store.page_gen[p]

@@ -136,7 +136,11 @@ BAD_ENGINE_ARGS = [
     ({"kv_cache_dtype": "kivi2", "page_size": 16}, "conflicts with kivi2's quantization group G=64"),
     ({"kv_cache_dtype": "kivi2", "speculative_algorithm": "NGRAM"}, "speculative decoding is not supported"),
     ({"kv_cache_dtype": "kivi2", "attention_backend": "triton"}, "cannot read kivi2 KV"),
-    ({"kv_cache_dtype": "kivi2", "disaggregation_mode": "prefill"}, "disaggregation is not supported"),
+    ({"kv_cache_dtype": "specache2", "disaggregation_mode": "prefill"}, "disaggregation is not supported"),
+    ({"kv_cache_dtype": "kivi2", "disaggregation_mode": "decode", "disaggregation_decode_retraction_backup":
+      "cpu_tensor"}, "cannot hold kivi2 pages"),
+    ({"kv_cache_dtype": "kivi2", "disaggregation_mode": "decode", "disaggregation_decode_enable_radix_cache": True},
+     "decode-enable-radix-cache is not supported"),
     ({"kv_cache_dtype": "specache2", "enable_hierarchical_cache": True}, "keeps its own host tier"),
     ({"kv_cache_dtype": "kivi2", "enable_hierarchical_cache": True, "hicache_mem_layout": "page_head"},
      "page_head is not available"),

@@ -1,9 +1,10 @@
 """Prefill/decode disaggregation at the pool level: a request prefilled into one KVQTokenToKVPool (the real store
 path, in chunks) is moved into a second pool of another size through exactly the buffers the pool describes
 (get_contiguous_buf_infos: pages; get_request_state_buf_infos: the request's overlay frames), with the addressing of
-SGLang's mooncake backend (its own run grouping and K/V half pairing; the byte copy is a memmove on loopback, since
-no transfer engine runs on this machine: README "Past one rank"). The decode pool must then read every context exactly
-as the prefill pool does, and keep doing so while both decode past the open page.
+SGLang's mooncake backend (its own run grouping; K/V half pairing for the pages, entry to entry for the request
+state, which SGLang sends flat because the pool gives each entry a layer id; the byte copy is a memmove here, the
+engine test tests/test_e2e_pd.py sends through mooncake). The decode pool must then read every context exactly as
+the prefill pool does, and keep doing so while both decode past the open page.
 """
 
 from __future__ import annotations
@@ -23,21 +24,25 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 
 from sgl_kvq.config import parse_kv_cache_dtype  # noqa: E402
 from sgl_kvq.layout import PoolShape  # noqa: E402
-from sgl_kvq.pd_transfer import adopt_frames, base_entries  # noqa: E402
+from sgl_kvq.pd_transfer import adopt_frames, base_entries, mark_window, request_state_layer_ids  # noqa: E402
 from sgl_kvq.pool import KVQTokenToKVPool  # noqa: E402
 from pool_writes import D, H, HQ, L, read, write  # noqa: E402
 
 DTYPES = ["kivi2", "kivi4", "kivi1", "gear2", "gearl2", "logquant2", "zipcache2"]
 
 
-def loopback_send(src: tuple, dst: tuple, src_idx: list[int], dst_idx: list[int]) -> int:
+def loopback_send(src: tuple, dst: tuple, src_idx: list[int], dst_idx: list[int], flat: bool = False) -> int:
     """What mooncake's send_kvcache does for a plain-MHA pool at equal TP, with memmove for the wire: runs of
-    consecutive indices, entry i of each half to entry i of the same half. -> bytes moved."""
+    consecutive indices, entry i of each half to entry i of the same half (flat: entry i to entry i, as for entries
+    with layer ids). -> bytes moved."""
     (sp, _, s_items), (dp, _, d_items) = src, dst
     assert s_items == d_items, "both sides must describe the same items"
-    sk, sv, dk, dv, n = CommonKVManager.get_mha_kv_ptrs_with_pp(
-        SimpleNamespace(kv_args=SimpleNamespace(prefill_start_layer=0)), sp, dp)
-    pairs = [(sk[i], dk[i], s_items[i]) for i in range(n)] + [(sv[i], dv[i], s_items[n + i]) for i in range(n)]
+    if flat:
+        pairs = list(zip(sp, dp, s_items))
+    else:
+        sk, sv, dk, dv, n = CommonKVManager.get_mha_kv_ptrs_with_pp(
+            SimpleNamespace(kv_args=SimpleNamespace(prefill_start_layer=0)), sp, dp)
+        pairs = [(sk[i], dk[i], s_items[i]) for i in range(n)] + [(sv[i], dv[i], s_items[n + i]) for i in range(n)]
     runs = group_concurrent_contiguous(np.array(src_idx, dtype=np.int32), np.array(dst_idx, dtype=np.int32))
     moved = 0
     for s_ptr, d_ptr, item in pairs:
@@ -48,7 +53,10 @@ def loopback_send(src: tuple, dst: tuple, src_idx: list[int], dst_idx: list[int]
 
 
 @pytest.mark.parametrize("name", DTYPES)
-def test_request_moves_between_pools(name):
+@pytest.mark.parametrize("prefix_hit", [False, True])
+def test_request_moves_between_pools(name, prefix_hit):
+    """prefix_hit: the request's fifth page (in its fp16 window) came from the radix tree, so its frame holds
+    another request's page: both sides must read that page from the base."""
     cfg = parse_kv_cache_dtype(name)
     G = cfg.group_size
     n = 5 * G + 3  # 5 complete pages and an open one; with chunked prefill below
@@ -61,12 +69,18 @@ def test_request_moves_between_pools(name):
     r_src, r_dst = 2, 3
     write(src, r_src, src_pages, 0, 2 * G + 5, seed=1)
     write(src, r_src, src_pages, 2 * G + 5, n, seed=1)
+    if prefix_hit:  # another request (slot 0) wrote the same page after it: the frame it shared is now slot 0's
+        src.store.ov_tag[r_src * cfg.ring_pages + 4 % cfg.ring_pages] = -1
     # stale contents on the decode side: another request's pages and frames in the same slot
     write(dst, r_dst, dst_pages, 0, 2 * G + 1, seed=99)
 
+    mark_window(src.store, r_src, src_pages, n)
+    assert int(src.store.pd_window[r_src]) == (1 if prefix_hit else min(cfg.ring_pages, 6))
     moved = loopback_send(src.get_contiguous_buf_infos(), dst.get_contiguous_buf_infos(), src_pages.tolist(),
                           dst_pages.tolist())
-    moved += loopback_send(src.get_request_state_buf_infos(), dst.get_request_state_buf_infos(), [r_src], [r_dst])
+    assert len(request_state_layer_ids(src.store)) == len(src.get_request_state_buf_infos()[0])
+    moved += loopback_send(src.get_request_state_buf_infos(), dst.get_request_state_buf_infos(), [r_src], [r_dst],
+                           flat=True)
     adopt_frames(dst.store, r_dst, dst_pages, n)
     assert moved > 0
 

@@ -71,7 +71,8 @@ KITS_NOT_RUN = {
     "unified_radix_cache_kit": "checks SGLang's unified (SWA/Mamba hybrid) radix tree; kvq dtypes refuse hybrid models",
     "prefix_cache_branching_kit": "checks Mamba's chunked state checkpoints (cache_chunk_size); SmolLM2 has none",
     "spec_decoding_kit / spec_server_kits": "speculative decoding, which kvq dtypes refuse at startup",
-    "pd_parity_kit": "prefill/decode disaggregation, which kvq dtypes refuse at startup",
+    "pd_parity_kit": "needs a prefill and a decode server behind a router; kvq PD parity with one server is "
+    "tests/test_e2e_pd.py",
     "dsa_metadata_kit / fwd_occupancy_kit / attention_unittest": "GPU-only kernels and metadata (DSA, CUDA occupancy)",
     "mmmu_vlm_kit / vlm_perf_kit": "vision-language models; SmolLM2 is text-only",
     "reasoning_kit / anthropic_messages_kit / streaming_session_kit / pause_generation_kit": "not part of issue 13's "
