@@ -35,11 +35,35 @@ def test_read_bytes():
 
 
 def test_ratios_table_plot(tmp_path):
-    rows = [{"kv_cache_dtype": d, "batch": 8, "context": c, "ms_per_step": ms, "tok_per_s": 8000 / ms,
-             "kv_read_bytes_per_step": b} for d, c, ms, b in
-            [("auto", 1024, 200, 100), ("kivi2", 1024, 100, 20), ("auto", 2048, 400, 200), ("kivi2", 2048, 400, 30)]]
+    rows = [{"kv_cache_dtype": d, "batch": 8, "context": c, "ms_per_step": ms, "cpu_ms_per_step": cpu,
+             "tok_per_s": 8000 / ms, "kv_read_bytes_per_step": b} for d, c, ms, cpu, b in
+            [("auto", 1024, 200, 400, 100), ("kivi2", 1024, 100, 100, 20), ("auto", 2048, 400, 800, 200),
+             ("kivi2", 2048, 400, 1000, 30)]]
     bench_decode.ratios(rows)
     assert [r["x_bf16_tok_per_s"] for r in rows] == [1.0, 2.0, 1.0, 1.0]
-    assert "| kivi2 | 8 | 1024 | 100 | 80.0 | 2.00 | 0.0 | 0.20 |" in bench_decode.table(rows)
+    assert [r["x_bf16_cpu_per_step"] for r in rows] == [1.0, 0.25, 1.0, 1.25]
+    assert "| kivi2 | 8 | 1024 | 100 | 100 | 0.25 | 80.0 | 2.00 | 0.0 | 0.20 |" in bench_decode.table(rows)
     bench_decode.plot(rows, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_server_cpu_seconds_counts_the_whole_session():
+    """The CPU time of every process in the server's session (here a busy child and its busy grandchild)."""
+    import subprocess
+    import sys
+    import time
+    from types import SimpleNamespace
+
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\n"
+    code = f"import subprocess, sys\np = subprocess.Popen([sys.executable, '-c', {burn!r}])\n{burn}p.wait()\n" \
+        "import time; time.sleep(30)"
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    try:
+        server = SimpleNamespace(proc=proc)
+        deadline = time.time() + 60
+        while bench_decode.server_cpu_seconds(server) < 0.75 and time.time() < deadline:
+            time.sleep(0.2)
+        assert bench_decode.server_cpu_seconds(server) >= 0.75  # both processes' 0.4 s, not one
+    finally:
+        proc.kill()
+        proc.wait()
