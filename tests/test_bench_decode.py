@@ -67,3 +67,51 @@ def test_server_cpu_seconds_counts_the_whole_session():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_step_seconds_is_the_median_token_gap():
+    # request 0: gaps 0.1, 0.1, 0.5 (a stall); request 1: 0.1, 0.2
+    assert abs(bench_decode.step_seconds([[0.0, 0.1, 0.2, 0.7], [5.0, 5.1, 5.3]]) - 0.1) < 1e-12
+    assert bench_decode.step_seconds([[1.0], [2.0]]) != bench_decode.step_seconds([[1.0], [2.0]])  # NaN: no gap
+
+
+def test_stream_batch_reads_every_request_token_by_token():
+    """Against a stand-in server that streams SGLang's SSE lines: one request per prompt, all at once, each
+    token's arrival recorded, [DONE] not counted."""
+    import json
+    import os
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from types import SimpleNamespace
+
+    seen = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append(body)
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for i in range(body["sampling_params"]["max_new_tokens"]):
+                time.sleep(0.02)
+                self.wfile.write(f"data: {json.dumps({'text': str(i)})}\n\n".encode())
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        server = SimpleNamespace(base=f"http://127.0.0.1:{httpd.server_port}", proc=SimpleNamespace(pid=os.getpid()))
+        arrivals, cpu = bench_decode.stream_batch(server, [[1, 2], [3, 4], [5, 6]], 5)
+    finally:
+        httpd.shutdown()
+    assert sorted(b["input_ids"] for b in seen) == [[1, 2], [3, 4], [5, 6]]
+    assert all(b["stream"] and b["sampling_params"]["ignore_eos"] for b in seen)
+    assert [len(a) for a in arrivals] == [5, 5, 5]
+    assert 0.015 < bench_decode.step_seconds(arrivals) < 0.5
+    assert cpu >= 0.0

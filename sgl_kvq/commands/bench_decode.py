@@ -1,12 +1,14 @@
 """`sgl-kvq bench decode`: per-step decode time against context length, per KV dtype, through SGLang's server.
 
-One server per KV dtype (bf16 first: the baseline every ratio is taken against, measured in the same run), all
-with the same KV budget and --max-running-requests. For each (batch B, context C): B prompts of C random tokens
-are prefilled once (into the radix cache), then sent again with 1 and with 1 + N new tokens (greedy, EOS ignored):
-both runs hit the cache, so their time difference is N decode steps of the B-request batch at context ~C
-(ms/step = difference / N; the best of --reps). KV bytes a step reads: B x (C x the pool's bytes per token), the
-packed base for kvq dtypes (the pool's base_bytes_per_token; bf16: 2 x layers x KV heads x head_dim x 2 B), plus
-the fp16 window of the kvq dtypes and SpeCache's top-k 16-bit rows.
+One server per KV dtype (bf16 first: the baseline every ratio is taken against, measured in the same run), all with
+the same KV budget and --max-running-requests. For each (batch B, context C): B prompts of C random tokens are
+prefilled once (into the radix cache), then sent again as B concurrent streaming requests for 1 + N new tokens
+(greedy, EOS ignored): they hit the cache, run one extend together (the last page) and then decode as one batch;
+ms/step is the median gap between consecutive streamed tokens over all B requests (the best of --reps), so the
+extend, whose time on a loaded machine varies by seconds, is not in it. The server's CPU ms per step (its processes'
+user + system time, read from /proc) is taken over request 0's decode tokens. KV bytes a step reads: B x (C x the
+pool's bytes per token), the packed base for kvq dtypes (the pool's base_bytes_per_token; bf16: 2 x layers x KV
+heads x head_dim x 2 B), plus the fp16 window of the kvq dtypes and SpeCache's top-k 16-bit rows.
 
 --tree DTYPE=DIR also runs DTYPE with the sgl_kvq package of checkout DIR (e.g. the commit before a change),
 labelled DTYPE@DIR: a before/after comparison in one run against the same bf16 baseline.
@@ -24,9 +26,12 @@ import json
 import os
 import random
 import shlex
+import statistics
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
 DEFAULT_DTYPES = "auto,kivi4,kivi2,specache2"
@@ -96,25 +101,53 @@ def server_cpu_seconds(server) -> float:
     return total
 
 
+def step_seconds(arrivals: list[list[float]]) -> float:
+    """Median gap between consecutive streamed tokens of each request (arrival times in seconds): one decode step
+    of the batch. The first token of a request comes from its extend and opens its first gap."""
+    gaps = [b - a for times in arrivals for a, b in zip(times, times[1:])]
+    return statistics.median(gaps) if gaps else float("nan")
+
+
+def stream_batch(server, ids: list[list[int]], new_tokens: int) -> tuple[list[list[float]], float]:
+    """Each prompt of `ids` as its own streaming /generate request, all at once -> per request the arrival times
+    of its streamed tokens, and the server's CPU seconds per token over request 0's decode tokens."""
+    arrivals: list[list[float]] = [[] for _ in ids]
+    cpu: list[float] = []
+
+    def one(b: int) -> None:
+        body = json.dumps({"input_ids": ids[b], "stream": True, "sampling_params": {
+            "max_new_tokens": new_tokens, "ignore_eos": True, "temperature": 0.0}}).encode()
+        req = urllib.request.Request(server.base + "/generate", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=3600) as r:
+            for line in r:
+                if line.startswith(b"data:") and not line.startswith(b"data: [DONE]"):
+                    arrivals[b].append(time.perf_counter())
+                    if b == 0 and len(arrivals[0]) in (1, new_tokens):
+                        cpu.append(server_cpu_seconds(server))
+
+    threads = [threading.Thread(target=one, args=(b,)) for b in range(len(ids))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if any(len(a) != new_tokens for a in arrivals):
+        raise RuntimeError(f"streamed {[len(a) for a in arrivals]} tokens, expected {new_tokens} per request")
+    return arrivals, (cpu[-1] - cpu[0]) / max(new_tokens - 1, 1) if len(cpu) == 2 else float("nan")
+
+
 def time_point(server, batch: int, context: int, steps: int, reps: int, vocab: int) -> tuple[float, float]:
     """Seconds per decode step of `batch` requests at `context` tokens (prefix cached; see the module doc), and
-    the server's CPU seconds per step measured the same way: on a loaded machine wall time mostly measures the
-    other processes, CPU time what the step itself costs (both from the fastest repetition by wall time)."""
+    the server's CPU seconds per step: on a loaded machine wall time mostly measures the other processes (both
+    from the repetition with the fastest wall time)."""
     rng = random.Random(context * 31 + batch)
     ids = [[rng.randrange(100, vocab) for _ in range(context)] for _ in range(batch)]
-
-    def generate(n: int) -> tuple[float, float]:
-        t, c = time.perf_counter(), server_cpu_seconds(server)
-        server.post("/generate", {"input_ids": ids, "sampling_params": {
-            "max_new_tokens": n, "ignore_eos": True, "temperature": 0.0}})
-        return time.perf_counter() - t, server_cpu_seconds(server) - c
-
     server.get("/flush_cache")  # answers in plain text
-    generate(1)  # prefill into the radix cache
+    server.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "ignore_eos": True,
+                                                                      "temperature": 0.0}})  # prefill into the cache
     best = (float("inf"), float("inf"))
     for _ in range(reps):
-        (wn, cn), (w1, c1) = generate(1 + steps), generate(1)
-        best = min(best, ((wn - w1) / steps, (cn - c1) / steps))
+        arrivals, cpu = stream_batch(server, ids, 1 + steps)
+        best = min(best, (step_seconds(arrivals), cpu))
     return best
 
 
