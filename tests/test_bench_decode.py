@@ -69,10 +69,13 @@ def test_server_cpu_seconds_counts_the_whole_session():
         proc.wait()
 
 
-def test_step_seconds_is_the_median_token_gap():
-    # request 0: gaps 0.1, 0.1, 0.5 (a stall); request 1: 0.1, 0.2
-    assert abs(bench_decode.step_seconds([[0.0, 0.1, 0.2, 0.7], [5.0, 5.1, 5.3]]) - 0.1) < 1e-12
-    assert bench_decode.step_seconds([[1.0], [2.0]]) != bench_decode.step_seconds([[1.0], [2.0]])  # NaN: no gap
+def test_step_seconds_is_the_median_time_per_token():
+    # request 0: 0.1, 0.1, then a stall of 0.5; request 1: one chunk of two tokens in 0.4 (0.2 each), then 0.1
+    arrivals = [[(0.0, 1), (0.1, 2), (0.2, 3), (0.7, 4)], [(5.0, 1), (5.4, 3), (5.5, 4)]]
+    assert abs(bench_decode.step_seconds(arrivals) - 0.15) < 1e-12  # 0.1 x3, 0.2 x2, 0.5
+    arrivals[0] = [(0.0, 1), (0.6, 3), (0.9, 4)]  # 0.3 x3; with request 1's 0.2 x2, 0.1: median 0.25
+    assert abs(bench_decode.step_seconds(arrivals) - 0.25) < 1e-12
+    assert bench_decode.step_seconds([[(1.0, 1)]]) != bench_decode.step_seconds([[(1.0, 1)]])  # NaN: no gap
 
 
 def test_stream_batch_reads_every_request_token_by_token():
@@ -94,9 +97,10 @@ def test_stream_batch_reads_every_request_token_by_token():
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
-            for i in range(body["sampling_params"]["max_new_tokens"]):
+            n = body["sampling_params"]["max_new_tokens"]
+            for done in [1, 3] + list(range(4, n + 1)):  # tokens 2 and 3 in one chunk
                 time.sleep(0.02)
-                self.wfile.write(f"data: {json.dumps({'text': str(i)})}\n\n".encode())
+                self.wfile.write(f"data: {json.dumps({'meta_info': {'completion_tokens': done}})}\n\n".encode())
                 self.wfile.flush()
             self.wfile.write(b"data: [DONE]\n\n")
 
@@ -112,6 +116,6 @@ def test_stream_batch_reads_every_request_token_by_token():
         httpd.shutdown()
     assert sorted(b["input_ids"] for b in seen) == [[1, 2], [3, 4], [5, 6]]
     assert all(b["stream"] and b["sampling_params"]["ignore_eos"] for b in seen)
-    assert [len(a) for a in arrivals] == [5, 5, 5]
-    assert 0.015 < bench_decode.step_seconds(arrivals) < 0.5
+    assert [[n for _, n in a] for a in arrivals] == [[1, 3, 4, 5]] * 3
+    assert 0.005 < bench_decode.step_seconds(arrivals) < 0.5
     assert cpu >= 0.0

@@ -101,17 +101,24 @@ def server_cpu_seconds(server) -> float:
     return total
 
 
-def step_seconds(arrivals: list[list[float]]) -> float:
-    """Median gap between consecutive streamed tokens of each request (arrival times in seconds): one decode step
-    of the batch. The first token of a request comes from its extend and opens its first gap."""
-    gaps = [b - a for times in arrivals for a, b in zip(times, times[1:])]
-    return statistics.median(gaps) if gaps else float("nan")
+def step_seconds(arrivals: list[list[tuple[float, int]]]) -> float:
+    """One decode step of the batch: the median time per token between consecutive streamed chunks of each request
+    (arrivals: per request (arrival time in seconds, tokens generated so far) per chunk). A chunk may carry more
+    than one token when the server's output path falls behind the decode; its gap counts once per token. The first
+    chunk of a request comes from its extend and opens its first gap."""
+    per_token = []
+    for chunks in arrivals:
+        for (t0, n0), (t1, n1) in zip(chunks, chunks[1:]):
+            if n1 > n0:
+                per_token += [(t1 - t0) / (n1 - n0)] * (n1 - n0)
+    return statistics.median(per_token) if per_token else float("nan")
 
 
 def stream_batch(server, ids: list[list[int]], new_tokens: int) -> tuple[list[list[float]], float]:
-    """Each prompt of `ids` as its own streaming /generate request, all at once -> per request the arrival times
-    of its streamed tokens, and the server's CPU seconds per token over request 0's decode tokens."""
-    arrivals: list[list[float]] = [[] for _ in ids]
+    """Each prompt of `ids` as its own streaming /generate request, all at once -> per request (arrival time,
+    tokens so far) of its streamed chunks, and the server's CPU seconds per token over request 0's decode
+    tokens."""
+    arrivals: list[list[tuple[float, int]]] = [[] for _ in ids]
     cpu: list[float] = []
 
     def one(b: int) -> None:
@@ -121,18 +128,22 @@ def stream_batch(server, ids: list[list[int]], new_tokens: int) -> tuple[list[li
         with urllib.request.urlopen(req, timeout=3600) as r:
             for line in r:
                 if line.startswith(b"data:") and not line.startswith(b"data: [DONE]"):
-                    arrivals[b].append(time.perf_counter())
-                    if b == 0 and len(arrivals[0]) in (1, new_tokens):
-                        cpu.append(server_cpu_seconds(server))
+                    now = time.perf_counter()
+                    n = json.loads(line[5:])["meta_info"]["completion_tokens"]
+                    arrivals[b].append((now, n))
+                    if b == 0 and (len(arrivals[0]) == 1 or n == new_tokens):
+                        cpu.append((server_cpu_seconds(server), n))
 
     threads = [threading.Thread(target=one, args=(b,)) for b in range(len(ids))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    if any(len(a) != new_tokens for a in arrivals):
-        raise RuntimeError(f"streamed {[len(a) for a in arrivals]} tokens, expected {new_tokens} per request")
-    return arrivals, (cpu[-1] - cpu[0]) / max(new_tokens - 1, 1) if len(cpu) == 2 else float("nan")
+    if any(not a or a[-1][1] != new_tokens for a in arrivals):
+        raise RuntimeError(f"streamed {[a[-1][1] if a else 0 for a in arrivals]} tokens, expected {new_tokens} "
+                           "per request")
+    (c0, n0), (c1, n1) = cpu[0], cpu[-1]
+    return arrivals, (c1 - c0) / (n1 - n0) if n1 > n0 else float("nan")
 
 
 def time_point(server, batch: int, context: int, steps: int, reps: int, vocab: int) -> tuple[float, float]:
