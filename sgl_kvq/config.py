@@ -90,8 +90,9 @@ class KVQConfig:
     # Intra-op threads kvq_torch's batched decode attention runs with on a CPU (0: torch's own count, the
     # process's). Its ops are small (one layer of SmolLM2 at B=1, 1k tokens: ~0.4 ms on one thread) and each of
     # its ~14 tensor ops above torch's grain size is an OpenMP barrier: with 2 threads on a 2-core machine that
-    # other processes also load, a barrier waits for a descheduled thread, and one layer took 161 ms against
-    # 0.68 ms on one thread (B=8: 144 vs 28 ms; README "Decode step cost").
+    # other processes also load, a barrier waits for a descheduled thread: one layer took 161 ms against 0.68 ms
+    # on one thread at load average 13-17, B=8 10.7 vs 3.2 ms at 5-9 (B=1 there: 0.29 vs 0.33 ms, the second
+    # thread's gain on a less loaded machine; bench/decode_work.py, README "Where a decode step's time goes").
     attention_threads: int = 1
 
     def __post_init__(self):

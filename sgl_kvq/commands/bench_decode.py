@@ -283,7 +283,9 @@ def run(args) -> int:
         command = "sgl-kvq " + shlex.join(getattr(args, "_argv", None) or sys.argv[1:])
         Path(args.json).write_text(json.dumps({"model": args.model, "command": command, "steps": args.steps,
                                                "reps": args.reps, "kv_budget_gb": budget_gb,
-                                               "host": f"{os.cpu_count()} CPUs", "runs": rows}, indent=1) + "\n")
+                                               "host": f"{os.cpu_count()} CPUs",
+                                               "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset"),
+                                               "runs": rows}, indent=1) + "\n")
     if args.plot:
         plot(rows, args.plot)
     return 0
