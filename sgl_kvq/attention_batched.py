@@ -78,33 +78,32 @@ def prepare(plan: PagedPlan, G: int, H: int) -> BatchedContext:
                           head_rows(pages), head_rows(ov_rows))
 
 
-_LUTS: dict[torch.device, torch.Tensor] = {}
-
-
 def _rows(x: torch.Tensor, rows: torch.Tensor, H: int) -> torch.Tensor:
     """x [N, H, ...] gathered at head-major rows (BatchedContext) -> [H, len(rows) // H, ...]."""
     return x.reshape(-1, *x.shape[2:]).index_select(0, rows).view(H, -1, *x.shape[2:])
 
 
-def _padded(codes: torch.Tensor, ctx: BatchedContext, bits: int) -> torch.Tensor:
-    """codes [S, H, Dp] uint8 of one layer -> [H, B * T, D] fp32 codes at the padded positions (head-major).
+# Per (device, bits): byte value -> its 8 // bits codes in natural order, packed into one word (uint8 lanes of an
+# int64 / int32 / int16: a little-endian word's byte i is element i).
+_WORD_LUTS: dict[tuple[torch.device, int], torch.Tensor] = {}
+_WORD = {1: torch.int64, 2: torch.int32, 4: torch.int16}
 
-    Unpacking, one thread, 98k token-heads of D=64 (ms): 1 bit: 256-entry table 3.5, per-position shifts 8.6;
-    2 bit: table 7.5, shifts 5.8; 4 bit: table 60 (2-float rows gather slowly), shifts 3.9. pack.unpack's
-    broadcast shift + cast: 10.6 / 11.4 / 18.1."""
+
+def _codes(codes: torch.Tensor, ctx: BatchedContext, bits: int) -> torch.Tensor:
+    """codes [S, H, Dp] uint8 of one layer -> [H, B * T, D] uint8 codes at the padded positions (head-major).
+
+    One word gather per packed byte writes the codes in natural channel order, so the dequantize that follows
+    reads one contiguous uint8 tensor. Why (one thread, SmolLM2, B=8, 1k tokens: [3, 8192, 16] packed bytes,
+    thread time, ms): word table 0.09 / 0.16 / 0.32 at 1 / 2 / 4 bits; per-position shifts written
+    interleaved into fp32 (8 // bits strided copies) 0.4-2.3. In the engine (2 OMP threads on a loaded 2-core
+    machine) those strided copies were 63% of kivi2's decode step (py-spy on the scheduler)."""
     packed = _rows(codes, ctx.slot_rows, codes.shape[1])  # [H, B * T, Dp]: small, uint8
-    per = 8 // bits
-    if per == 8:
-        if codes.device not in _LUTS:
-            _LUTS[codes.device] = pack.unpack(torch.arange(256, dtype=torch.uint8, device=codes.device)[:, None],
-                                              1).float()
-        out = torch.index_select(_LUTS[codes.device], 0, packed.view(-1).long())
-        return out.view(packed.shape[0], packed.shape[1], -1)
-    out = torch.empty(*packed.shape, per, dtype=torch.float32, device=codes.device)
-    mask = (1 << bits) - 1
-    for i in range(per):  # element i of a byte sits at bit offset i * bits (sgl_kvq/quant/pack.py)
-        out[..., i] = (packed >> (i * bits)) & mask
-    return out.view(packed.shape[0], packed.shape[1], -1)
+    key = (codes.device, bits)
+    if key not in _WORD_LUTS:
+        table = pack.unpack(torch.arange(256, dtype=torch.uint8, device=codes.device)[:, None], bits)
+        _WORD_LUTS[key] = table.contiguous().view(_WORD[bits]).reshape(256)
+    words = torch.index_select(_WORD_LUTS[key], 0, packed.reshape(-1).int())
+    return words.view(torch.uint8).view(packed.shape[0], packed.shape[1], -1)
 
 
 def context(kv: LayerKV, ctx: BatchedContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,17 +111,20 @@ def context(kv: LayerKV, ctx: BatchedContext) -> tuple[torch.Tensor, torch.Tenso
     tokens copied, zeros at padding."""
     G, H, D = kv.G, kv.ov_k.shape[2], kv.ov_k.shape[3]
     B, units = ctx.pages.shape
-    k, v = _padded(kv.k_codes, ctx, kv.bits), _padded(kv.v_codes, ctx, kv.bits)
+    kc, vc = _codes(kv.k_codes, ctx, kv.bits), _codes(kv.v_codes, ctx, kv.bits)
     # Keys: per page and channel, broadcast over the page's G tokens. Zero scale/zero outside base pages, so
     # padding holds zeros and overlay positions hold nothing until the overlay is copied over them.
     off = ~ctx.is_base_page[None, :, :, None]
     ks = _rows(kv.k_scale, ctx.page_rows, H).view(H, B, units, D).float().masked_fill_(off, 0)[:, :, :, None]
     kz = _rows(kv.k_zero, ctx.page_rows, H).view(H, B, units, D).float().masked_fill_(off, 0)[:, :, :, None]
-    k.view(H, B, units, G, D).mul_(ks).add_(kz)  # ks, kz [H, B, U, 1, D]
-    # Values: per token and channel group.
+    # codes * scale + zero in fp32 in one pass from the uint8 codes (the same two roundings as mul_ then add_)
+    k = torch.addcmul(kz, kc.view(H, B, units, G, D), ks).view(H, B * units * G, D)  # ks, kz [H, B, U, 1, D]
+    # Values: per token and channel group. In place on the fp32 codes: addcmul with a per-row scale broadcast
+    # along the channels runs ~4x slower than mul_ + add_ (0.88 vs 0.22 ms, B=8 above).
     off = ~ctx.is_base_tok[None, :, None]
     vs = _rows(kv.v_scale, ctx.slot_rows, H).float().masked_fill_(off, 0)[..., None]  # [H, B * T, D/VG, 1]
     vz = _rows(kv.v_zero, ctx.slot_rows, H).float().masked_fill_(off, 0)[..., None]
+    v = vc.float()
     v.view(H, B * units * G, vs.shape[2], -1).mul_(vs).add_(vz)
     if kv.corr is not None:
         _correct(k.view(H, B, units, G, D), v.view(H, B, units, G, D), kv.corr, ctx)

@@ -87,6 +87,13 @@ class KVQConfig:
     # zipcache2 then stores 74.0 B per token-head-layer at D = 64, kivi4's 72, so the two compare at about equal
     # bytes; 0.6 (the authors' demo) costs 87 B (bench/results/attention_fidelity.md has both).
     zipcache_salient: float = 0.4
+    # Intra-op threads kvq_torch's batched decode attention runs with on a CPU (0: torch's own count, the
+    # process's). Its ops are small (one layer of SmolLM2 at B=1, 1k tokens: ~0.4 ms on one thread) and each of
+    # its ~14 tensor ops above torch's grain size is an OpenMP barrier: with 2 threads on a 2-core machine that
+    # other processes also load, a barrier waits for a descheduled thread: one layer took 161 ms against 0.68 ms
+    # on one thread at load average 13-17, B=8 10.7 vs 3.2 ms at 5-9 (B=1 there: 0.29 vs 0.33 ms, the second
+    # thread's gain on a less loaded machine; bench/decode_work.py, README "Where a decode step's time goes").
+    attention_threads: int = 1
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -125,6 +132,9 @@ class KVQConfig:
         if not 0 < self.zipcache_salient < 1 or not 1 <= salient_count(self.zipcache_salient, g) < g:
             raise KVQConfigError(f"sgl_kvq: KVQ_ZIPCACHE_SALIENT={self.zipcache_salient} must be in (0, 1) and keep "
                                  f"between 1 and G-1={g - 1} of a page's {g} tokens salient, e.g. 0.4")
+        if self.attention_threads < 0:
+            raise KVQConfigError(f"sgl_kvq: KVQ_ATTENTION_THREADS={self.attention_threads} must be 0 (torch's own "
+                                 "thread count) or more, e.g. 1")
         if self.is_specache and self.prefill != "full":
             raise KVQConfigError("sgl_kvq: specache extends read the cached prefix in 16 bits from the host tier; "
                                  f"KVQ_PREFILL={self.prefill} applies to kivi only")

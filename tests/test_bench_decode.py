@@ -35,11 +35,87 @@ def test_read_bytes():
 
 
 def test_ratios_table_plot(tmp_path):
-    rows = [{"kv_cache_dtype": d, "batch": 8, "context": c, "ms_per_step": ms, "tok_per_s": 8000 / ms,
-             "kv_read_bytes_per_step": b} for d, c, ms, b in
-            [("auto", 1024, 200, 100), ("kivi2", 1024, 100, 20), ("auto", 2048, 400, 200), ("kivi2", 2048, 400, 30)]]
+    rows = [{"kv_cache_dtype": d, "batch": 8, "context": c, "ms_per_step": ms, "cpu_ms_per_step": cpu,
+             "tok_per_s": 8000 / ms, "kv_read_bytes_per_step": b} for d, c, ms, cpu, b in
+            [("auto", 1024, 200, 400, 100), ("kivi2", 1024, 100, 100, 20), ("auto", 2048, 400, 800, 200),
+             ("kivi2", 2048, 400, 1000, 30)]]
     bench_decode.ratios(rows)
     assert [r["x_bf16_tok_per_s"] for r in rows] == [1.0, 2.0, 1.0, 1.0]
-    assert "| kivi2 | 8 | 1024 | 100 | 80.0 | 2.00 | 0.0 | 0.20 |" in bench_decode.table(rows)
+    assert [r["x_bf16_cpu_per_step"] for r in rows] == [1.0, 0.25, 1.0, 1.25]
+    assert "| kivi2 | 8 | 1024 | 100 | 100 | 0.25 | 80.0 | 2.00 | 0.0 | 0.20 |" in bench_decode.table(rows)
     bench_decode.plot(rows, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_server_cpu_seconds_counts_the_whole_session():
+    """The CPU time of every process in the server's session (here a busy child and its busy grandchild)."""
+    import subprocess
+    import sys
+    import time
+    from types import SimpleNamespace
+
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\n"
+    code = f"import subprocess, sys\np = subprocess.Popen([sys.executable, '-c', {burn!r}])\n{burn}p.wait()\n" \
+        "import time; time.sleep(30)"
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    try:
+        server = SimpleNamespace(proc=proc)
+        deadline = time.time() + 60
+        while bench_decode.server_cpu_seconds(server) < 0.75 and time.time() < deadline:
+            time.sleep(0.2)
+        assert bench_decode.server_cpu_seconds(server) >= 0.75  # both processes' 0.4 s, not one
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_step_seconds_is_the_median_time_per_token():
+    # request 0: 0.1, 0.1, then a stall of 0.5; request 1: one chunk of two tokens in 0.4 (0.2 each), then 0.1
+    arrivals = [[(0.0, 1), (0.1, 2), (0.2, 3), (0.7, 4)], [(5.0, 1), (5.4, 3), (5.5, 4)]]
+    assert abs(bench_decode.step_seconds(arrivals) - 0.15) < 1e-12  # 0.1 x3, 0.2 x2, 0.5
+    arrivals[0] = [(0.0, 1), (0.6, 3), (0.9, 4)]  # 0.3 x3; with request 1's 0.2 x2, 0.1: median 0.25
+    assert abs(bench_decode.step_seconds(arrivals) - 0.25) < 1e-12
+    assert bench_decode.step_seconds([[(1.0, 1)]]) != bench_decode.step_seconds([[(1.0, 1)]])  # NaN: no gap
+
+
+def test_stream_batch_reads_every_request_token_by_token():
+    """Against a stand-in server that streams SGLang's SSE lines: one request per prompt, all at once, each
+    token's arrival recorded, [DONE] not counted."""
+    import json
+    import os
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from types import SimpleNamespace
+
+    seen = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append(body)
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            n = body["sampling_params"]["max_new_tokens"]
+            for done in [1, 3] + list(range(4, n + 1)):  # tokens 2 and 3 in one chunk
+                time.sleep(0.02)
+                self.wfile.write(f"data: {json.dumps({'meta_info': {'completion_tokens': done}})}\n\n".encode())
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        server = SimpleNamespace(base=f"http://127.0.0.1:{httpd.server_port}", proc=SimpleNamespace(pid=os.getpid()))
+        arrivals, cpu = bench_decode.stream_batch(server, [[1, 2], [3, 4], [5, 6]], 5)
+    finally:
+        httpd.shutdown()
+    assert sorted(b["input_ids"] for b in seen) == [[1, 2], [3, 4], [5, 6]]
+    assert all(b["stream"] and b["sampling_params"]["ignore_eos"] for b in seen)
+    assert [[n for _, n in a] for a in arrivals] == [[1, 3, 4, 5]] * 3
+    assert 0.005 < bench_decode.step_seconds(arrivals) < 0.5
+    assert cpu >= 0.0

@@ -6,8 +6,26 @@ batch references, never the pool."""
 
 from __future__ import annotations
 
+import contextlib
+
+import torch
+
 from sgl_kvq import attention_batched, attention_ref
 from sgl_kvq.backends.base import KVQAttentionBackendBase
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int, device: torch.device):
+    """torch's intra-op thread count limited to n (> 0) on a CPU device for the block, then restored."""
+    prev = torch.get_num_threads()
+    if n <= 0 or device.type != "cpu" or prev <= n:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
 
 
 class KVQTorchBackend(KVQAttentionBackendBase):
@@ -21,9 +39,11 @@ class KVQTorchBackend(KVQAttentionBackendBase):
         return attention_ref.ref_extend(q, k, v, step.qo_indptr, self.store.layer_view(li), step.plan, sm_scale)
 
     def decode(self, q, li, step, sm_scale):
-        if self._batched is None or self._batched[0] is not step.plan:
-            self._batched = (step.plan, attention_batched.prepare(step.plan, self.store.G, self.store.shape.heads))
-        return attention_batched.decode(q, self.store.layer_view(li), self._batched[1], sm_scale)
+        with intra_op_threads(self.store.cfg.attention_threads, self.store.device):  # KVQConfig says why
+            if self._batched is None or self._batched[0] is not step.plan:
+                self._batched = (step.plan, attention_batched.prepare(step.plan, self.store.G,
+                                                                      self.store.shape.heads))
+            return attention_batched.decode(q, self.store.layer_view(li), self._batched[1], sm_scale)
 
     def support_triton(self):
         return False

@@ -1,12 +1,14 @@
 """`sgl-kvq bench decode`: per-step decode time against context length, per KV dtype, through SGLang's server.
 
-One server per KV dtype (bf16 first: the baseline every ratio is taken against, measured in the same run), all
-with the same KV budget and --max-running-requests. For each (batch B, context C): B prompts of C random tokens
-are prefilled once (into the radix cache), then sent again with 1 and with 1 + N new tokens (greedy, EOS ignored):
-both runs hit the cache, so their time difference is N decode steps of the B-request batch at context ~C
-(ms/step = difference / N; the best of --reps). KV bytes a step reads: B x (C x the pool's bytes per token), the
-packed base for kvq dtypes (the pool's base_bytes_per_token; bf16: 2 x layers x KV heads x head_dim x 2 B), plus
-the fp16 window of the kvq dtypes and SpeCache's top-k 16-bit rows.
+One server per KV dtype (bf16 first: the baseline every ratio is taken against, measured in the same run), all with
+the same KV budget and --max-running-requests. For each (batch B, context C): B prompts of C random tokens are
+prefilled once (into the radix cache), then sent again as B concurrent streaming requests for 1 + N new tokens
+(greedy, EOS ignored): they hit the cache, run one extend together (the last page) and then decode as one batch;
+ms/step is the median gap between consecutive streamed tokens over all B requests (the best of --reps), so the
+extend, whose time on a loaded machine varies by seconds, is not in it. The server's CPU ms per step (its processes'
+user + system time, read from /proc) is taken over request 0's decode tokens. KV bytes a step reads: B x (C x the
+pool's bytes per token), the packed base for kvq dtypes (the pool's base_bytes_per_token; bf16: 2 x layers x KV
+heads x head_dim x 2 B), plus the fp16 window of the kvq dtypes and SpeCache's top-k 16-bit rows.
 
 --tree DTYPE=DIR also runs DTYPE with the sgl_kvq package of checkout DIR (e.g. the commit before a change),
 labelled DTYPE@DIR: a before/after comparison in one run against the same bf16 baseline.
@@ -24,9 +26,12 @@ import json
 import os
 import random
 import shlex
+import statistics
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
 DEFAULT_DTYPES = "auto,kivi4,kivi2,specache2"
@@ -79,22 +84,81 @@ def read_bytes_per_step(stats: dict, geo: dict, batch: int, context: int) -> int
     return int(batch * per_req)
 
 
-def time_point(server, batch: int, context: int, steps: int, reps: int, vocab: int) -> float:
-    """Seconds per decode step of `batch` requests at `context` tokens (prefix cached; see the module doc)."""
+def server_cpu_seconds(server) -> float:
+    """CPU seconds (user + system) the server's processes have used so far: every process of its session
+    (launch_server, scheduler, detokenizer), with their reaped children's (each counted once: a reaped child's
+    time moves to its parent, in the same session); 0.0 where /proc cannot be read."""
+    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == server.proc.pid:  # the session id (field 6): ServerProcess starts a new session
+            total += sum(int(f) for f in fields[11:15]) / tick  # utime stime cutime cstime
+    return total
+
+
+def step_seconds(arrivals: list[list[tuple[float, int]]]) -> float:
+    """One decode step of the batch: the median time per token between consecutive streamed chunks of each request
+    (arrivals: per request (arrival time in seconds, tokens generated so far) per chunk). A chunk may carry more
+    than one token when the server's output path falls behind the decode; its gap counts once per token. The first
+    chunk of a request comes from its extend and opens its first gap."""
+    per_token = []
+    for chunks in arrivals:
+        for (t0, n0), (t1, n1) in zip(chunks, chunks[1:]):
+            if n1 > n0:
+                per_token += [(t1 - t0) / (n1 - n0)] * (n1 - n0)
+    return statistics.median(per_token) if per_token else float("nan")
+
+
+def stream_batch(server, ids: list[list[int]], new_tokens: int) -> tuple[list[list[float]], float]:
+    """Each prompt of `ids` as its own streaming /generate request, all at once -> per request (arrival time,
+    tokens so far) of its streamed chunks, and the server's CPU seconds per token over request 0's decode
+    tokens."""
+    arrivals: list[list[tuple[float, int]]] = [[] for _ in ids]
+    cpu: list[float] = []
+
+    def one(b: int) -> None:
+        body = json.dumps({"input_ids": ids[b], "stream": True, "sampling_params": {
+            "max_new_tokens": new_tokens, "ignore_eos": True, "temperature": 0.0}}).encode()
+        req = urllib.request.Request(server.base + "/generate", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=3600) as r:
+            for line in r:
+                if line.startswith(b"data:") and not line.startswith(b"data: [DONE]"):
+                    now = time.perf_counter()
+                    n = json.loads(line[5:])["meta_info"]["completion_tokens"]
+                    arrivals[b].append((now, n))
+                    if b == 0 and (len(arrivals[0]) == 1 or n == new_tokens):
+                        cpu.append((server_cpu_seconds(server), n))
+
+    threads = [threading.Thread(target=one, args=(b,)) for b in range(len(ids))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if any(not a or a[-1][1] != new_tokens for a in arrivals):
+        raise RuntimeError(f"streamed {[a[-1][1] if a else 0 for a in arrivals]} tokens, expected {new_tokens} "
+                           "per request")
+    (c0, n0), (c1, n1) = cpu[0], cpu[-1]
+    return arrivals, (c1 - c0) / (n1 - n0) if n1 > n0 else float("nan")
+
+
+def time_point(server, batch: int, context: int, steps: int, reps: int, vocab: int) -> tuple[float, float]:
+    """Seconds per decode step of `batch` requests at `context` tokens (prefix cached; see the module doc), and
+    the server's CPU seconds per step: on a loaded machine wall time mostly measures the other processes (both
+    from the repetition with the fastest wall time)."""
     rng = random.Random(context * 31 + batch)
     ids = [[rng.randrange(100, vocab) for _ in range(context)] for _ in range(batch)]
-
-    def generate(n: int) -> float:
-        t = time.perf_counter()
-        server.post("/generate", {"input_ids": ids, "sampling_params": {
-            "max_new_tokens": n, "ignore_eos": True, "temperature": 0.0}})
-        return time.perf_counter() - t
-
     server.get("/flush_cache")  # answers in plain text
-    generate(1)  # prefill into the radix cache
-    best = float("inf")
+    server.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "ignore_eos": True,
+                                                                      "temperature": 0.0}})  # prefill into the cache
+    best = (float("inf"), float("inf"))
     for _ in range(reps):
-        best = min(best, (generate(1 + steps) - generate(1)) / steps)
+        arrivals, cpu = stream_batch(server, ids, 1 + steps)
+        best = min(best, (step_seconds(arrivals), cpu))
     return best
 
 
@@ -116,12 +180,13 @@ def measure(model: Path, label: str, dtype: str, tree: str | None, points, args,
         with ServerProcess(server_args, log_path=log_dir / f"{label.replace('/', '_')}.log") as server:
             stats = server.kv_pool_stats()
             for batch, context in points:
-                sec = time_point(server, batch, context, args.steps, args.reps, geo["vocab"])
+                sec, cpu = time_point(server, batch, context, args.steps, args.reps, geo["vocab"])
                 row = {"kv_cache_dtype": label, "batch": batch, "context": context, "ms_per_step": sec * 1e3,
-                       "tok_per_s": batch / sec, "kv_read_bytes_per_step": read_bytes_per_step(stats, geo, batch,
+                       "cpu_ms_per_step": cpu * 1e3, "tok_per_s": batch / sec, "kv_read_bytes_per_step": read_bytes_per_step(stats, geo, batch,
                                                                                                 context)}
                 rows.append(row)
-                print(f"[decode] {label} B={batch} C={context}: {row['ms_per_step']:.0f} ms/step, "
+                print(f"[decode] {label} B={batch} C={context}: {row['ms_per_step']:.0f} ms/step "
+                      f"({row['cpu_ms_per_step']:.0f} CPU ms), "
                       f"{row['tok_per_s']:.1f} tok/s", flush=True)
             for r in rows:
                 r["pool"] = {k: stats.get(k) for k in ("capacity_tokens", "kv_bytes_per_token", "base_bytes_per_token")}
@@ -137,6 +202,8 @@ def ratios(rows: list[dict]) -> None:
         b = base.get((r["batch"], r["context"]))
         if b:
             r["x_bf16_tok_per_s"] = r["tok_per_s"] / b["tok_per_s"]
+            if r.get("cpu_ms_per_step") and b.get("cpu_ms_per_step"):
+                r["x_bf16_cpu_per_step"] = r["cpu_ms_per_step"] / b["cpu_ms_per_step"]
             r["x_bf16_read_bytes"] = r["kv_read_bytes_per_step"] / b["kv_read_bytes_per_step"]
 
 
@@ -145,6 +212,8 @@ COLUMNS = [  # (header, cell of a row)
     ("batch", lambda r: r["batch"]),
     ("context", lambda r: r["context"]),
     ("ms/step", lambda r: f"{r['ms_per_step']:.0f}"),
+    ("CPU ms/step", lambda r: f"{r.get('cpu_ms_per_step', float('nan')):.0f}"),
+    ("x bf16 CPU", lambda r: f"{r.get('x_bf16_cpu_per_step', float('nan')):.2f}"),
     ("tok/s", lambda r: f"{r['tok_per_s']:.1f}"),
     ("x bf16 tok/s", lambda r: f"{r.get('x_bf16_tok_per_s', float('nan')):.2f}"),
     ("KV MB read/step", lambda r: f"{r['kv_read_bytes_per_step'] / 1e6:.1f}"),
@@ -214,7 +283,9 @@ def run(args) -> int:
         command = "sgl-kvq " + shlex.join(getattr(args, "_argv", None) or sys.argv[1:])
         Path(args.json).write_text(json.dumps({"model": args.model, "command": command, "steps": args.steps,
                                                "reps": args.reps, "kv_budget_gb": budget_gb,
-                                               "host": f"{os.cpu_count()} CPUs", "runs": rows}, indent=1) + "\n")
+                                               "host": f"{os.cpu_count()} CPUs",
+                                               "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset"),
+                                               "runs": rows}, indent=1) + "\n")
     if args.plot:
         plot(rows, args.plot)
     return 0

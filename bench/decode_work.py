@@ -1,0 +1,139 @@
+"""The CPU work of one decode step outside the model, kvq_torch against bf16's torch_native, and what OpenMP's second
+thread does to kvq_torch's batched decode attention (README "Where a decode step's time goes").
+
+    python bench/decode_work.py                  # SmolLM2's geometry (30 layers, 3 KV heads, 9 query heads, D=64)
+    python bench/decode_work.py --batch 8 --context 2048
+
+work: per decode step of B requests at C tokens, thread CPU time on ONE thread (time.thread_time: what the step
+costs, whatever else the machine runs): kivi2's plan build (build_forward_plan), prepare, per-layer writes and
+batched attention over a QuantizedKVStore the extend path filled; bf16's per-layer KV write (index_put into a [S, H, D]
+bf16 cache) and torch_native's per-request gather + SDPA (sglang's _run_sdpa_forward_decode, the same ops).
+threads: one layer of kvq_torch's batched decode, 2 intra-op threads and 1 alternately in one process, wall time
+(median and mean of 30): on a loaded machine the 2-thread joins wait for descheduled threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from sgl_kvq import attention_batched as ab
+from sgl_kvq.config import KVQConfig
+from sgl_kvq.kv_store import QuantizedKVStore
+from sgl_kvq.layout import PoolShape
+from sgl_kvq.metadata.forward import build_forward_plan
+
+L, H, HQ, D, G = 30, 3, 9, 64, 64
+
+
+def filled_store(B: int, C: int, bits: int):
+    cfg = KVQConfig("kivi", bits, group_size=G, value_group=64, residual=64)
+    pages_per = -(-(C + 64) // G) + 1
+    store = QuantizedKVStore(cfg, PoolShape(L, H, D, B * pages_per + 2, cfg), B + 1, torch.bfloat16, "cpu")
+    req_to_token = torch.zeros(B + 1, pages_per * G, dtype=torch.int32)
+    for b in range(B):
+        pages = torch.arange(1 + b * pages_per, 1 + (b + 1) * pages_per)
+        pos = torch.arange(pages_per * G)
+        req_to_token[b + 1] = (pages[pos // G] * G + pos % G).int()
+    reqs = torch.arange(1, B + 1)
+    loc = req_to_token[1:, :C].reshape(-1).long()
+    fp = build_forward_plan(store, req_to_token, reqs, torch.full((B,), C), loc, is_decode=False,
+                            extend_prefix_lens=[0] * B, extend_seq_lens=[C] * B)
+    k = torch.randn(B * C, H, D, dtype=torch.bfloat16)
+    for li in range(L):
+        for st in fp.steps:
+            store.write_layer(li, st.write, k, k)
+    return store, req_to_token, reqs
+
+
+def kvq_work(B: int, C: int, bits: int, steps: int) -> dict:
+    store, req_to_token, reqs = filled_store(B, C, bits)
+    tm = dict.fromkeys(("plan", "prepare", "write", "attention"), 0.0)
+    n = C
+    for _ in range(steps):
+        n += 1
+        t = time.thread_time()
+        fp = build_forward_plan(store, req_to_token, reqs, torch.full((B,), n), req_to_token[1:, n - 1].long(),
+                                is_decode=True)
+        tm["plan"] += time.thread_time() - t
+        st = fp.steps[0]
+        t = time.thread_time()
+        ctx = ab.prepare(st.plan, G, H)
+        tm["prepare"] += time.thread_time() - t
+        kn, q = torch.randn(B, H, D, dtype=torch.bfloat16), torch.randn(B, HQ, D, dtype=torch.bfloat16)
+        for li in range(L):
+            t = time.thread_time()
+            store.write_layer(li, st.write, kn, kn)
+            tm["write"] += time.thread_time() - t
+            t = time.thread_time()
+            ab.decode(q, store.layer_view(li), ctx, D ** -0.5)
+            tm["attention"] += time.thread_time() - t
+    return {k: v / steps * 1e3 for k, v in tm.items()}
+
+
+def bf16_work(B: int, C: int, steps: int) -> dict:
+    kc = torch.zeros(L, B * (C + steps) + 1, H, D, dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    tokens = torch.arange(1, B * (C + steps) + 1).view(B, C + steps)
+    tw = ta = 0.0
+    for s in range(steps):
+        n = C + s + 1
+        loc = tokens[:, n - 1]
+        kn, q = torch.randn(B, H, D, dtype=torch.bfloat16), torch.randn(HQ, B, D, dtype=torch.bfloat16)
+        for li in range(L):
+            t = time.thread_time()
+            kc[li][loc] = kn
+            vc[li][loc] = kn
+            tw += time.thread_time() - t
+            t = time.thread_time()
+            for b in range(B):
+                k, v = kc[li][tokens[b, :n]].movedim(0, 1), vc[li][tokens[b, :n]].movedim(0, 1)
+                torch.nn.functional.scaled_dot_product_attention(q[:, b:b + 1].unsqueeze(0), k.unsqueeze(0),
+                                                                 v.unsqueeze(0), enable_gqa=True, scale=D ** -0.5)
+            ta += time.thread_time() - t
+    return {"write": tw / steps * 1e3, "attention": ta / steps * 1e3}
+
+
+def threads(B: int, C: int, bits: int, reps: int = 30) -> dict:
+    store, req_to_token, reqs = filled_store(B, C, bits)
+    fp = build_forward_plan(store, req_to_token, reqs, torch.full((B,), C + 1), req_to_token[1:, C].long(),
+                            is_decode=True)
+    ctx = ab.prepare(fp.steps[0].plan, G, H)
+    q, kv = torch.randn(B, HQ, D, dtype=torch.bfloat16), store.layer_view(0)
+    prev = torch.get_num_threads()
+    times: dict[int, list[float]] = {2: [], 1: []}
+    for _ in range(reps):
+        for n in (2, 1):
+            torch.set_num_threads(n)
+            t = time.perf_counter()
+            ab.decode(q, kv, ctx, D ** -0.5)
+            times[n].append(time.perf_counter() - t)
+    torch.set_num_threads(prev)
+    return {f"{n}_threads_ms": {"median": statistics.median(v) * 1e3, "mean": statistics.fmean(v) * 1e3}
+            for n, v in times.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--bits", type=int, default=2)
+    p.add_argument("--steps", type=int, default=10)
+    args = p.parse_args()
+    out = []
+    for B in args.batch:
+        torch.set_num_threads(1)
+        row = {"batch": B, "context": args.context, "kvq_bits": args.bits,
+               "kvq_ms_per_step": kvq_work(B, args.context, args.bits, args.steps),
+               "bf16_ms_per_step": bf16_work(B, args.context, args.steps)}
+        row["threads"] = threads(B, args.context, args.bits)
+        out.append(row)
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""KVQ_ATTENTION_THREADS: kvq_torch's batched decode runs with that many intra-op threads on a CPU, and the
+process's count is back after it (what the engine's other ops run with)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sgl_kvq.backends.torch_backend import intra_op_threads
+from sgl_kvq.config import KVQConfig, KVQConfigError, parse_kv_cache_dtype
+
+
+@pytest.fixture
+def two_threads():
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(prev)
+
+
+@pytest.mark.parametrize("n, inside", [(1, 1), (0, 2), (4, 2)])
+def test_limits_then_restores(two_threads, n, inside):
+    with intra_op_threads(n, torch.device("cpu")):
+        assert torch.get_num_threads() == inside
+    assert torch.get_num_threads() == 2
+
+
+def test_restores_after_an_error(two_threads):
+    with pytest.raises(RuntimeError):
+        with intra_op_threads(1, torch.device("cpu")):
+            raise RuntimeError("attention failed")
+    assert torch.get_num_threads() == 2
+
+
+def test_not_applied_off_cpu(two_threads):
+    with intra_op_threads(1, torch.device("meta")):
+        assert torch.get_num_threads() == 2
+
+
+def test_knob(monkeypatch):
+    assert KVQConfig("kivi", 2).attention_threads == 1
+    monkeypatch.setenv("KVQ_ATTENTION_THREADS", "0")
+    assert parse_kv_cache_dtype("kivi2").attention_threads == 0
+    monkeypatch.setenv("KVQ_ATTENTION_THREADS", "-1")
+    with pytest.raises(KVQConfigError, match="KVQ_ATTENTION_THREADS=-1 must be 0 .* e.g. 1"):
+        parse_kv_cache_dtype("kivi2")
+
+
+def test_kvq_torch_decode_runs_under_the_limit(two_threads, monkeypatch):
+    from types import SimpleNamespace
+
+    from sgl_kvq import attention_batched
+    from sgl_kvq.backends.torch_backend import KVQTorchBackend
+
+    seen = []
+    monkeypatch.setattr(attention_batched, "prepare",
+                        lambda plan, G, H: seen.append(("prepare", torch.get_num_threads())))
+    monkeypatch.setattr(attention_batched, "decode",
+                        lambda q, kv, ctx, sm: seen.append(("decode", torch.get_num_threads())) or q)
+    backend = KVQTorchBackend.__new__(KVQTorchBackend)
+    backend._batched = None
+    backend.store = SimpleNamespace(cfg=KVQConfig("kivi", 2), device=torch.device("cpu"), G=64,
+                                    shape=SimpleNamespace(heads=3), layer_view=lambda li: None)
+    q = torch.zeros(1, 3, 64)
+    assert backend.decode(q, 0, SimpleNamespace(plan=object()), 0.125) is q
+    assert seen == [("prepare", 1), ("decode", 1)] and torch.get_num_threads() == 2
