@@ -130,6 +130,16 @@ def test_the_table_names_each_failure_by_its_kind(monkeypatch):
         "kivi1": {prefix.split(".")[1]: {"measured": 0.003, "bound": 0.0048}}}
 
 
+def test_a_kvq_dtype_skips_what_bf16_fails_and_the_table_counts_it():
+    by_dtype = {"bf16": {"k.a": {"outcome": "pass"}, "k.model": {"outcome": "fail"}, "k.cpu": {"outcome": "error"},
+                         "server": {"outcome": "error"}}, "kivi1": {"k.b": {"outcome": "pass"}}}
+    assert bc.baseline_failures(by_dtype) == {"k.model", "k.cpu"}
+    del by_dtype["bf16"]["server"]
+    report = bc.report_from_tests({"kits": by_dtype}, "cmd")
+    kivi1 = conformance_table.kits_table(report).splitlines()[-1]
+    assert "| `a`, 2 bf16 fails |" in kivi1
+
+
 def test_a_resumed_dtype_owes_only_what_it_has_no_rows_for():
     every = set(bc.kit_test_names())
     assert bc.missing("kits", every) == []

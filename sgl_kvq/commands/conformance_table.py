@@ -66,6 +66,13 @@ def _kl(row: dict | None) -> str:
     return f"{row['kl']:.3g}" if row and "kl" in row else "-"
 
 
+def _not_run(base: dict, names: list[str]) -> str:
+    """Tests bf16 ran that a dtype did not: by name, except those bf16 fails (a matrix run skips them), counted."""
+    skipped = [t for t in names if base[t]["outcome"] != "pass"]
+    other = _names(t for t in names if t not in skipped)
+    return ", ".join(filter(None, [other, f"{len(skipped)} bf16 fails" if skipped else ""])) or "none"
+
+
 def kits_table(report: dict) -> str:
     """Documented KL bounds are the ones the tests assert (bench_conformance.KL_OVER_KIT_THRESHOLD), not the copy a
     report was written with."""
@@ -91,10 +98,9 @@ def kits_table(report: dict) -> str:
         bound = " / ".join(str(documented[t.split('.', 1)[1]]["bound"]) if t.split(".", 1)[1] in documented
                            else "-" for t in KL_TESTS) if documented else f"{report['kit_kl_threshold']} (the kit's)"
         regress = (f"**{len(c['regression'])}: {_names(c['regression'])}**" if c["regression"] else "none")
-        not_run = entry.get("not_run", [])
         lines.append(f"| {dtype} | {len(rows)} | {entry['passed']} | {as_bf16} | "
                      f"{_names(c['documented']) or 'none'} | {regress} | "
-                     f"{_names(not_run) if not_run else 'none'} | {' | '.join(kl_cells)} | {bound} |")
+                     f"{_not_run(base, entry.get('not_run', []))} | {' | '.join(kl_cells)} | {bound} |")
     return "\n".join(lines)
 
 
@@ -103,20 +109,21 @@ def clients_table(report: dict) -> str:
     base_p = programs.get("bf16", {}).get("tests", {})
     checks = sorted({t for e in clients.values() for t in e["tests"]})
     head = " | ".join(f"openai {t.split('_')[1]}, streamed = not" for t in checks)
-    lines = [f"| dtype | {head} | programs run | pass | fail as bf16 does | fail where bf16 passes |",
-             "|---|" + "---|" * (len(checks) + 4)]
+    lines = [f"| dtype | {head} | programs run | pass | fail as bf16 does | fail where bf16 passes | not run |",
+             "|---|" + "---|" * (len(checks) + 5)]
     for dtype in dict.fromkeys([*clients, *programs]):
         crows = clients.get(dtype, {}).get("tests", {})
         cells = [crows[t]["outcome"] if t in crows else "-" for t in checks]
         prow = programs.get(dtype, {}).get("tests", {})
         if dtype == "bf16":
             failing = [t for t, r in prow.items() if r["outcome"] != "pass"]
-            tail = f"{len(failing)}: {_names(failing)} | (baseline)"
+            tail = f"{len(failing)}: {_names(failing)} | (baseline) | -"
         else:
             c = _classify(base_p, prow, {})
             regress = c["regression"] + c["documented"]
             tail = (f"{len(c['as_bf16'])}" + (f"; passes {_names(c['better'])}" if c["better"] else "")
-                    + " | " + (f"**{len(regress)}: {_names(regress)}**" if regress else "none"))
+                    + " | " + (f"**{len(regress)}: {_names(regress)}**" if regress else "none")
+                    + " | " + _not_run(base_p, programs.get(dtype, {}).get("not_run", [])))
         passed = sum(r["outcome"] == "pass" for r in prow.values())
         lines.append(f"| {dtype} | {' | '.join(cells)} | {len(prow)} | {passed} | {tail} |")
     return "\n".join(lines)
