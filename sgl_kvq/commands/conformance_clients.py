@@ -113,12 +113,25 @@ def client_rows(base_url: str, names=None) -> dict[str, dict]:
             for name, ep in CLIENT_CHECKS.items() if names is None or name in names}
 
 
+def _endpoint(base_url: str):
+    """A RuntimeEndpoint on base_url that also answers as `.endpoint`: test_gen_min_new_tokens reads
+    `default_backend.endpoint.get_model_name()`, the shape of sgl.Runtime (which would launch a server of its own)."""
+    import sglang as sgl
+
+    class Endpoint(sgl.RuntimeEndpoint):
+        @property
+        def endpoint(self):
+            return self
+
+    return Endpoint(base_url)
+
+
 def run_program(base_url: str, program: str) -> dict:
     """One test_programs.py program through a RuntimeEndpoint on base_url, as a row."""
     import sglang as sgl
     from sglang.test import test_programs
 
-    sgl.set_default_backend(sgl.RuntimeEndpoint(base_url))
+    sgl.set_default_backend(_endpoint(base_url))
     return timed_row(lambda: getattr(test_programs, program)(**PROGRAMS[program]), timeout_s=PROGRAM_TIMEOUT_S)
 
 
