@@ -66,6 +66,16 @@ RADIX_NODES = 24
 RADIX_CHUNK = 32
 CACHE_HIT = dict(num_clients=4, num_rounds=3, request_length=256, output_length=16)
 
+# The order a server runs its kits in: the ones whose requests are bounded first, so a run cut off by time keeps them;
+# matched stop (up to 1,000 new tokens per request until a stop string or EOS, which a 1-bit cache may never emit:
+# 0.3-0.7 tok/s at 800 tokens on kivi1 with a loaded CPU) and scheduler stress (an 8k-token prompt) last.
+KIT_ORDER = ["api_contract", "decode_correctness", "abort_all", "kl_divergence", "radix_cache_server", "cache_hit",
+             "matched_stop", "scheduler_stress"]
+# A matrix run gives one kit test this long, then aborts every request on the server and records an error: a test
+# that waits on a generation that never stops must not hold the other dtypes back (bf16's slowest passing tests on
+# the loaded CPU: the radix tree 272 s, a stop-string test 377 s).
+KIT_TEST_TIMEOUT_S = 600
+
 KITS_NOT_RUN = {
     "abort_timeout_kit.WaitingTimeoutMixin / RunningTimeoutTwoWaveMixin": "need a server started with "
     "SGLANG_REQ_WAITING_TIMEOUT / SGLANG_REQ_RUNNING_TIMEOUT and --max-running-requests 1: not run (owed)",
@@ -171,7 +181,7 @@ def kit_classes(server, model, files: dict) -> dict[str, type]:
            for name, (mixin, attrs) in mixins.items()}
     out["radix_cache_server"] = _function_kit("test_radix_attention", lambda: _radix_cache_server(server.base))
     out["cache_hit"] = _function_kit("test_multiturn_cache_hit", lambda: _cache_hit(server.base, model, files))
-    return out
+    return {k: out[k] for k in KIT_ORDER}
 
 
 def _function_kit(name: str, fn) -> type:
@@ -207,13 +217,25 @@ def kit_test_names() -> list[str]:
     return [f"{kit}.{t}" for kit, cls in classes.items() for t in unittest.TestLoader().getTestCaseNames(cls)]
 
 
-def run_kit_test(cls: type, name: str) -> dict:
-    """One kit test: {outcome pass|fail|error, seconds, message?, kl?} (kl: the KL kit's printed avg_kl_div)."""
+def run_kit_test(cls: type, name: str, timeout_s: float | None = None, base_url: str = "") -> dict:
+    """One kit test: {outcome pass|fail|error, seconds, message?, kl?} (kl: the KL kit's printed avg_kl_div). With
+    timeout_s, a test still running then has every request on base_url aborted and is recorded as an error."""
+    import threading
+
     result = unittest.TestResult()
     buf = io.StringIO()
     t0 = time.perf_counter()
     with contextlib.redirect_stdout(buf):
-        cls(name).run(result)
+        worker = threading.Thread(target=lambda: cls(name).run(result), daemon=True)
+        worker.start()
+        worker.join(timeout_s)
+        if worker.is_alive():
+            import requests
+
+            requests.post(base_url + "/abort_request", json={"abort_all": True}, timeout=60)
+            worker.join(120)  # the kit's requests return aborted: let it finish before stdout is restored
+            return {"outcome": "error", "seconds": round(time.perf_counter() - t0, 1),
+                    "message": f"still running after {timeout_s} s: every request aborted"}
     row = {"outcome": "pass", "seconds": round(time.perf_counter() - t0, 1)}
     for kind, items in (("fail", result.failures), ("error", result.errors)):
         if items:
@@ -230,20 +252,25 @@ def _last_line(tb: str) -> str:
     return lines[-1][:600] if lines else ""
 
 
-def run_kits(server, model, files: dict, only: list[str] | None = None, skip=frozenset()) -> dict[str, dict]:
+def run_kits(server, model, files: dict, only: list[str] | None = None, skip=frozenset(),
+             on_kit=lambda rows: None) -> dict[str, dict]:
     """{"kit.test": row} for every kit (or the kits named in `only`), less the "kit.test" names in skip, against one
-    running server."""
+    running server; on_kit(rows of one kit) after each kit, so a cut-off run can keep them. Each test gets
+    KIT_TEST_TIMEOUT_S."""
     rows = {}
     with offline_kits(files):
         for kit, cls in kit_classes(server, model, files).items():
             if only and kit not in only:
                 continue
+            got = {}
             try:
                 for test in unittest.TestLoader().getTestCaseNames(cls):
                     if f"{kit}.{test}" not in skip:
-                        rows[f"{kit}.{test}"] = run_kit_test(cls, test)
+                        got[f"{kit}.{test}"] = run_kit_test(cls, test, KIT_TEST_TIMEOUT_S, server.base)
             except Exception:  # a kit that cannot even be collected is recorded, not raised
-                rows[f"{kit}.*"] = {"outcome": "error", "message": _last_line(traceback.format_exc())}
+                got[f"{kit}.*"] = {"outcome": "error", "message": _last_line(traceback.format_exc())}
+            rows.update(got)
+            on_kit(got)
     return rows
 
 
@@ -287,19 +314,20 @@ def baseline_failures(by_dtype: dict[str, dict]) -> set[str]:
     return {t for t, r in by_dtype.get("bf16", {}).items() if r["outcome"] != "pass" and t != "server"}
 
 
-def run_groups(server, model, files: dict, todo: dict[str, list[str]], skip=frozenset()) -> dict[str, dict]:
-    """{group: {name: row}} for the kits, client checks and programs in todo (less the names in skip), against one
-    running server."""
+def run_groups(server, model, files: dict, todo: dict[str, list[str]], skip=frozenset(),
+               on_rows=lambda group, rows: None) -> None:
+    """The kits, client checks and programs in todo (less the names in skip) against one running server, handing
+    each kit's, the clients' and each program's rows to on_rows(group, rows) as they come. Clients and programs run
+    before the kits: they are bounded (24 and at most 128 new tokens), the kits' matched stop is not."""
     from sgl_kvq.commands import conformance_clients as cc
 
-    out = {}
-    if todo.get("kits"):
-        out["kits"] = run_kits(server, model, files, todo["kits"], skip)
     if todo.get("clients"):
-        out["clients"] = cc.client_rows(server.base, todo["clients"])
-    if todo.get("programs"):
-        out["programs"] = cc.program_rows(server.base, [p for p in todo["programs"] if p not in skip])
-    return out
+        on_rows("clients", cc.client_rows(server.base, todo["clients"]))
+    for program in todo.get("programs", []):
+        if program not in skip:
+            on_rows("programs", {program: cc.run_program(server.base, program)})
+    if todo.get("kits"):
+        run_kits(server, model, files, todo["kits"], skip, on_kit=lambda rows: on_rows("kits", rows))
 
 
 def add_arguments(p) -> None:
@@ -398,23 +426,31 @@ def run(args) -> int:
             todo["kits"] = [k for k in todo["kits"] if k in only]
         if not any(todo.values()):
             continue
+        ran: set[str] = set()
+
+        def keep(group, rows, dtype=dtype):
+            """Merge one batch of rows and write the report: a cut-off run keeps every finished kit and program."""
+            nonlocal report
+            doc[group][dtype] = {**doc[group].get(dtype, {}), **rows}
+            ran.add(group)
+            report = report_from_tests({g: d for g, d in doc.items() if d}, command)
+            report["kv_cache_gb"] = args.kv_cache_gb
+            if args.json:
+                Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+
         try:
             with ServerProcess(server_args(model, dtype), log_path=logs / f"{dtype}.log") as server:
-                new = run_groups(server, model, files, todo, skip)
+                run_groups(server, model, files, todo, skip, keep)
         except (RuntimeError, TimeoutError) as e:
-            new = {g: {"server": {"outcome": "error", "message": str(e).splitlines()[0]}} for g in todo if todo[g]}
-        for group, rows in new.items():
-            doc[group][dtype] = {**doc[group].get(dtype, {}), **rows}
-        report = report_from_tests({g: d for g, d in doc.items() if d}, command)
-        report["kv_cache_gb"] = args.kv_cache_gb
-        for group in new:
+            for g in todo:
+                if todo[g] and g not in ran:
+                    keep(g, {"server": {"outcome": "error", "message": str(e).splitlines()[0]}})
+        for group in sorted(ran):
             entry = report["groups"][group][dtype]
             print(f"{dtype} {group}: {entry['passed']}/{len(entry['tests'])} pass"
                   + (f"; fails where bf16 passes: {sorted(entry['regressions'])}" if entry.get("regressions")
                      else ""), flush=True)
         print(f"{dtype}: {time.perf_counter() - t0:.0f} s", flush=True)
-        if args.json:  # written after every server, so a cut-off run keeps what it measured
-            Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     return 1 if any(e.get("regressions") for g in report["groups"].values() for e in g.values()) else 0
 
 
