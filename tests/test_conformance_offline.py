@@ -158,5 +158,10 @@ def test_a_client_row_is_a_pass_a_failure_an_error_or_a_timeout():
     assert cc.timed_row(lambda: None)["outcome"] == "pass"
     assert cc.timed_row(fail) == {"outcome": "fail", "message": "streamed 'a' vs not 'b'", "seconds": 0.0}
     assert cc.timed_row(lambda: {}["x"])["message"] == "KeyError: 'x'"
+
+    def bare():  # test_programs.py's bare asserts carry no message (pytest's rewriting would add one here)
+        raise AssertionError
+
+    assert cc.timed_row(bare)["message"] == "bare: raise AssertionError"
     row = cc.timed_row(lambda: time.sleep(5), timeout_s=0.2)
     assert row["outcome"] == "error" and "no answer within 0.2 s" in row["message"] and row["seconds"] < 2

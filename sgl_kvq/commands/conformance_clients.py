@@ -49,7 +49,8 @@ def timed_row(fn, timeout_s: float | None = None) -> dict:
             fn()
             box["row"] = {"outcome": "pass"}
         except AssertionError as e:
-            box["row"] = {"outcome": "fail", "message": str(e)[:600]}
+            where = traceback.extract_tb(e.__traceback__)[-1]  # a bare assert has no message: name its line
+            box["row"] = {"outcome": "fail", "message": str(e)[:600] or f"{where.name}: {where.line}"}
         except Exception:
             box["row"] = {"outcome": "error", "message": _last_line(traceback.format_exc())}
 
