@@ -37,6 +37,7 @@ KIT_KL_THRESHOLD = 0.002
 # kivi2: 2-bit keys and values move SmolLM2's next-token distribution far more than the kit allows (its cached-turn
 # ppl is +33%, bench/results/quality); logquant2's fp16 sink row cuts that 2-6x. kivi4 misses the kit's value by 20%.
 # specache2: its decode lanes read the 2-bit base plus 64 exact rows, the kit's reference is a 16-bit prefill.
+# gear2: its low-rank and outlier corrections leave the prefix-hit KL within 10% of kivi2's; the decode hit is 3.5x lower.
 KL_OVER_KIT_THRESHOLD: dict[str, dict[str, dict]] = {
     "kivi2": {"test_input_output_logprobs_match_prefill_cache_hit": {"measured": 0.101, "bound": 0.16},
               "test_input_output_logprobs_match_decode_cache_hit": {"measured": 0.156, "bound": 0.25}},
@@ -46,6 +47,8 @@ KL_OVER_KIT_THRESHOLD: dict[str, dict[str, dict]] = {
               "test_input_output_logprobs_match_decode_cache_hit": {"measured": 0.00236, "bound": 0.0038}},
     "logquant2": {"test_input_output_logprobs_match_prefill_cache_hit": {"measured": 0.0439, "bound": 0.07},
                   "test_input_output_logprobs_match_decode_cache_hit": {"measured": 0.0239, "bound": 0.038}},
+    "gear2": {"test_input_output_logprobs_match_prefill_cache_hit": {"measured": 0.0925, "bound": 0.15},
+              "test_input_output_logprobs_match_decode_cache_hit": {"measured": 0.0445, "bound": 0.071}},
 }
 
 # The pinned KV budget of every server: equal memory for bf16 and each kvq dtype, and room for the kits' 8k-token
