@@ -10,7 +10,8 @@ measured average KL are recorded; the KL kit compares at the kit's own threshold
 
 Kits run here: basic API contract, basic decode correctness, matched stop, abort-all, basic scheduler stress,
 radix-cache server, multi-turn cache hit, KL divergence (prefix and decode cache hit). The others do not fit this
-engine; why, in one line each, is KITS_NOT_RUN.
+engine; why, in one line each, is KITS_NOT_RUN. Each server also runs the openai client checks and test_programs.py's
+programs (conformance_clients.py); `--table` prints the README's tables from the JSON (conformance_table.py).
 """
 
 from __future__ import annotations
