@@ -4,8 +4,11 @@ test is collected, and the bf16-baseline rule flags exactly the tests bf16 passe
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from sgl_kvq.commands import bench_conformance as bc
+from sgl_kvq.commands import conformance_clients as cc
+from sgl_kvq.commands import conformance_table
 
 
 def test_kl_kit_reads_the_essay_prompts_offline(tmp_path, monkeypatch):
@@ -73,3 +76,92 @@ def test_the_baseline_rule_fails_a_regression_and_reports_a_documented_kl_excess
         against_baseline(base, "kivi2", "k.t_kl", {"outcome": "fail", "kl": 0.3})
     with pytest.raises(pytest.fail.Exception, match="KL 0.16000"):  # undocumented dtype: a plain failure
         against_baseline(base, "kivi1", "k.t_kl", {"outcome": "fail", "kl": 0.16})
+
+
+ROOT = Path(__file__).resolve().parent.parent
+MATRIX = ROOT / "bench/results/conformance-full-smollm2.json"
+TABLES_START = "<!-- conformance tables: sgl-kvq bench conformance --table --json " \
+               "bench/results/conformance-full-smollm2.json -->"
+TABLES_END = "<!-- end of conformance tables -->"
+
+
+def test_documented_kl_bounds_are_the_committed_matrix():
+    """KL_OVER_KIT_THRESHOLD is what the committed matrix measured (1.6x bounds): `--table` prints the entries."""
+    expected = conformance_table.kl_entries(json.loads(MATRIX.read_text()))
+    assert bc.KL_OVER_KIT_THRESHOLD == expected, "copy the entries `sgl-kvq bench conformance --table` prints"
+
+
+def test_readme_tables_are_the_committed_matrix():
+    readme = (ROOT / "README.md").read_text()
+    assert TABLES_START in readme and TABLES_END in readme
+    block = readme.split(TABLES_START)[1].split(TABLES_END)[0].strip()
+    assert block == conformance_table.readme_tables(json.loads(MATRIX.read_text())), \
+        "paste the tables `sgl-kvq bench conformance --table --json bench/results/conformance-full-smollm2.json` prints"
+
+
+def _kl(kl: float) -> dict:
+    return {"outcome": "pass" if kl < bc.KIT_KL_THRESHOLD else "fail", "kl": kl}
+
+
+def test_the_table_names_each_failure_by_its_kind(monkeypatch):
+    prefix, decode = conformance_table.KL_TESTS
+    documented = {"measured": 0.1, "bound": 0.16}
+    monkeypatch.setattr(bc, "KL_OVER_KIT_THRESHOLD", {"kivi2": {prefix.split(".")[1]: documented,
+                                                                decode.split(".")[1]: documented}})
+    base = {"k.a": {"outcome": "pass"}, "k.model": {"outcome": "fail"}, prefix: _kl(0.0009), decode: _kl(0.0009)}
+    doc = {"kits": {"bf16": base,
+                    "kivi2": {"k.a": {"outcome": "pass"}, "k.model": {"outcome": "pass"}, prefix: _kl(0.1),
+                              decode: _kl(0.2)},
+                    "kivi1": {"k.a": {"outcome": "error"}, "k.model": {"outcome": "fail"}, prefix: _kl(0.003)}},
+           "programs": {"bf16": {"p": {"outcome": "pass"}}, "kivi1": {"p": {"outcome": "fail"}}}}
+    report = bc.report_from_tests(doc, "cmd")
+    rows = {line.split(" | ")[0].strip("| "): line for line in conformance_table.kits_table(report).splitlines()}
+    assert "`model`" in rows["bf16"] and "0.0009" in rows["bf16"]
+    # kivi2: the prefix KL is under its documented bound, the decode KL over it (a regression); it passes `model`
+    assert "passes `model`" in rows["kivi2"] and "| `KL prefix hit` |" in rows["kivi2"]
+    assert "**1: `KL decode hit`**" in rows["kivi2"] and "0.16 / 0.16" in rows["kivi2"]
+    # kivi1: undocumented KL and an error where bf16 passes; the decode KL test was not run
+    assert "**2: `a`, `KL prefix hit`**" in rows["kivi1"] and "| `KL decode hit` |" in rows["kivi1"]
+    programs = conformance_table.clients_table(report).splitlines()
+    assert "**1: `p`**" in programs[-1] and programs[-1].startswith("| kivi1 |")
+    assert conformance_table.kl_entries(report) == {
+        "kivi2": {prefix.split(".")[1]: {"measured": 0.1, "bound": 0.16},
+                  decode.split(".")[1]: {"measured": 0.2, "bound": 0.32}},
+        "kivi1": {prefix.split(".")[1]: {"measured": 0.003, "bound": 0.0048}}}
+
+
+def test_a_kvq_dtype_skips_what_bf16_fails_and_the_table_counts_it():
+    by_dtype = {"bf16": {"k.a": {"outcome": "pass"}, "k.model": {"outcome": "fail"}, "k.cpu": {"outcome": "error"},
+                         "server": {"outcome": "error"}}, "kivi1": {"k.b": {"outcome": "pass"}}}
+    assert bc.baseline_failures(by_dtype) == {"k.model", "k.cpu"}
+    del by_dtype["bf16"]["server"]
+    report = bc.report_from_tests({"kits": by_dtype}, "cmd")
+    kivi1 = conformance_table.kits_table(report).splitlines()[-1]
+    assert "| `a`, 2 bf16 fails |" in kivi1
+
+
+def test_a_resumed_dtype_owes_only_what_it_has_no_rows_for():
+    every = set(bc.kit_test_names())
+    assert bc.missing("kits", every) == []
+    assert bc.missing("kits", every - {"matched_stop.test_finish_stop_eos"}) == ["matched_stop"]
+    assert bc.missing("kits", {"abort_all.*"}) == [k for k in bc.missing("kits", set()) if k != "abort_all"]
+    assert bc.missing("clients", {"openai_chat_streaming_and_not"}) == ["openai_completions_streaming_and_not"]
+    assert bc.missing("programs", set(cc.PROGRAMS) - {"test_regex"}) == ["test_regex"]
+
+
+def test_a_client_row_is_a_pass_a_failure_an_error_or_a_timeout():
+    import time
+
+    def fail():
+        raise AssertionError("streamed 'a' vs not 'b'")
+
+    assert cc.timed_row(lambda: None)["outcome"] == "pass"
+    assert cc.timed_row(fail) == {"outcome": "fail", "message": "streamed 'a' vs not 'b'", "seconds": 0.0}
+    assert cc.timed_row(lambda: {}["x"])["message"] == "KeyError: 'x'"
+
+    def bare():  # test_programs.py's bare asserts carry no message (pytest's rewriting would add one here)
+        raise AssertionError
+
+    assert cc.timed_row(bare)["message"] == "bare: raise AssertionError"
+    row = cc.timed_row(lambda: time.sleep(5), timeout_s=0.2)
+    assert row["outcome"] == "error" and "no answer within 0.2 s" in row["message"] and row["seconds"] < 2
