@@ -110,6 +110,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_process_group(proc: subprocess.Popen | None, grace: float) -> None:
+    """SIGTERM a process started with start_new_session=True and its children; SIGKILL after `grace` seconds."""
+    if proc and proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def post_json(url: str, payload: dict, timeout: float = 1800):
+    req = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
 class _PortTaken(Exception):
     pass
 
@@ -169,13 +186,7 @@ class ServerProcess:
         return ""
 
     def __exit__(self, *exc) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_process_group(self.proc, grace=60)
 
     def get(self, path: str, timeout: float = 60):
         with urllib.request.urlopen(self.base + path, timeout=timeout) as r:
@@ -183,10 +194,7 @@ class ServerProcess:
             return json.loads(body) if body.strip().startswith((b"{", b"[")) else body.decode()
 
     def post(self, path: str, payload: dict, timeout: float = 1800):
-        req = urllib.request.Request(self.base + path, data=json.dumps(payload).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read())
+        return post_json(self.base + path, payload, timeout)
 
     def kv_pool_stats(self) -> dict:
         return self.get("/get_server_info")["internal_states"][0]["kv_pool"]

@@ -9,10 +9,7 @@ the same with two HTTP posts. `mooncake_tcp` is SGLang's mooncake backend with t
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import signal
 import subprocess
 import sys
 import threading
@@ -22,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
-from sgl_kvq.launch import ServerProcess, free_port
+from sgl_kvq.launch import ServerProcess, free_port, post_json, stop_process_group
 
 INSTALL_HINT = ("mooncake's transfer engine is missing: apt-get install -y libibverbs1 && pip install "
                 "mooncake-transfer-engine-non-cuda==0.3.13.post1 msgpack (`make setup` installs both)")
@@ -147,16 +144,7 @@ class Router:
         raise TimeoutError(f"sglang-router not healthy after {self.startup_timeout}s (log: {self.log_path})")
 
     def __exit__(self, *exc) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_process_group(self.proc, grace=30)
 
     def post(self, path: str, payload: dict, timeout: float = 1800) -> dict:
-        req = urllib.request.Request(self.base + path, data=json.dumps(payload).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read())
+        return post_json(self.base + path, payload, timeout)
