@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from sgl_kvq.layout import frame_of
+from sgl_kvq.metadata.host import frames_holding
 
 
 def base_entries(store) -> list[torch.Tensor]:
@@ -77,16 +78,10 @@ def request_state_buf_infos(store) -> tuple[list[int], list[int], list[int]]:
 
 def window_pages(store, req_slot: int, pages: torch.Tensor, seq_len: int) -> int:
     """How many of the request's last `ring` logical pages (pool pages `pages` of logical pages 0, 1, ...) its
-    frames hold, as the longest suffix (metadata.host.plan_contexts reads the same suffix)."""
-    G, ring = store.G, store.ring
-    n_pages = -(-seq_len // G)
-    held = 0
-    for n in range(n_pages - 1, max(n_pages - ring, 0) - 1, -1):
-        f, p = frame_of(req_slot, n, ring), int(pages[n])
-        if int(store.ov_tag[f]) != p or int(store.ov_gen[f]) != int(store.page_gen[p]):
-            break
-        held += 1
-    return held
+    frames hold: the suffix plan_contexts reads from the overlay for a decode at the context's end."""
+    n_pages = -(-seq_len // store.G)
+    return frames_holding(store.ov_tag, store.ov_gen, store.page_gen, req_slot, pages, n_pages,
+                          max(n_pages - store.ring, 0), store.ring)
 
 
 def mark_window(store, req_slot: int, pages: torch.Tensor, seq_len: int) -> None:

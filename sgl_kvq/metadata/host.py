@@ -56,6 +56,19 @@ def begin_batch(store: QuantizedKVStore, slots: torch.Tensor, req_slots: torch.T
                       done_tok_page=done_tok_page, done_tok_off=offs[done_tok_rows], done_lpages=lpage[done_rows])
 
 
+def frames_holding(tags, gens, page_gen, req_slot: int, pages, n_pages: int, lowest: int, ring: int) -> int:
+    """How many of logical pages n_pages-1, n_pages-2, ... (down to `lowest`) the slot's frames still hold (tag and
+    generation match the pool page `pages[n]`), as the longest such suffix: the pages a context reads from the
+    overlay. tags/gens: the store's ov_tag/ov_gen (lists or tensors), page_gen: its page_gen."""
+    held = 0
+    for n in range(n_pages - 1, lowest - 1, -1):
+        f, p = frame_of(req_slot, n, ring), int(pages[n])
+        if int(tags[f]) != p or int(gens[f]) != int(page_gen[p]):
+            break
+        held += 1
+    return held
+
+
 def plan_contexts(store: QuantizedKVStore, page_tables: list[torch.Tensor], req_slots: list[int], seq_lens: list[int],
                   *, query_pos: list[int] | None = None) -> PagedPlan:
     """FlashInfer-style plan for requests whose contexts are the first seq_lens[b] positions of page_tables[b]
@@ -69,12 +82,7 @@ def plan_contexts(store: QuantizedKVStore, page_tables: list[torch.Tensor], req_
     for pages, r, n_tok, qp in zip(page_tables, req_slots, seq_lens, query_pos):
         n_pages = -(-n_tok // G)
         pages = pages[:n_pages].tolist()
-        n_ov = 0
-        for n in range(n_pages - 1, max(qp // G - ring + 1, 0) - 1, -1):
-            f = frame_of(r, n, ring)
-            if tags[f] != pages[n] or gens[f] != int(pgen[pages[n]]):
-                break
-            n_ov += 1
+        n_ov = frames_holding(tags, gens, pgen, r, pages, n_pages, max(qp // G - ring + 1, 0), ring)
         n_base = n_pages - n_ov
         tail = n_tok - (n_pages - 1) * G if n_pages else 0
         if n_ov == 0 and tail != G and n_pages:
