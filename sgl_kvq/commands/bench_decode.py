@@ -42,6 +42,10 @@ def add_arguments(p) -> None:
     p.add_argument("--kv-cache-dtype", default=DEFAULT_DTYPES, help="comma list; auto = the model's bf16 (first)")
     p.add_argument("--context", default="1024,2048,4096,max",
                    help="comma list of context lengths in tokens; max = the model's limit less the new tokens")
+    p.add_argument("--context-length", type=int,
+                   help="serve this many positions (SGLang's --context-length; past the model's own limit with "
+                        "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1: rotary positions the model was not trained on, "
+                        "so the tokens mean nothing, the step's cost is what is measured); max = this less N + 8")
     p.add_argument("--batch", default="1,8", help="comma list of batch sizes")
     p.add_argument("--skip", default="8x4096,8xmax",
                    help="BxC points of the grid left out (B=8 at 4k and 8k: prefill alone takes many minutes on 2 cores)")
@@ -167,17 +171,21 @@ def measure(model: Path, label: str, dtype: str, tree: str | None, points, args,
     from sgl_kvq.launch import ServerProcess, baseline_page_size
 
     server_args = ["--model-path", str(model), "--max-running-requests", str(max(b for b, _ in points))]
+    if args.context_length:
+        server_args += ["--context-length", str(args.context_length)]
     server_args += ["--page-size", str(baseline_page_size())] if dtype == "auto" else ["--kv-cache-dtype", dtype]
     env = dict(os.environ)
     os.environ["KVQ_KV_CACHE_GB"] = f"{budget_gb:.3f}"
+    if args.context_length and args.context_length > geo["max_positions"]:
+        os.environ["SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"] = "1"
     if tree:
         os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(tree).resolve())] + ([env["PYTHONPATH"]]
                                                                                   if env.get("PYTHONPATH") else []))
     rows = []
+    log = log_dir / f"{label.replace('/', '_')}.log"
     try:
-        print(f"[decode] {label}: starting a server (log {log_dir / (label.replace('/', '_') + '.log')})",
-              flush=True)
-        with ServerProcess(server_args, log_path=log_dir / f"{label.replace('/', '_')}.log") as server:
+        print(f"[decode] {label}: starting a server (log {log})", flush=True)
+        with ServerProcess(server_args, log_path=log) as server:
             stats = server.kv_pool_stats()
             for batch, context in points:
                 sec, cpu = time_point(server, batch, context, args.steps, args.reps, geo["vocab"])
@@ -256,26 +264,51 @@ def plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def equal_budget(model: Path, dtypes: list[str], points, steps: int) -> int:
+    """One KV budget (bytes) for every server: bf16 holds the largest batch x context with 30% to spare, and every
+    dtype's pool holds those tokens with the largest batch's request slots (SpeCache's per-request top-k state on the
+    CPU engine needs more than bf16's tokens alone: capacity.split_budget's rule)."""
+    from sgl_kvq.commands.serving_workloads import ModelShape, predicted_pool
+
+    shape = ModelShape.of(model)
+    top = max(b for b, _ in points)
+    need = max(b * (c + steps + 64) for b, c in points)
+    budget = int(1.3 * need * shape.dense_bytes_per_token())
+
+    def fits(dtype: str) -> bool:
+        pool = predicted_pool(shape, dtype, budget, top)
+        return pool.get("max_running_requests", 0) >= top and pool.get("capacity_tokens", 0) >= need
+
+    while not all(fits(d) for d in dtypes):
+        budget = int(budget * 1.05)
+    return budget
+
+
 def run(args) -> int:
     from sgl_kvq.commands.bench_multiturn import resolve_model
 
     model = resolve_model(args.model)
     geo = model_geometry(model)
-    points = grid(args, geo["max_positions"])
-    # The budget holds bf16's largest batch x context with room to spare (SpeCache holds 0.86x bf16's tokens).
-    need = max(b * (c + args.steps + 64) for b, c in points)
-    budget_gb = 1.3 * need * 2 * geo["layers"] * geo["kv_heads"] * geo["head_dim"] * 2 / 2**30
+    points = grid(args, args.context_length or geo["max_positions"])
     runs = [(d, d, None) for d in args.kv_cache_dtype.split(",") if d]
     for spec in args.tree:
         dtype, tree = spec.split("=", 1)
         runs.append((f"{dtype}@{tree}", dtype, tree))
+    budget_gb = equal_budget(model, [d for _, d, _ in runs], points, args.steps) / 2**30
     log_dir = Path(tempfile.mkdtemp(prefix="sgl-kvq-decode-"))
     print(f"[decode] {len(runs)} servers x {len(points)} points {points}; KV budget {budget_gb:.2f} GiB; "
           f"logs in {log_dir}", flush=True)
-    rows = []
+    from sgl_kvq.commands.bench_capacity import startup_error
+
+    rows, refused = [], []
     t0 = time.time()
     for label, dtype, tree in runs:
-        rows += measure(model, label, dtype, tree, points, args, budget_gb, geo, log_dir)
+        try:
+            rows += measure(model, label, dtype, tree, points, args, budget_gb, geo, log_dir)
+        except (RuntimeError, TimeoutError) as e:  # a server that does not start or dies: its reason, then the next
+            why = startup_error(log_dir / f"{label.replace('/', '_')}.log") or str(e).splitlines()[0]
+            refused.append({"kv_cache_dtype": label, "refused": why})
+            print(f"[decode] {label}: {why}", flush=True)
     ratios(rows)
     print(table(rows))
     print(f"[decode] {time.time() - t0:.0f}s")
@@ -283,9 +316,10 @@ def run(args) -> int:
         command = "sgl-kvq " + shlex.join(getattr(args, "_argv", None) or sys.argv[1:])
         Path(args.json).write_text(json.dumps({"model": args.model, "command": command, "steps": args.steps,
                                                "reps": args.reps, "kv_budget_gb": budget_gb,
+                                               "context_length": args.context_length or geo["max_positions"],
                                                "host": f"{os.cpu_count()} CPUs",
                                                "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset"),
-                                               "runs": rows}, indent=1) + "\n")
+                                               "runs": rows, "refused": refused}, indent=1) + "\n")
     if args.plot:
         plot(rows, args.plot)
     return 0
