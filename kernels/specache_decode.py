@@ -3,6 +3,7 @@
     p = plan(paged, n_lanes=2, num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=G)     # per batch
     out, lse = specache_decode(q, k_own, v_own, kv, p, topk, sm_scale, scores=s)               # per layer
     pos = select_topk(s, lse_spec, base_tokens, num_kv_heads, top_k)  # per layer: head_mass (Triton) + torch.topk
+    # follow=True: s holds both lanes' scores [2n, Hq, T]; select_topk(s[n:], lse[n:], ..., follow=(s[:n], lse[:n]))
 
 Rows of q [n_lanes * n, Hq, D] are lane-major; with two lanes rows [0, n) are the real tokens (the output lane) and
 rows [n, 2n) their speculative tokens; with one lane (the pre-decode) every row is speculative. Both lanes read the
@@ -17,7 +18,8 @@ The speculative lane's scores over the packed base land in `scores` [n, Hq, T >=
 units): every position below a request's base tokens is written (by the base pass, or by the 16-bit split for a
 prefetched one), nothing past it (not even a fill: at batch 64, 32 query heads and 32k tokens that is 268 MB per
 layer); select_topk masks by base length, turning them and the merged lse into the next top-k positions on the
-device, with fixed shapes and no host sync.
+device, with fixed shapes and no host sync. With follow=True (two lanes) the output lane's scores are stored too,
+lane-major in scores [2n, Hq, T], and select_topk adds their mass one position later (KVQ_SPECACHE_FOLLOW).
 """
 
 from __future__ import annotations
@@ -95,9 +97,9 @@ def plan(paged: PagedPlan, *, n_lanes: int, num_qo_heads: int, num_kv_heads: int
 
 def specache_decode(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, kv: LayerKV, p: SpeCachePlan,
                     topk: TopK | None, sm_scale: float, scores: torch.Tensor,
-                    out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    out: torch.Tensor | None = None, follow: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (out [n_lanes * n, Hq, D] in q's dtype, lse [n_lanes * n, Hq] fp32 natural log); writes `scores` below
-    each request's base tokens.
+    each request's base tokens: the speculative rows' [n, Hq, T], or with follow both lanes' [2n, Hq, T].
     topk None: no prefetched rows (the pre-decode reads the context as stored)."""
     H, D, G, VG = check_layer(kv)
     require(kv.corr is None and kv.rows is None and kv.sal is None, "SpeCache pages are plain KIVI pages")
@@ -110,8 +112,10 @@ def specache_decode(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, k
     for name, t in (("k_own", k_own), ("v_own", v_own)):
         require(tuple(t.shape) == (n, H, D) and t.stride(-1) == 1, f"{name} must be [{n}, {H}, {D}], got "
                 f"{tuple(t.shape)}")
-    require(scores.dim() == 3 and scores.shape[:2] == (n, p.num_qo_heads) and scores.dtype == torch.float32
-            and scores.stride(-1) == 1, f"scores must be [{n}, {p.num_qo_heads}, T] fp32")
+    require(not follow or L == 2, "follow needs the output lane (n_lanes=2)")
+    scored = L * n if follow else n
+    require(scores.dim() == 3 and scores.shape[:2] == (scored, p.num_qo_heads) and scores.dtype == torch.float32
+            and scores.stride(-1) == 1, f"scores must be [{scored}, {p.num_qo_heads}, T] fp32")
     require(q.device == kv.ov_k.device == p.num_splits.device == scores.device,
             "q, the pool, the plan and the scores are on different devices")
     if topk is None:
@@ -148,33 +152,44 @@ def specache_decode(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, k
             GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(L * group)), D=D, G=G, BITS=kv.bits, VG=VG,
             K=K, BLOCK_K=max(16, triton.next_power_of_2(K + 1)), BLOCK_P=triton.next_power_of_2(K), NLANES=L,
             SPEC_LANE=L - 1,
-            USE_TOPK=topk is not None, MAX_SPLITS=p.max_splits, DOT_FP32=dot_in_fp32(q.dtype),
+            USE_TOPK=topk is not None, FOLLOW=follow, MAX_SPLITS=p.max_splits, DOT_FP32=dot_in_fp32(q.dtype),
         )
     merge_state(p.o_partial, p.lse_partial, p.merge_splits, out=out, lse_out=lse)
     return out, lse
 
 
 def head_mass_ref(scores: torch.Tensor, lse: torch.Tensor, base_tokens: torch.Tensor,
-                  num_kv_heads: int) -> torch.Tensor:
+                  num_kv_heads: int, follow: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Torch reference of head_mass."""
     n, Hq, T = scores.shape
-    p = torch.exp2(scores - (lse * LOG2E)[:, :, None])
-    mass = p.view(n, num_kv_heads, Hq // num_kv_heads, T).sum(2)
     in_base = torch.arange(T, device=scores.device)[None, None, :] < base_tokens[:, None, None]
-    return torch.where(in_base, mass, -1.0)
+
+    def mass(s, l):
+        p = torch.exp2(torch.where(in_base.expand(n, Hq, T), s, float("-inf")) - (l * LOG2E)[:, :, None])
+        return p.view(n, num_kv_heads, Hq // num_kv_heads, T).sum(2)
+
+    out = mass(scores, lse)
+    if follow is not None:
+        out[..., 1:] += mass(*follow)[..., :-1]
+    return torch.where(in_base, out, -1.0)
 
 
 def head_mass(scores: torch.Tensor, lse: torch.Tensor, base_tokens: torch.Tensor, num_kv_heads: int,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None,
+              follow: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """scores [n, Hq, T] (specache_decode's, log2 units), lse [n, Hq] (the speculative rows' merged lse), base_tokens
     [n] -> [n, H, T] fp32: each base position's attention probability summed over the KV head's query heads; -1 at
-    positions past a request's base (never read there: the decode kernel leaves them unwritten)."""
+    positions past a request's base (never read there: the decode kernel leaves them unwritten). follow: the output
+    rows' (scores, lse), same shapes and strides: their mass at position t - 1 is added at t."""
     n, Hq, T = scores.shape
     require(Hq % num_kv_heads == 0 and scores.dtype == torch.float32 and scores.stride(-1) == 1,
             "scores must be [n, Hq, T] fp32 with Hq a multiple of the KV heads")
     require(tuple(lse.shape) == (n, Hq) and lse.dtype == torch.float32 and lse.stride(-1) == 1,
             f"lse must be [{n}, {Hq}] fp32")
     require(tuple(base_tokens.shape) == (n,), f"base_tokens must be [{n}]")
+    fs, flse = (scores, lse) if follow is None else follow  # never read without FOLLOW
+    require(fs.shape == scores.shape and fs.stride() == scores.stride() and flse.shape == lse.shape
+            and flse.stride() == lse.stride(), "follow's scores and lse must match the speculative ones' shapes")
     if out is None:
         out = torch.empty(n, num_kv_heads, T, dtype=torch.float32, device=scores.device)
     require(tuple(out.shape) == (n, num_kv_heads, T) and out.stride(-1) == 1, "out must be [n, H, T]")
@@ -182,18 +197,19 @@ def head_mass(scores: torch.Tensor, lse: torch.Tensor, base_tokens: torch.Tensor
     block_t = 256
     if n and T:
         _head_mass_kernel[(n, num_kv_heads, triton.cdiv(T, block_t))](
-            scores, lse, base_tokens, out, T, scores.stride(0), scores.stride(1), lse.stride(0), out.stride(0),
-            out.stride(1), GROUP=group, BLOCK_G=triton.next_power_of_2(group), BLOCK_T=block_t)
+            scores, lse, fs, flse, base_tokens, out, T, scores.stride(0), scores.stride(1), lse.stride(0),
+            out.stride(0), out.stride(1), GROUP=group, BLOCK_G=triton.next_power_of_2(group), BLOCK_T=block_t,
+            FOLLOW=follow is not None)
     return out
 
 
 def select_topk(scores: torch.Tensor, lse: torch.Tensor, base_tokens: torch.Tensor, num_kv_heads: int,
-                top_k: int) -> torch.Tensor:
+                top_k: int, follow: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """scores [n, Hq, T], lse [n, Hq] as head_mass takes them -> [n, H, top_k] int64: per KV head the base positions
     with the most attention mass summed over its query heads, -1 padded past each request's base tokens
     (sgl_kvq/specache/attention.py top_positions). Device ops only."""
     n, _, T = scores.shape
-    mass = head_mass(scores, lse, base_tokens, num_kv_heads)  # -1 past the base: base positions are picked first
+    mass = head_mass(scores, lse, base_tokens, num_kv_heads, follow=follow)  # -1 past the base: base positions are picked first
     k = min(top_k, T)
     idx = mass.topk(k, dim=-1).indices
     pos = torch.where(idx < base_tokens[:, None, None], idx, -1)

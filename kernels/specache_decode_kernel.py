@@ -8,7 +8,8 @@ partial slot split + 1; a base position named by the request/head's top-k set is
 replaces it). Split max_splits is the 16-bit split, written to partial slot 0: the usable top-k rows (0 <= pos <
 base tokens) plus, for the speculative lane only, the row's own K/V (index K of the tile, never stored).
 The speculative lane's scores over the packed base (log2 units, top-k positions from their 16-bit rows) go to
-SCORES [n_req, Hq, T] so the next top-k is selected on the device.
+SCORES [n_req, Hq, T] so the next top-k is selected on the device; with FOLLOW both lanes' do, lane-major
+([NLANES * n_req, Hq, T]: the real rows' mass one position later joins the ranking, specache_mass_kernel.py).
 
 Masking can leave a base page (or a whole split) without a valid key: _masked_step keeps m = -inf instead of
 subtracting -inf from -inf, and an empty split stores lse = -inf, which merge_state weighs by 0.
@@ -46,7 +47,7 @@ def _specache_decode_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
     VG: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, NLANES: tl.constexpr,
     SPEC_LANE: tl.constexpr,
-    USE_TOPK: tl.constexpr, MAX_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
+    USE_TOPK: tl.constexpr, FOLLOW: tl.constexpr, MAX_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -67,6 +68,7 @@ def _specache_decode_kernel(
         heads = kvh * GROUP + offs_m % GROUP
         rows = b + lane * n_req  # q row of each tile row: lane-major [lane 0 rows, lane 1 rows]
         spec = (lane == SPEC_LANE) & mask_m
+        scored = mask_m if FOLLOW else spec  # rows whose scores over the base are stored
         offs_d = tl.arange(0, D)
         offs_t = tl.arange(0, G)
         offs_k = tl.arange(0, BLOCK_K)
@@ -84,7 +86,7 @@ def _specache_decode_kernel(
         else:
             tpos = tl.full([BLOCK_K], -1, tl.int64)
             usable = offs_k < 0
-        score_row = SCORES + b * stride_sb + heads * stride_sh
+        score_row = SCORES + (rows if FOLLOW else b) * stride_sb + heads * stride_sh
 
         if split == MAX_SPLITS:
             # 16-bit split: the prefetched rows (both lanes), then the speculative row's own K/V at index K
@@ -98,7 +100,7 @@ def _specache_decode_kernel(
             v = tl.where(is_own[:, None], own_v[None, :], v)
             qk = _dot(q, kt.to(q.dtype), DOT_FP32) * sm_scale_log2
             valid = usable[None, :] | (is_own[None, :] & spec[:, None])
-            tl.store(score_row[:, None] + tpos[None, :], qk, mask=spec[:, None] & usable[None, :])
+            tl.store(score_row[:, None] + tpos[None, :], qk, mask=scored[:, None] & usable[None, :])
             m, l, acc = _masked_step(qk, valid, m, l, acc, v.to(q.dtype), DOT_FP32)
             slot = 0
         else:
@@ -122,7 +124,7 @@ def _specache_decode_kernel(
                 kt = _base_page_kt(KC, KS, KZ, page, kvh, offs_t, offs_d, stride_kc_slot, stride_kc_head,
                                    stride_ks_page, stride_ks_head, G, BITS)
                 qk = _dot(q, kt.to(q.dtype), DOT_FP32) * sm_scale_log2
-                tl.store(score_row[:, None] + pos[None, :], qk, mask=spec[:, None] & valid[None, :])
+                tl.store(score_row[:, None] + pos[None, :], qk, mask=scored[:, None] & valid[None, :])
                 v = _base_page_v(VC, VS, VZ, page, kvh, offs_t, offs_d, n_valid, stride_kc_slot, stride_kc_head,
                                  stride_vs_slot, stride_vs_head, G, BITS, VG)
                 m, l, acc = _masked_step(qk, valid[None, :], m, l, acc, v.to(q.dtype), DOT_FP32)

@@ -35,6 +35,11 @@ DTYPE_NAMES = tuple(f"{m}{b}" for m, bits in METHOD_BITS.items() for b in bits)
 PREFILL_MODES = ("full", "paged")
 SPECACHE_PREFIX_SOURCES = ("host", "device")
 
+# SpeCache's default top-k per code width: the smallest k at which specache1 answers every needle bf16 answers on
+# SmolLM2 (3 KV heads of 64 channels: a 1-bit key ranks a position more noisily than at the paper's 8 x 128), with
+# specache_follow on; KVQ_TOPK overrides it.
+SPECACHE_TOP_K = {1: 128, 2: 64}
+
 _NAME = re.compile(r"^(?P<method>[a-z]+)(?P<bits>\d+)$")
 
 
@@ -60,8 +65,14 @@ class KVQConfig:
     #           base beyond the fp16 window): a token's KV no longer depends on how it was scheduled.
     prefill: str = "full"
     # SpeCache: host rows each decode step reads in 16 bits per (request, layer, KV head), picked by the
-    # speculative lane's attention (the paper's top-64).
+    # speculative lane's attention (the paper's top-64; specache1's default is SPECACHE_TOP_K's).
     top_k: int = 64
+    # SpeCache: 1 = rank each base position by the speculative row's attention mass plus the real row's mass one
+    # position before it: the row after each position the real token read, which is what a copying (induction)
+    # head reads next. Measured on SmolLM2's committed needles (bench/results/quality/niah-specache-follow-smollm2.json):
+    # specache1 2/6 -> 3/6 at top-64 and 4/6 -> 6/6 at top-128; specache2 6/6 at top-64 either way, its
+    # speculative guess right 1.0 of the time. 0 = the paper's ranking (the speculative row alone).
+    specache_follow: int = 1
     # SpeCache: where an extend reads its cached prefix. "host": the 16-bit rows from the host tier (the paper's
     # full-precision prefill; on a GPU that is PCIe traffic proportional to the prefix on every turn, 78 ms at 32k
     # tokens of Llama-3-8B, README). "device": the low-bit pool as kivi reads it (no host traffic; the cached
@@ -110,6 +121,8 @@ class KVQConfig:
             raise KVQConfigError(f"sgl_kvq: prefill mode {self.prefill!r}; choose one of {', '.join(PREFILL_MODES)}")
         if self.residual < 0 or self.residual % g:
             raise KVQConfigError(f"sgl_kvq: residual window R={self.residual} must be a multiple of G={g}")
+        if self.specache_follow not in (0, 1):
+            raise KVQConfigError(f"sgl_kvq: KVQ_SPECACHE_FOLLOW={self.specache_follow} must be 0 or 1")
         if self.top_k < 1:
             raise KVQConfigError(f"sgl_kvq: top-k {self.top_k} must be at least 1")
         if not 0 < self.overlay_share < 1:
@@ -229,4 +242,7 @@ def _parse(name: str, knob_values: tuple) -> KVQConfig:
     m = _NAME.match(name or "")
     if not m or name not in DTYPE_NAMES:
         raise KVQConfigError(f"sgl_kvq: unknown kv cache dtype {name!r}; choose one of {', '.join(DTYPE_NAMES)}")
-    return KVQConfig(method=m["method"], bits=int(m["bits"]), **env.knobs())
+    knobs = env.knobs()
+    if m["method"] == "specache":
+        knobs.setdefault("top_k", SPECACHE_TOP_K[int(m["bits"])])
+    return KVQConfig(method=m["method"], bits=int(m["bits"]), **knobs)

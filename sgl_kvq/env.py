@@ -7,7 +7,8 @@ variable as a deprecated spelling of SGLANG_* and warns about it in each of its 
 | KVQ_VALUE_GROUP      | value_group     | 64 |
 | KVQ_RESIDUAL         | residual (R)    | 64 |
 | KVQ_PREFILL              | prefill: "full" (KIVI) or "paged" (decode-consistent) | full |
-| KVQ_TOPK             | top_k: SpeCache's host rows per request, layer and KV head read in 16 bits each step | 64 |
+| KVQ_TOPK             | top_k: SpeCache's host rows per request, layer and KV head read in 16 bits each step | 128 (specache1), 64 (specache2) |
+| KVQ_SPECACHE_FOLLOW      | specache_follow: 1 ranks the next top-k by the speculative row's attention plus the real row's one position earlier; 0 by the speculative row's alone (the paper's) | 1 |
 | KVQ_SPECACHE_PREFIX      | specache_prefix: where a SpeCache extend reads its cached prefix, "host" (16-bit) or "device" (low-bit) | host |
 | KVQ_GEAR_RANK            | gear_rank: rank of each page's residual approximation (gear2, gearl2) | 2 |
 | KVQ_GEAR_ITERS           | gear_iters: power-iteration steps | 3 |
@@ -37,6 +38,7 @@ _CONFIG_KNOBS = {
     "KVQ_VALUE_GROUP": ("value_group", int),
     "KVQ_RESIDUAL": ("residual", int),
     "KVQ_TOPK": ("top_k", int),
+    "KVQ_SPECACHE_FOLLOW": ("specache_follow", int),
     "KVQ_SPECACHE_PREFIX": ("specache_prefix", str),
     "KVQ_OVERLAY_SHARE": ("overlay_share", float),
     "KVQ_PREFILL": ("prefill", str),

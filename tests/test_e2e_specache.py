@@ -11,6 +11,7 @@ import re
 
 import pytest
 
+from sgl_kvq.config import SPECACHE_TOP_K
 from sgl_kvq.launch import engine_kwargs
 from sgl_kvq.models import tiny_llama
 
@@ -58,7 +59,7 @@ def test_multiturn_with_radix_hits_and_prefetch_counters(tiny, dtype, monkeypatc
         llm.shutdown()
     assert all(c == 0 for c in cached[0]) and all(c >= 64 for c in cached[1] + cached[2]), cached
     sc = pool["specache"]
-    assert pool["kv_cache_dtype"] == dtype and sc["top_k"] == 64
+    assert pool["kv_cache_dtype"] == dtype and sc["top_k"] == SPECACHE_TOP_K[int(dtype[-1])]
     assert sc["predecode_rows"] == 9  # every request's first decode step, and only that one
     assert sc["decode_steps"] >= 3 * 19 and sc["prefetched_bytes"] > 0 and sc["prefetched_bytes_per_step"] > 0
     assert sc["spec_token_guesses"] > 0 and 0 <= sc["spec_token_hit_rate"] <= 1

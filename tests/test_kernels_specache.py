@@ -49,15 +49,18 @@ def _topk_buffers(n, H, K, D, base, dtype, gen):
     return sd.TopK(tk, tv, pos, req)
 
 
-def _mass(p_spec, H, n_base):
-    return p_spec[:, :n_base].reshape(H, p_spec.shape[0] // H, n_base).sum(1)
+def _mass(p_spec, H, n_base, p_real=None):
+    m = p_spec[:, :n_base].reshape(H, p_spec.shape[0] // H, n_base).sum(1)
+    if p_real is not None and n_base > 1:
+        m[:, 1:] += p_real[:, :n_base - 1].reshape(H, p_real.shape[0] // H, n_base - 1).sum(1)
+    return m
 
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("bits", [1, 2])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("lanes", [2, 1])
-def test_lanes_match_torch(case, bits, dtype, lanes):
+@pytest.mark.parametrize("lanes,follow", [(2, False), (2, True), (1, False)])
+def test_lanes_match_torch(case, bits, dtype, lanes, follow):
     G, H, group, D, VG, K, reqs = CASES[case]
     kv, paged = make_pool(G, H, D, VG, bits, reqs, dtype, seed=bits + 7)
     n, Hq = len(reqs), H * group
@@ -73,29 +76,36 @@ def test_lanes_match_torch(case, bits, dtype, lanes):
     contexts = [gather_context(kv, paged, b) for b in range(n)]
     if topk is not None:
         contexts = with_topk(contexts, base, topk.k[topk.req], topk.v[topk.req], topk.pos[topk.req])
-    ref_spec, ref_pos = speculative_rows(q[(lanes - 1) * n:], k_own, v_own, contexts, base, sm_scale, K)
-    ref = torch.cat([output_rows(q[:n], contexts, sm_scale), ref_spec]) if lanes == 2 else ref_spec
+    ref_real, real_probs = output_rows(q[:n], contexts, sm_scale)
+    ref_spec, ref_pos = speculative_rows(q[(lanes - 1) * n:], k_own, v_own, contexts, base, sm_scale, K,
+                                         real_probs if follow else None)
+    ref = torch.cat([ref_real, ref_spec]) if lanes == 2 else ref_spec
 
     p = sd.plan(to_device(paged), n_lanes=lanes, num_qo_heads=Hq, num_kv_heads=H, head_dim=D, page_size=G,
                 max_splits=3, min_pages_per_split=1)
     p.o_partial.fill_(float("nan"))
     p.lse_partial.fill_(float("nan"))
     T = max(base) + 3
-    scores = torch.full((n, Hq, T), float("nan"), device=DEVICE)
+    scores = torch.full(((2 if follow else 1) * n, Hq, T), float("nan"), device=DEVICE)
     dev_topk = None if topk is None else sd.TopK(*(t.to(DEVICE) for t in (topk.k, topk.v, topk.pos, topk.req)))
     out, lse = sd.specache_decode(q.to(DEVICE), k_own.to(DEVICE), v_own.to(DEVICE), to_device(kv), p, dev_topk,
-                                  sm_scale, scores)
+                                  sm_scale, scores, follow=follow)
     assert_close_written(out, ref, dtype)
-    assert all(scores[b, :, :base[b]].isfinite().all() for b in range(n)), "a base position's score was not written"
+    assert all(scores[r, :, :base[r % n]].isfinite().all() for r in range(scores.shape[0])), \
+        "a base position's score was not written"
 
-    pos = sd.select_topk(scores, lse[(lanes - 1) * n:], p.base_tokens, H, K).cpu()
+    if follow:
+        pos = sd.select_topk(scores[n:], lse[n:], p.base_tokens, H, K, follow=(scores[:n], lse[:n])).cpu()
+    else:
+        pos = sd.select_topk(scores, lse[(lanes - 1) * n:], p.base_tokens, H, K).cpu()
     assert pos.shape == ref_pos.shape
     assert torch.equal(pos < 0, ref_pos < 0), "a different number of positions was selected"
     # Same positions up to near-ties: the reference mass of the kernel's set equals the best set's mass.
     rtol, atol = TOL[dtype]
     for b in range(n):
         k = torch.cat([contexts[b][0], k_own[b:b + 1].float()])
-        mass = _mass(attention_probs(q[(lanes - 1) * n + b:(lanes - 1) * n + b + 1], k, sm_scale)[:, 0], H, base[b])
+        mass = _mass(attention_probs(q[(lanes - 1) * n + b:(lanes - 1) * n + b + 1], k, sm_scale)[:, 0], H, base[b],
+                     real_probs[b] if follow else None)
         for h in range(H):
             got, want = pos[b, h][pos[b, h] >= 0], ref_pos[b, h][ref_pos[b, h] >= 0]
             assert got.unique().numel() == got.numel()
@@ -126,18 +136,24 @@ def test_replaced_rows_change_the_output():
     assert has and all((out[b] - plain[b]).abs().max() > 1e-3 for b in has)
 
 
+@pytest.mark.parametrize("follow", [False, True])
 @pytest.mark.parametrize("n,Hq,H,T", [(3, 6, 2, 300), (1, 9, 3, 17), (2, 4, 4, 513)])
-def test_head_mass_matches_torch(n, Hq, H, T):
+def test_head_mass_matches_torch(n, Hq, H, T, follow):
     """The Triton mass (one pass over the scores) against its torch reference; scores past each request's base are
-    NaN (never written by the decode kernel) and must not leak in."""
+    NaN (never written by the decode kernel) and must not leak in. With follow, the output rows' mass one position
+    earlier is added (both halves of one lane-major buffer, as the backend passes them)."""
     gen = torch.Generator().manual_seed(n * T)
     base = torch.randint(0, T + 1, (n,), generator=gen)
     base[0] = T  # one request whose base fills the buffer
-    scores = torch.randn(n, Hq, T, generator=gen) * 4
-    scores[torch.arange(T)[None, None, :].expand(n, Hq, T) >= base[:, None, None]] = float("nan")
-    lse = torch.logsumexp(torch.nan_to_num(scores, nan=-1e30) / sd.LOG2E, dim=-1) + torch.rand(n, Hq, generator=gen)
-    want = sd.head_mass_ref(scores, lse, base, H)
-    got = sd.head_mass(scores.to(DEVICE), lse.to(DEVICE), base.to(DEVICE), H).cpu()
+    both = torch.randn(2 * n, Hq, T, generator=gen) * 4
+    both[torch.arange(T)[None, None, :].expand(2 * n, Hq, T) >= base.repeat(2)[:, None, None]] = float("nan")
+    lse2 = torch.logsumexp(torch.nan_to_num(both, nan=-1e30) / sd.LOG2E, dim=-1) + torch.rand(2 * n, Hq, generator=gen)
+    scores, lse = both[n:], lse2[n:]
+    fol = (both[:n], lse2[:n]) if follow else None
+    want = sd.head_mass_ref(scores, lse, base, H, follow=fol)
+    both_d, lse2_d = both.to(DEVICE), lse2.to(DEVICE)
+    got = sd.head_mass(both_d[n:], lse2_d[n:], base.to(DEVICE), H,
+                       follow=(both_d[:n], lse2_d[:n]) if follow else None).cpu()
     assert not got.isnan().any()
     torch.testing.assert_close(got, torch.nan_to_num(want, nan=-1.0), rtol=1e-6, atol=1e-7)
     assert (got[0] >= 0).all() and all((got[b, :, base[b]:] == -1).all() for b in range(n))
@@ -158,17 +174,18 @@ ptrs = dict(Q="*bf16", KC="*u8", KS="*fp16", KZ="*fp16", VC="*u8", VS="*fp16", V
                                    "ov_last_page_len", "num_splits")})
 # SmolLM2's geometry (GQA 3, D 64, G 64): both lanes with 64 top-k rows at 1 bit; the pre-decode lane at 2 bits
 for consts in (dict(GROUP=3, BLOCK_M=16, D=64, G=64, BITS=1, VG=64, K=64, BLOCK_K=128, BLOCK_P=64, NLANES=2,
-                    SPEC_LANE=1, USE_TOPK=True, MAX_SPLITS=8, DOT_FP32=False),
+                    SPEC_LANE=1, USE_TOPK=True, FOLLOW=True, MAX_SPLITS=8, DOT_FP32=False),
                dict(GROUP=4, BLOCK_M=16, D=128, G=32, BITS=2, VG=32, K=1, BLOCK_K=16, BLOCK_P=1, NLANES=1,
-                    SPEC_LANE=0, USE_TOPK=False, MAX_SPLITS=2, DOT_FP32=False)):
+                    SPEC_LANE=0, USE_TOPK=False, FOLLOW=False, MAX_SPLITS=2, DOT_FP32=False)):
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n == "sm_scale_log2" else "i32") for n in names}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()})
     triton.compile(src, target=GPUTarget("cuda", 90, 32))
     print("compiled", flush=True)
 from sgl_kvq.kernels.specache_mass_kernel import _head_mass_kernel as mass
 names = list(inspect.signature(mass.fn).parameters)
-consts = dict(GROUP=4, BLOCK_G=4, BLOCK_T=256)
-sig = {n: "constexpr" if n in consts else {"S": "*fp32", "LSE": "*fp32", "BASE": "*i64", "M": "*fp32"}.get(n, "i32")
+consts = dict(GROUP=4, BLOCK_G=4, BLOCK_T=256, FOLLOW=True)
+sig = {n: "constexpr" if n in consts else {"S": "*fp32", "LSE": "*fp32", "FS": "*fp32", "FLSE": "*fp32", "BASE": "*i64",
+                                           "M": "*fp32"}.get(n, "i32")
        for n in names}
 triton.compile(ASTSource(fn=mass, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()}),
                target=GPUTarget("cuda", 90, 32))

@@ -26,15 +26,17 @@ from test_decode_metadata import DEVICE, MAX_CTX, NUM_PAGES, SLOTS, Life, assert
 H, HQ, D, SCALE = 2, 6, 16, 0.25  # GQA 3
 
 
-def make_store(G, bits, residual, top_k):
-    cfg = KVQConfig("specache", bits, group_size=G, value_group=16, residual=residual, top_k=top_k)
+def make_store(G, bits, residual, top_k, follow):
+    cfg = KVQConfig("specache", bits, group_size=G, value_group=16, residual=residual, top_k=top_k,
+                    specache_follow=int(follow))
     return QuantizedKVStore(cfg, PoolShape(1, H, D, NUM_PAGES, cfg), SLOTS, torch.float32, DEVICE)
 
 
-@pytest.mark.parametrize("G,bits,residual,top_k", [(16, 1, 16, 6), (16, 2, 0, 40), (32, 1, 0, 9)])
-def test_two_lanes_on_device_metadata_match_the_host_path(G, bits, residual, top_k, triton_interpret):
+@pytest.mark.parametrize("G,bits,residual,top_k,follow", [(16, 1, 16, 6, True), (16, 2, 0, 40, False),
+                                                            (32, 1, 0, 9, True)])
+def test_two_lanes_on_device_metadata_match_the_host_path(G, bits, residual, top_k, follow, triton_interpret):
     torch.manual_seed(G + bits + top_k)
-    host, dev = make_store(G, bits, residual, top_k), make_store(G, bits, residual, top_k)
+    host, dev = make_store(G, bits, residual, top_k, follow), make_store(G, bits, residual, top_k, follow)
     life = Life(G, seed=G * 7 + bits + top_k)
     bufs = DecodeBuffers(SLOTS, MAX_CTX // G, host.ring, torch.device(DEVICE))
     tk = torch.zeros(SLOTS, H, top_k, D, device=DEVICE)
@@ -62,16 +64,19 @@ def test_two_lanes_on_device_metadata_match_the_host_path(G, bits, residual, top
         base = [ref.plan.base_len(b, G) for b in range(n)]
         ctx = [gather_context(host.layer_view(0), ref.plan, b) for b in range(n)]
         ctx = with_topk(ctx, base, tk[req], tv[req], tpos[req])
-        spec, want_pos = speculative_rows(q[n:], k[n:], v[n:], ctx, base, SCALE, top_k)
-        want = torch.cat([output_rows(q[:n], ctx, SCALE), spec])
+        real, real_probs = output_rows(q[:n], ctx, SCALE)
+        spec, want_pos = speculative_rows(q[n:], k[n:], v[n:], ctx, base, SCALE, top_k,
+                                          real_probs if follow else None)
+        want = torch.cat([real, spec])
 
         write, plan = build_decode(dev, life.req_to_token, req, lens, locs, bufs)
         dev.write_decode_layer(0, write, k[:n], v[:n])
         p = sd.plan(plan, n_lanes=2, num_qo_heads=HQ, num_kv_heads=H, head_dim=D, page_size=G)
-        scores = torch.empty(n, HQ, MAX_CTX, device=DEVICE)
+        scores = torch.empty((2 if follow else 1) * n, HQ, MAX_CTX, device=DEVICE)
         got, lse = sd.specache_decode(q, k[n:], v[n:], dev.layer_view(0), p, sd.TopK(tk, tv, tpos, req), SCALE,
-                                      scores)
-        got_pos = sd.select_topk(scores, lse[n:], p.base_tokens, H, top_k)
+                                      scores, follow=follow)
+        got_pos = sd.select_topk(scores[-n:], lse[n:], p.base_tokens, H, top_k,
+                                 follow=(scores[:n], lse[:n]) if follow else None)
 
         for b in range(n):
             assert per_request(plan, b) == per_request(ref.plan, b), (steps, b)

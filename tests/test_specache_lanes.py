@@ -4,8 +4,9 @@ against exact K/V computed independently:
 - an extend reads its cached prefix in 16 bits from the host tier (exact attention over the true prefix);
 - a two-lane decode step writes only the real rows (the pool equals a twin written with the real rows alone);
   the real rows attend to the packed base with the prefetched positions replaced by their exact 16-bit rows;
-  the speculative rows attend to the pool as stored plus their own K/V, and their top-k (attention mass summed
-  over each KV head's query heads) is what gets prefetched, with the exact rows;
+  the speculative rows attend to the same keys plus their own K/V, and their top-k (attention mass summed over
+  each KV head's query heads, plus the real row's one position earlier: specache_follow) is what gets
+  prefetched, with the exact rows;
 - the pre-decode step writes nothing and prefetches for the requests it covers;
 - run_lanes (sgl_kvq/specache/lanes.py) builds the rows of each forward from the batch and hands back the real
   rows' logits, with the batch restored;
@@ -185,7 +186,9 @@ def test_two_lane_step_writes_real_rows_only_and_prefetches_the_speculative_top_
             torch.testing.assert_close(out[2 + b], _attend(q[2 + b:3 + b], sk, sv, SCALE)[0], atol=1e-5, rtol=1e-5)
             group = HQ // H
             scores = torch.einsum("hd,thd->ht", q[2 + b], sk.repeat_interleave(group, 1)) * SCALE
-            want = top_positions(torch.softmax(scores, -1), H, n_base, K)
+            real = torch.einsum("hd,thd->ht", q[b], rk.repeat_interleave(group, 1)) * SCALE
+            want = top_positions(torch.softmax(scores, -1), H, n_base, K,
+                                 follow=torch.softmax(real, -1) if pool.store.cfg.specache_follow else None)
             got = sc.topk_pos[li, s.r]
             assert [set(x.tolist()) for x in got] == [set(x.tolist()) for x in want]
             for h in range(H):
@@ -281,3 +284,29 @@ def test_the_scheduler_hook_exports_the_pool_stats_of_a_specache_pool_and_a_bf16
     assert s["kv_bytes"] == k + v and s["page_size"] == G and s["kv_cache_dtype"] == pool.cfg.name
     assert s["host_bytes"] == pool.specache.host.nbytes() == s["host_bytes_per_token"] * 32 * G
     assert s["specache"]["top_k"] == K and s["config"]["group_size"] == G
+
+
+def test_specache_defaults_and_follow_knob(monkeypatch):
+    """specache1 reads top-128 by default, specache2 top-64 (KVQ_TOPK overrides both); the follow ranking is on by
+    default, KVQ_SPECACHE_FOLLOW=0 gives the paper's, and anything else is refused before load."""
+    from sgl_kvq.config import KVQConfigError, parse_kv_cache_dtype
+
+    for var in ("KVQ_TOPK", "KVQ_SPECACHE_FOLLOW"):
+        monkeypatch.delenv(var, raising=False)
+    assert (parse_kv_cache_dtype("specache1").top_k, parse_kv_cache_dtype("specache2").top_k) == (128, 64)
+    assert parse_kv_cache_dtype("specache1").specache_follow == 1
+    monkeypatch.setenv("KVQ_TOPK", "32")
+    monkeypatch.setenv("KVQ_SPECACHE_FOLLOW", "0")
+    assert parse_kv_cache_dtype("specache1").top_k == 32 and parse_kv_cache_dtype("specache2").specache_follow == 0
+    monkeypatch.setenv("KVQ_SPECACHE_FOLLOW", "2")
+    with pytest.raises(KVQConfigError, match="KVQ_SPECACHE_FOLLOW=2 must be 0 or 1"):
+        parse_kv_cache_dtype("specache2")
+
+
+def test_top_positions_follow_adds_the_real_rows_mass_one_later():
+    spec = torch.tensor([[0.30, 0.20, 0.10, 0.05, 0.35], [0.30, 0.20, 0.10, 0.05, 0.35]])  # 2 query heads, 1 KV head
+    real = torch.tensor([[0.00, 0.10, 0.60, 0.00, 0.30], [0.00, 0.00, 0.50, 0.20, 0.30]])
+    assert top_positions(spec, 1, 4, 1).tolist() == [[0]]  # position 4 is past the base
+    assert top_positions(spec, 1, 4, 1, follow=real).tolist() == [[3]]  # 0.10 + (0.60 + 0.50)
+    assert top_positions(spec, 1, 4, 2, follow=real).tolist() == [[3, 0]]
+    assert top_positions(spec, 1, 1, 3, follow=real).tolist() == [[0, -1, -1]]  # one base row: nothing follows

@@ -104,7 +104,8 @@ class KVQSpeCacheBackend(KVQTorchBackend):
         if sc.recall:
             self._count_recall(q[:n], li, step.plan, layer.scaling)
         contexts = with_topk(contexts, n_base, sc.topk_k[li, self.req], sc.topk_v[li, self.req], topk_pos)
-        real = output_rows(q[:n], contexts, layer.scaling)
-        spec, pos = speculative_rows(q[n:], k[n:], v[n:], contexts, n_base, layer.scaling, sc.top_k)
+        real, real_probs = output_rows(q[:n], contexts, layer.scaling)
+        spec, pos = speculative_rows(q[n:], k[n:], v[n:], contexts, n_base, layer.scaling, sc.top_k,
+                                     real_probs if self.store.cfg.specache_follow else None)
         sc.prefetch(li, self.req, pos, self.req_to_token)
         return torch.cat([real, spec]).reshape(q.shape[0], -1)

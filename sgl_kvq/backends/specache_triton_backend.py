@@ -35,6 +35,7 @@ class KVQSpeCacheTritonBackend(KVQSpeCacheBackend):
         self.num_qo_heads = query_heads_on_this_rank(model_runner)
         self.lane_plan: sd.SpeCachePlan | None = None
         self.scores: torch.Tensor | None = None
+        self.follow = False  # this step stores the output lane's scores too (KVQ_SPECACHE_FOLLOW, two-lane steps)
         self.write_slots: torch.Tensor | None = None  # pool slots of the two-lane step's real rows
         self.decode_bufs = DecodeBuffers(self.req_to_token.shape[0], -(-self.req_to_token.shape[1] // self.store.G),
                                          self.store.ring, self.store.device)
@@ -62,8 +63,9 @@ class KVQSpeCacheTritonBackend(KVQSpeCacheBackend):
         # (host-side in SGLang's batch), so the bound needs no device sync.
         lens = getattr(forward_batch, "seq_lens_cpu", None)
         T = int(lens.max()) if lens is not None and lens.numel() else self.req_to_token.shape[1]
-        self.scores = torch.empty(self.lane_plan.batch_size, self.num_qo_heads, max(T, 1), dtype=torch.float32,
-                                  device=self.store.device)
+        self.follow = bool(self.store.cfg.specache_follow) and lanes.kind == "two_lane"
+        rows = self.lane_plan.batch_size * (2 if self.follow else 1)  # with follow, the output lane's scores too
+        self.scores = torch.empty(rows, self.num_qo_heads, max(T, 1), dtype=torch.float32, device=self.store.device)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         if self.store.cfg.specache_prefix != "device":
@@ -97,7 +99,11 @@ class KVQSpeCacheTritonBackend(KVQSpeCacheBackend):
             self._count_recall(q[:n], li, step.plan, layer.scaling)
         topk = sd.TopK(sc.topk_k[li], sc.topk_v[li], sc.topk_pos[li], self.req)
         out, lse = sd.specache_decode(q.contiguous(), k[n:].contiguous(), v[n:].contiguous(), kv, p, topk,
-                                      layer.scaling, self.scores)
-        sc.prefetch(li, self.req, sd.select_topk(self.scores, lse[n:], p.base_tokens, H, sc.top_k),
-                    self.req_to_token)
+                                      layer.scaling, self.scores, follow=self.follow)
+        s = self.scores
+        if self.follow:  # lane-major: the output rows' scores first
+            pos = sd.select_topk(s[n:], lse[n:], p.base_tokens, H, sc.top_k, follow=(s[:n], lse[:n]))
+        else:
+            pos = sd.select_topk(s, lse[n:], p.base_tokens, H, sc.top_k)
+        sc.prefetch(li, self.req, pos, self.req_to_token)
         return out.reshape(q.shape[0], -1)
