@@ -7,14 +7,16 @@ on the device (select_topk), so the next step's prefetch (HostTier.prefetch: a c
 issued without a host sync and overlaps the next layer's compute. The pre-decode keeps the host-built read-only plan.
 Writes use the Triton store/quantize kernels (bit-exact with torch's).
 
-Extends run eagerly, as kvq_triton's do: a cached prefix read in 16 bits from the host tier (the default) takes the
-reference path of specache_backend.py; with KVQ_SPECACHE_PREFIX=device the prefix as stored is read by kvq_triton's
-fused extend kernel. Decode runs eagerly too:
+Extends run eagerly, as kvq_triton's do, in kvq_triton's fused extend kernel: a cached prefix read in 16 bits from the
+host tier (the default) is staged per layer as fp16 frames of a plan with no base pages (sgl_kvq/specache/
+prefix_frames.py); with KVQ_SPECACHE_PREFIX=device the kernel reads the prefix as stored. Decode runs eagerly too:
 the lanes hook is on SGLang's eager decode forward (patches/specache_lanes.py), so patches/resolution.py turns
 decode CUDA graphs off for specache.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -24,6 +26,7 @@ from sgl_kvq.kernels import specache_decode as sd
 from sgl_kvq.kernels.extend_attention import extend_attention
 from sgl_kvq.metadata.device import DecodeBuffers, build_decode
 from sgl_kvq.plan import ForwardPlan, Step
+from sgl_kvq.specache import prefix_frames
 
 
 class KVQSpeCacheTritonBackend(KVQSpeCacheBackend):
@@ -35,6 +38,7 @@ class KVQSpeCacheTritonBackend(KVQSpeCacheBackend):
         self.num_qo_heads = query_heads_on_this_rank(model_runner)
         self.lane_plan: sd.SpeCachePlan | None = None
         self.scores: torch.Tensor | None = None
+        self.prefix_frames: prefix_frames.PrefixFrames | None = None  # an extend's 16-bit prefix as frames
         self.follow = False  # this step stores the output lane's scores too (KVQ_SPECACHE_FOLLOW, two-lane steps)
         self.write_slots: torch.Tensor | None = None  # pool slots of the two-lane step's real rows
         self.decode_bufs = DecodeBuffers(self.req_to_token.shape[0], -(-self.req_to_token.shape[1] // self.store.G),
@@ -54,6 +58,8 @@ class KVQSpeCacheTritonBackend(KVQSpeCacheBackend):
             super().init_forward_metadata(forward_batch)
         if not forward_batch.forward_mode.is_decode():
             self.lane_plan = self.scores = None
+            if forward_batch.forward_mode.is_extend() and self.store.cfg.specache_prefix == "host":
+                self.prefix_frames = prefix_frames.build(self.prefix_slots, self.store.G, self.store.device)
             return
         s = self.store.shape
         self.lane_plan = sd.plan(self.forward_plan.steps[0].plan, n_lanes=2 if lanes.kind == "two_lane" else 1,
@@ -68,13 +74,14 @@ class KVQSpeCacheTritonBackend(KVQSpeCacheBackend):
         self.scores = torch.empty(rows, self.num_qo_heads, max(T, 1), dtype=torch.float32, device=self.store.device)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        if self.store.cfg.specache_prefix != "device":
-            return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-        # KVQ_SPECACHE_PREFIX=device: the prefix as stored, which kvq_triton's fused extend reads (kivi's extend)
         q, k, v, li = self._views(q, k, v, layer)
         step = self.forward_plan.steps[0]  # specache extends are "full" (config.py): one step
-        out = extend_attention(q.contiguous(), k.contiguous(), v.contiguous(), step.qo_indptr,
-                               self.store.layer_view(li), step.plan, layer.scaling, max_qo_len=step.max_qo_len)
+        kv, plan = self.store.layer_view(li), step.plan  # KVQ_SPECACHE_PREFIX=device: the prefix as stored
+        if self.store.cfg.specache_prefix == "host":  # its 16-bit rows as frames; no base page is read
+            ov_k, ov_v = prefix_frames.stage(self.prefix_frames, self.sc.host, li)
+            kv, plan = dataclasses.replace(kv, ov_k=ov_k, ov_v=ov_v), self.prefix_frames.plan
+        out = extend_attention(q.contiguous(), k.contiguous(), v.contiguous(), step.qo_indptr, kv, plan,
+                               layer.scaling, max_qo_len=step.max_qo_len)
         if save_kv_cache:
             self.store.write_layer(li, step.write, k, v, kernels=True)
             self.sc.host.write(li, step.write.slots, k, v)
