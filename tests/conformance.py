@@ -85,7 +85,8 @@ def record(group: str, dtype: str, key: str, row: dict) -> None:
 def against_baseline(baseline: dict, dtype: str, key: str, row: dict) -> None:
     """Record bf16's row, or hold a kvq dtype's row to it: pass where bf16 passes (an expected failure, with both
     messages, where bf16 fails too). A KL row over the kit's threshold is an expected failure only when
-    bench_conformance.KL_OVER_KIT_THRESHOLD documents it, and then must stay under its stated bound."""
+    bench_conformance.KL_OVER_KIT_THRESHOLD documents it, and then must stay under its stated bound; another failure
+    only when bench_conformance.GREEDY_TEXT_FAILURES names it."""
     if dtype == "bf16":
         baseline[key] = row
         if row["outcome"] != "pass":
@@ -106,5 +107,8 @@ def against_baseline(baseline: dict, dtype: str, key: str, row: dict) -> None:
             f"(measured {known['measured']}; the kit's threshold {bc.KIT_KL_THRESHOLD})")
         pytest.xfail(f"{dtype} {name}: KL {row['kl']:.5f} > the kit's {bc.KIT_KL_THRESHOLD} (bf16 "
                      f"{base.get('kl', float('nan')):.5f}); documented, under its bound {known['bound']}")
+    text = bc.GREEDY_TEXT_FAILURES.get(dtype, {}).get(key)
+    if text:
+        pytest.xfail(f"{dtype} {key}: {text}; documented in bench_conformance.GREEDY_TEXT_FAILURES")
     pytest.fail(f"{dtype} {row['outcome']}s {key}, which bf16 passes: {row.get('message', '')}"
                 + (f" (KL {row['kl']:.5f}, bf16 {base.get('kl', float('nan')):.5f})" if "kl" in row else ""))

@@ -63,6 +63,19 @@ KL_OVER_KIT_THRESHOLD: dict[str, dict[str, dict]] = {
               "test_input_output_logprobs_match_decode_cache_hit": {"measured": 1.06, "bound": 1.7}},
 }
 
+# Kit tests and programs a kvq dtype fails where bf16 passes because of the text its cache decodes (greedy, so the
+# same every run), not because of SGLang's stop, regex or constrained-decoding machinery, which passes every other such
+# test on these dtypes: measured in the committed matrix (bench/results/conformance-full-smollm2.json), stated here
+# with what the text does, and expected failures in tests/conformance.py as KL_OVER_KIT_THRESHOLD's are.
+_NO_NEWLINE = "its greedy 3,000-word story runs the 1,000 tokens without the stop '\\n' (bf16's stops)"
+GREEDY_TEXT_FAILURES: dict[str, dict[str, str]] = {
+    "gearl2": {"matched_stop.test_finish_stop_str": _NO_NEWLINE},
+    "zipcache2": {"matched_stop.test_finish_stop_str": _NO_NEWLINE},
+    "specache1": {"matched_stop.test_finish_stop_str": _NO_NEWLINE},
+    "kivi1": {"matched_stop.test_finish_stop_regex_str": "no 'and' or 'or' in its 1,000 greedy tokens",
+              "test_decode_json_regex": "its regex-constrained JSON runs a number's digits on until the parse fails"},
+}
+
 # The pinned KV budget of every server: equal memory for bf16 and each kvq dtype, and room for the kits' 8k-token
 # prompt (bf16 holds 46,592 SmolLM2 tokens in 1 GiB).
 KV_CACHE_GB = 1.0
