@@ -209,7 +209,8 @@ def select_topk(scores: torch.Tensor, lse: torch.Tensor, base_tokens: torch.Tens
     with the most attention mass summed over its query heads, -1 padded past each request's base tokens
     (sgl_kvq/specache/attention.py top_positions). Device ops only."""
     n, _, T = scores.shape
-    mass = head_mass(scores, lse, base_tokens, num_kv_heads, follow=follow)  # -1 past the base: base positions are picked first
+    # -1 past the base: base positions are picked first
+    mass = head_mass(scores, lse, base_tokens, num_kv_heads, follow=follow)
     k = min(top_k, T)
     idx = mass.topk(k, dim=-1).indices
     pos = torch.where(idx < base_tokens[:, None, None], idx, -1)

@@ -69,9 +69,10 @@ class KVQConfig:
     top_k: int = 64
     # SpeCache: 1 = rank each base position by the speculative row's attention mass plus the real row's mass one
     # position before it: the row after each position the real token read, which is what a copying (induction)
-    # head reads next. Measured on SmolLM2's committed needles (bench/results/quality/niah-specache-follow-smollm2.json):
-    # specache1 2/6 -> 3/6 at top-64 and 4/6 -> 6/6 at top-128; specache2 6/6 at top-64 either way, its
-    # speculative guess right 1.0 of the time. 0 = the paper's ranking (the speculative row alone).
+    # head reads next. Measured on SmolLM2's committed needles
+    # (bench/results/quality/niah-specache-follow-smollm2.json): specache1 2/6 -> 3/6 at top-64 and 4/6 -> 6/6 at
+    # top-128; specache2 6/6 at top-64 either way, its speculative guess right 1.0 of the time. 0 = the paper's
+    # ranking (the speculative row alone).
     specache_follow: int = 1
     # SpeCache: where an extend reads its cached prefix. "host": the 16-bit rows from the host tier (the paper's
     # full-precision prefill; on a GPU that is PCIe traffic proportional to the prefix on every turn, 78 ms at 32k
