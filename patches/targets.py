@@ -7,26 +7,42 @@ import importlib
 
 from sgl_kvq import SGLANG_VERSION
 
-HOOK_TARGETS = (
-    "sglang.srt.server_args.ServerArgs.add_cli_args",
-    "sglang.srt.mem_cache.kv_cache_dtype.configure_kv_cache_dtype",
-    "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.__init__",
-    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_token_to_kv_pool",
-    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes",
-    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.resolve_max_num_reqs",
-    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._apply_token_constraints",
-    "sglang.srt.mem_cache.common.release_kv_cache",
-    "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController._add_memory_usage",
-    "sglang.srt.model_executor.runner.eager_runner.EagerRunner._execute_decode",
-    "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler.build_kv_host_pool",
-    "sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender.__init__",
-    "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.maybe_send_cached_prefix_chunk",
-    "sglang.srt.disaggregation.utils.setup_state_kv_args",
-    "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.send_kv_chunk",
-    "sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req",
-    "sglang.srt.distributed.device_communicators.mooncake_transfer_engine.MooncakeTransferEngine.batch_transfer_sync",
-    "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_aux",
+# Every hook load() places after the version check: (target, patches module, its function, HookType name). The
+# targets checked at load are this table's, plus the CLI hook placed before the check (so a refusal can reach
+# --kv-cache-dtype): one list, so a hook cannot go unchecked.
+CLI_HOOK = "sglang.srt.server_args.ServerArgs.add_cli_args"
+HOOKS = (
+    ("sglang.srt.mem_cache.kv_cache_dtype.configure_kv_cache_dtype", "dtype", "configure_kv_cache_dtype", "AROUND"),
+    ("sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.__init__", "sizing",
+     "pool_configurator_init", "AROUND"),
+    ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes", "sizing",
+     "profile_available_bytes", "AROUND"),
+    ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.resolve_max_num_reqs", "sizing",
+     "resolve_max_num_reqs", "AROUND"),
+    ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._apply_token_constraints", "sizing",
+     "apply_token_constraints", "AROUND"),
+    ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_token_to_kv_pool", "pool_build",
+     "build_token_to_kv_pool", "AROUND"),
+    ("sglang.srt.mem_cache.common.release_kv_cache", "retraction", "release_kv_cache", "AROUND"),
+    ("sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController._add_memory_usage",
+     "observability", "add_kv_pool_stats", "AFTER"),
+    ("sglang.srt.model_executor.runner.eager_runner.EagerRunner._execute_decode", "specache_lanes", "execute_decode",
+     "AROUND"),
+    ("sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler.build_kv_host_pool", "hicache", "build_kv_host_pool",
+     "AROUND"),
+    ("sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender.__init__", "pd", "mooncake_sender_init", "AFTER"),
+    ("sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.maybe_send_cached_prefix_chunk", "pd",
+     "prefill_early_send", "AROUND"),
+    ("sglang.srt.disaggregation.utils.setup_state_kv_args", "pd", "setup_state_kv_args", "AFTER"),
+    ("sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.send_kv_chunk", "pd",
+     "prefill_send_kv_chunk", "BEFORE"),
+    ("sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req", "pd", "decode_commit_transfer",
+     "AFTER"),
+    ("sglang.srt.distributed.device_communicators.mooncake_transfer_engine.MooncakeTransferEngine.batch_transfer_sync",
+     "pd", "count_batch_transfer", "AROUND"),
+    ("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_aux", "pd", "count_aux", "AROUND"),
 )
+HOOK_TARGETS = (CLI_HOOK,) + tuple(target for target, *_ in HOOKS)
 IMPORTED = (
     "sglang.srt.arg_groups.resolution_hooks.register_resolution_hook",
     "sglang.srt.arg_groups.overrides.declare_resolution",
