@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from sgl_kvq import attention_ref
+from sgl_kvq import attention_extend
 from sgl_kvq.attention_ref import gather_context
 from sgl_kvq.backends.torch_backend import KVQTorchBackend
 from sgl_kvq.metadata.forward import build_forward_plan, read_plan
@@ -63,8 +63,8 @@ class KVQSpeCacheBackend(KVQTorchBackend):
         contexts = None
         if self.store.cfg.specache_prefix == "host":
             contexts = [self.sc.host.rows(li, s) for s in self.prefix_slots]
-        out = attention_ref.ref_extend(q, k, v, step.qo_indptr, self.store.layer_view(li), step.plan, layer.scaling,
-                                       contexts=contexts)
+        out = attention_extend.extend(q, k, v, step.qo_indptr, self.store.layer_view(li), step.plan, layer.scaling,
+                                      contexts=contexts)
         if save_kv_cache:
             self.store.write_layer(li, step.write, k, v, kernels=self.write_kernels)
             self.sc.host.write(li, step.write.slots, k, v)

@@ -1,8 +1,8 @@
 """kvq_torch: the torch attention backend over the quantized pool; any device, the CPU default.
 
 Decode runs batched (sgl_kvq/attention_batched.py: one padded attention over the batch, its index built once per
-batch); extend runs the per-request reference (sgl_kvq/attention_ref.py). Both dequantize only the pages the
-batch references, never the pool."""
+batch); extend runs torch's fused attention per request (sgl_kvq/attention_extend.py). Both dequantize only the
+pages the batch references, never the pool; sgl_kvq/attention_ref.py is the oracle of both."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import contextlib
 
 import torch
 
-from sgl_kvq import attention_batched, attention_ref
+from sgl_kvq import attention_batched, attention_extend
 from sgl_kvq.backends.base import KVQAttentionBackendBase
 
 
@@ -36,7 +36,7 @@ class KVQTorchBackend(KVQAttentionBackendBase):
         self._batched = None  # (plan, BatchedContext) of the current decode batch, shared by its layers
 
     def extend(self, q, k, v, li, step, sm_scale):
-        return attention_ref.ref_extend(q, k, v, step.qo_indptr, self.store.layer_view(li), step.plan, sm_scale)
+        return attention_extend.extend(q, k, v, step.qo_indptr, self.store.layer_view(li), step.plan, sm_scale)
 
     def decode(self, q, li, step, sm_scale):
         with intra_op_threads(self.store.cfg.attention_threads, self.store.device):  # KVQConfig says why

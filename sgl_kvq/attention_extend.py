@@ -1,0 +1,47 @@
+"""Extend attention over the packed paged base plus the fp16 overlay: the compute of `kvq_torch` extend.
+
+Same result as attention_ref.ref_extend (its oracle; tests/test_attention_extend.py) through torch's fused
+scaled-dot-product attention: each request's cached prefix is dequantized once from its own pages
+(attention_ref.gather_context) and its new tokens attend to it and causally to themselves, GQA inside the fused op.
+The reference materializes the [Hq, N, T] fp32 softmax with a repeat_interleave'd K and V.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from sgl_kvq.attention_ref import gather_context
+from sgl_kvq.plan import LayerKV, PagedPlan
+
+
+def visible(n: int, p: int, device: torch.device) -> torch.Tensor:
+    """[n, p + n] bool: new token i sees the whole prefix (p tokens) and new tokens 0..i."""
+    return torch.arange(p + n, device=device)[None, :] <= torch.arange(p, p + n, device=device)[:, None]
+
+
+def extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, qo_indptr: torch.Tensor, kv: LayerKV,
+           plan: PagedPlan, sm_scale: float,
+           contexts: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+    """q [N, Hq, D], k_new/v_new [N, H, D]: request b's new tokens are rows qo_indptr[b]:qo_indptr[b+1] -> [N, Hq, Dv]
+    in q's dtype, computed in fp32 as the reference is. The prefix is the plan's pages and frames, or contexts[b] (its
+    K/V [T, H, D] from elsewhere, e.g. SpeCache's 16-bit host tier)."""
+    out = torch.empty(q.shape[0], q.shape[1], v_new.shape[-1], dtype=q.dtype, device=q.device)
+    bounds = qo_indptr.tolist()
+    for b in range(plan.batch_size):
+        lo, hi = bounds[b], bounds[b + 1]
+        if hi == lo:
+            continue
+        k, v = k_new[lo:hi].float(), v_new[lo:hi].float()
+        kp, vp = gather_context(kv, plan, b) if contexts is None else (contexts[b][0].float(), contexts[b][1].float())
+        mask = None  # no cached prefix: the fused causal path
+        if kp.shape[0]:
+            mask = visible(hi - lo, kp.shape[0], q.device)
+            k, v = torch.cat([kp, k]), torch.cat([vp, v])
+        # [1, heads, tokens, D]: torch's CPU flash kernel takes 4-d inputs only; 3-d ones run its unfused math path,
+        # 1.5-3x slower (SmolLM2 heads, 270-480 tokens, fp32 and bf16, 2 threads).
+        o = F.scaled_dot_product_attention(q[lo:hi].float().transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                           v.transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
+                                           scale=sm_scale, enable_gqa=True)
+        out[lo:hi] = o[0].transpose(0, 1)
+    return out
