@@ -17,7 +17,7 @@ variable as a deprecated spelling of SGLANG_* and warns about it in each of its 
 | KVQ_ZIPCACHE_SALIENT     | zipcache_salient: share of each page's tokens (per KV head) kept at 4 bit (zipcache2) | 0.4 |
 | KVQ_OVERLAY_SHARE        | overlay_share: the KV budget's share for per-request fp16 state when --max-running-requests is not given | 0.06 |
 | KVQ_SPECACHE_RECALL      | 1: measure each step how much of the output row's exact 16-bit top-k the speculative lane prefetched (reads every context row from the host tier: a diagnostic, off by default so a server does no extra full-context read) | 0 |
-| KVQ_ATTENTION_THREADS    | attention_threads: intra-op threads of kvq_torch's batched decode attention on CPU (0: torch's own) | 1 |
+| KVQ_ATTENTION_THREADS    | attention_threads: intra-op threads of kvq_torch's batched decode attention on CPU (0: torch's own; 1 on a machine other processes load) | 0 |
 | KVQ_HOST_MEM_FRACTION    | share of the host's available RAM SpeCache's host tier may take | 0.8 |
 | KVQ_CACHE_DIR            | where embedded models are materialized | ~/.cache/sgl_kvq |
 | KVQ_KV_CACHE_GB          | fixes SGLang's KV budget to this many GiB for ANY kv dtype (bf16 too), instead of profiling free memory: capacity comparisons at the same KV memory (per rank) | unset |

@@ -38,9 +38,9 @@ def test_not_applied_off_cpu(two_threads):
 
 
 def test_knob(monkeypatch):
-    assert KVQConfig("kivi", 2).attention_threads == 1
-    monkeypatch.setenv("KVQ_ATTENTION_THREADS", "0")
-    assert parse_kv_cache_dtype("kivi2").attention_threads == 0
+    assert KVQConfig("kivi", 2).attention_threads == 0
+    monkeypatch.setenv("KVQ_ATTENTION_THREADS", "1")
+    assert parse_kv_cache_dtype("kivi2").attention_threads == 1
     monkeypatch.setenv("KVQ_ATTENTION_THREADS", "-1")
     with pytest.raises(KVQConfigError, match="KVQ_ATTENTION_THREADS=-1 must be 0 .* e.g. 1"):
         parse_kv_cache_dtype("kivi2")
@@ -59,7 +59,7 @@ def test_kvq_torch_decode_runs_under_the_limit(two_threads, monkeypatch):
                         lambda q, kv, ctx, sm: seen.append(("decode", torch.get_num_threads())) or q)
     backend = KVQTorchBackend.__new__(KVQTorchBackend)
     backend._batched = None
-    backend.store = SimpleNamespace(cfg=KVQConfig("kivi", 2), device=torch.device("cpu"), G=64,
+    backend.store = SimpleNamespace(cfg=KVQConfig("kivi", 2, attention_threads=1), device=torch.device("cpu"), G=64,
                                     shape=SimpleNamespace(heads=3), layer_view=lambda li: None)
     q = torch.zeros(1, 3, 64)
     assert backend.decode(q, 0, SimpleNamespace(plan=object()), 0.125) is q
