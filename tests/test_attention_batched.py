@@ -129,3 +129,18 @@ def test_batched_decode_with_logquant_rows_matches_reference(B, M):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
         kv.rows = None  # the rows change what is read
         assert not torch.allclose(ref_decode(q, kv, plan, D ** -0.5), ref, atol=1e-4) or not plan.kv_indices.numel()
+
+
+def test_workspace_reuse_across_batches():
+    """One Workspace through batches that grow and shrink (the backend keeps one for its life): every output equals
+    the one computed with fresh buffers, and a layer's K/V never leak into the next batch's padding."""
+    ws = attention_batched.Workspace()
+    rng = random.Random(11)
+    for i, B in enumerate([3, 8, 1, 5, 8]):
+        G, H, D, VG = SHAPES[i % len(SHAPES)]
+        kv, plan = make_pool(G, H, D, VG, 2, random_requests(rng, B, G), torch.float32, seed=i)
+        q = torch.randn(B, H * 2, D, generator=torch.Generator().manual_seed(i))
+        ctx = attention_batched.prepare(plan, G, H)
+        fresh = attention_batched.decode(q, kv, ctx, D ** -0.5)
+        torch.testing.assert_close(attention_batched.decode(q, kv, ctx, D ** -0.5, ws), fresh, rtol=0, atol=0)
+        torch.testing.assert_close(fresh, ref_decode(q, kv, plan, D ** -0.5), rtol=1e-5, atol=1e-5)

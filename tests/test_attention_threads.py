@@ -56,9 +56,9 @@ def test_kvq_torch_decode_runs_under_the_limit(two_threads, monkeypatch):
     monkeypatch.setattr(attention_batched, "prepare",
                         lambda plan, G, H: seen.append(("prepare", torch.get_num_threads())))
     monkeypatch.setattr(attention_batched, "decode",
-                        lambda q, kv, ctx, sm: seen.append(("decode", torch.get_num_threads())) or q)
+                        lambda q, kv, ctx, sm, ws: seen.append(("decode", torch.get_num_threads())) or q)
     backend = KVQTorchBackend.__new__(KVQTorchBackend)
-    backend._batched = None
+    backend._batched, backend._workspace = None, None
     backend.store = SimpleNamespace(cfg=KVQConfig("kivi", 2, attention_threads=1), device=torch.device("cpu"), G=64,
                                     shape=SimpleNamespace(heads=3), layer_view=lambda li: None)
     q = torch.zeros(1, 3, 64)

@@ -34,6 +34,7 @@ class KVQTorchBackend(KVQAttentionBackendBase):
     def __init__(self, model_runner):
         super().__init__(model_runner)
         self._batched = None  # (plan, BatchedContext) of the current decode batch, shared by its layers
+        self._workspace = attention_batched.Workspace()  # the padded K/V buffers every layer and step reuses
 
     def extend(self, q, k, v, li, step, sm_scale):
         return attention_extend.extend(q, k, v, step.qo_indptr, self.store.layer_view(li), step.plan, sm_scale)
@@ -43,7 +44,8 @@ class KVQTorchBackend(KVQAttentionBackendBase):
             if self._batched is None or self._batched[0] is not step.plan:
                 self._batched = (step.plan, attention_batched.prepare(step.plan, self.store.G,
                                                                       self.store.shape.heads))
-            return attention_batched.decode(q, self.store.layer_view(li), self._batched[1], sm_scale)
+            return attention_batched.decode(q, self.store.layer_view(li), self._batched[1], sm_scale,
+                                            self._workspace)
 
     def support_triton(self):
         return False
