@@ -5,7 +5,9 @@ bits, read back from the host tier (SpeCache's prefill is full precision; the ho
 KVQ_SPECACHE_PREFIX=device from the low-bit pool as kivi reads it, and to each other; then they are written to the
 packed base, the fp16 frames and the host tier.
 
-Decode runs the rows sgl_kvq/specache/lanes.py put in the batch (state.lanes):
+Decode runs the rows sgl_kvq/specache/lanes.py put in the batch (state.lanes), batched over the requests
+(sgl_kvq/specache/attention_batched.py, on kvq_torch's padded layout prepared once per step; its oracle is
+sgl_kvq/specache/attention.py):
   two_lane   rows [0, n) the real tokens: written to the pool and the host tier, then attend to the low-bit base
              with the prefetched top-k rows in 16 bits; rows [n, 2n) their speculative tokens: attend to the same
              keys plus their own K/V, never written, and pick next step's top-k, prefetched per layer.
@@ -18,11 +20,11 @@ from __future__ import annotations
 import torch
 
 from sgl_kvq import attention_extend
-from sgl_kvq.attention_ref import gather_context
-from sgl_kvq.backends.torch_backend import KVQTorchBackend
+from sgl_kvq.backends.torch_backend import KVQTorchBackend, intra_op_threads
 from sgl_kvq.metadata.forward import build_forward_plan, read_plan
 from sgl_kvq.plan import ForwardPlan, Step
-from sgl_kvq.specache.attention import output_rows, recall, speculative_rows, with_topk
+from sgl_kvq.specache import attention_batched as lanes_batched
+from sgl_kvq.specache.attention import recall
 
 
 class KVQSpeCacheBackend(KVQTorchBackend):
@@ -70,12 +72,6 @@ class KVQSpeCacheBackend(KVQTorchBackend):
             self.sc.host.write(li, step.write.slots, k, v)
         return out.reshape(q.shape[0], -1)
 
-    def _contexts(self, li: int, plan):
-        """Each request's context as stored (dequantized once per layer, shared by both lanes) and its base rows."""
-        kv = self.store.layer_view(li)
-        B = plan.batch_size
-        return [gather_context(kv, plan, b) for b in range(B)], [plan.base_len(b, kv.G) for b in range(B)]
-
     def _count_recall(self, q, li: int, plan, sm_scale: float) -> None:
         """The recall diagnostic (KVQ_SPECACHE_RECALL=1): the real rows q [n, Hq, D] against their exact top-k
         over the 16-bit context read back from the host tier (a full-context read per layer and step)."""
@@ -90,8 +86,12 @@ class KVQSpeCacheBackend(KVQTorchBackend):
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         q, k, v, li = self._views(q, k, v, layer)
         sc, step = self.sc, self.forward_plan.steps[0]
+        threads = intra_op_threads(self.store.cfg.attention_threads, self.store.device)  # KVQConfig says why
         if sc.lanes.kind == "predecode":
-            out, pos = speculative_rows(q, k, v, *self._contexts(li, step.plan), layer.scaling, sc.top_k)
+            with threads:
+                out, pos = lanes_batched.predecode(q, k, v, self.store.layer_view(li),
+                                                   self.batched_context(step.plan), layer.scaling, sc.top_k,
+                                                   self._workspace)
             sc.prefetch(li, self.req, pos, self.req_to_token)
             return out.reshape(q.shape[0], -1)
         n = sc.lanes.n_real
@@ -99,13 +99,13 @@ class KVQSpeCacheBackend(KVQTorchBackend):
             self.store.write_layer(li, step.write, k[:n], v[:n])
             sc.host.write(li, step.write.slots, k[:n], v[:n])
         sc.host.wait(li)
-        contexts, n_base = self._contexts(li, step.plan)
-        topk_pos = sc.topk_pos[li, self.req]
         if sc.recall:
             self._count_recall(q[:n], li, step.plan, layer.scaling)
-        contexts = with_topk(contexts, n_base, sc.topk_k[li, self.req], sc.topk_v[li, self.req], topk_pos)
-        real, real_probs = output_rows(q[:n], contexts, layer.scaling)
-        spec, pos = speculative_rows(q[n:], k[n:], v[n:], contexts, n_base, layer.scaling, sc.top_k,
-                                     real_probs if self.store.cfg.specache_follow else None)
+        with threads:
+            out, pos = lanes_batched.two_lane(q, k[n:], v[n:], self.store.layer_view(li),
+                                              self.batched_context(step.plan), layer.scaling, sc.top_k,
+                                              sc.topk_k[li, self.req], sc.topk_v[li, self.req],
+                                              sc.topk_pos[li, self.req], bool(self.store.cfg.specache_follow),
+                                              self._workspace)
         sc.prefetch(li, self.req, pos, self.req_to_token)
-        return torch.cat([real, spec]).reshape(q.shape[0], -1)
+        return out.reshape(q.shape[0], -1)

@@ -39,12 +39,15 @@ class KVQTorchBackend(KVQAttentionBackendBase):
     def extend(self, q, k, v, li, step, sm_scale):
         return attention_extend.extend(q, k, v, step.qo_indptr, self.store.layer_view(li), step.plan, sm_scale)
 
+    def batched_context(self, plan) -> attention_batched.BatchedContext:
+        """The padded layout of a decode plan, prepared by its first layer and reused by the others."""
+        if self._batched is None or self._batched[0] is not plan:
+            self._batched = (plan, attention_batched.prepare(plan, self.store.G, self.store.shape.heads))
+        return self._batched[1]
+
     def decode(self, q, li, step, sm_scale):
         with intra_op_threads(self.store.cfg.attention_threads, self.store.device):  # KVQConfig says why
-            if self._batched is None or self._batched[0] is not step.plan:
-                self._batched = (step.plan, attention_batched.prepare(step.plan, self.store.G,
-                                                                      self.store.shape.heads))
-            return attention_batched.decode(q, self.store.layer_view(li), self._batched[1], sm_scale,
+            return attention_batched.decode(q, self.store.layer_view(li), self.batched_context(step.plan), sm_scale,
                                             self._workspace)
 
     def support_triton(self):
