@@ -34,7 +34,9 @@ KIT_KL_THRESHOLD = 0.002
 # Dtypes whose KL exceeds the kit's threshold on SmolLM2, per KL kit test: the measured avg KL (this module's sizes,
 # bench/results/conformance-full-smollm2.json, 3 significant digits) and the bound the test asserts instead,
 # conformance_table.KL_BOUND_FACTOR (1.6) times it, so a regression still fails. `sgl-kvq bench conformance --table`
-# prints these entries from the JSON; tests/test_conformance_offline.py holds them equal.
+# prints these entries from the JSON; tests/test_conformance_offline.py holds them equal. The kit's KL moves between
+# runs with the text decoded before the cache hit: kivi2's prefix hit measured 0.101 in the matrix and 0.161 in a
+# later CI-slice run whose decode hit fell from 0.156 to 0.081; the JSON keeps the larger of each (kl_runs has both).
 # kivi2: 2-bit keys and values move SmolLM2's next-token distribution far more than the kit allows (its cached-turn
 # ppl is +33%, bench/results/quality); logquant2's fp16 sink row cuts that 2-6x. kivi4 misses the kit's value by 20%.
 # specache2: its decode lanes read the 2-bit base plus 64 exact rows, the kit's reference is a 16-bit prefill.
@@ -43,7 +45,7 @@ KIT_KL_THRESHOLD = 0.002
 # specache1 0.025 / 0.048: its 1-bit base plus 64 exact rows. kivi1 1.2 / 1.1: 1-bit keys and values move SmolLM2's
 # next-token distribution 1,300x further than bf16's own cache-hit KL.
 KL_OVER_KIT_THRESHOLD: dict[str, dict[str, dict]] = {
-    "kivi2": {"test_input_output_logprobs_match_prefill_cache_hit": {"measured": 0.101, "bound": 0.16},
+    "kivi2": {"test_input_output_logprobs_match_prefill_cache_hit": {"measured": 0.161, "bound": 0.26},
               "test_input_output_logprobs_match_decode_cache_hit": {"measured": 0.156, "bound": 0.25}},
     "specache2": {"test_input_output_logprobs_match_prefill_cache_hit": {"measured": 0.00742, "bound": 0.012},
                   "test_input_output_logprobs_match_decode_cache_hit": {"measured": 0.00326, "bound": 0.0052}},
