@@ -3,7 +3,8 @@
 Same result as attention_ref.ref_extend (its oracle; tests/test_attention_extend.py) through torch's fused
 scaled-dot-product attention: each request's cached prefix is dequantized once from its own pages
 (attention_ref.gather_context) and its new tokens attend to it and causally to themselves, GQA inside the fused op.
-The reference materializes the [Hq, N, T] fp32 softmax with a repeat_interleave'd K and V.
+Why: 16 single-request ShareGPT prefills through the engine (SmolLM2, 2-core CPU) took 4.8 s with the reference's
+einsums, 2.6 s with this; bf16's torch_native 2.9 s.
 """
 
 from __future__ import annotations
