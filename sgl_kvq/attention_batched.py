@@ -15,6 +15,7 @@ layout directly and the matmuls read it as is.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,7 @@ class BatchedContext:
     ov_rows: torch.Tensor  # [N] int64 overlay rows (frame * G + offset) of the batch's overlay tokens
     ov_dst: torch.Tensor  # [N] int64 their padded positions
     valid: torch.Tensor  # [B, T] bool, t < b's context length
+    base_len: torch.Tensor  # [B] int64: b's positions t < base_len[b] come from the packed base, the rest are frames
     # Head-major row indices into a layer's [S * H, ...] / [P * H, ...] / [F * G * H, ...] views: row h * n + i
     # is head h of the i-th slot / page / overlay row. One index_select then gathers straight into the [H, ...]
     # layout (B=1, 1k tokens, SmolLM2: 8 us against 115 us for codes[slots].transpose(0, 1).contiguous()).
@@ -74,8 +76,8 @@ def prepare(plan: PagedPlan, G: int, H: int) -> BatchedContext:
     def head_rows(idx):
         return (idx.reshape(1, -1) * H + heads).reshape(-1)
 
-    return BatchedContext(units, slots, pages, is_base_page, is_base_tok, ov_rows, ov_dst, valid, head_rows(slots),
-                          head_rows(pages), head_rows(ov_rows))
+    return BatchedContext(units, slots, pages, is_base_page, is_base_tok, ov_rows, ov_dst, valid, base_len,
+                          head_rows(slots), head_rows(pages), head_rows(ov_rows))
 
 
 class Workspace:
@@ -90,9 +92,7 @@ class Workspace:
         self._bufs: dict[str, torch.Tensor] = {}
 
     def take(self, name: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        n = 1
-        for d in shape:
-            n *= d
+        n = math.prod(shape)
         buf = self._bufs.get(name)
         if buf is None or buf.numel() < n or buf.device != device:
             buf = self._bufs[name] = torch.empty(n, dtype=torch.float32, device=device)

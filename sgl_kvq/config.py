@@ -100,12 +100,13 @@ class KVQConfig:
     # bytes; 0.6 (the authors' demo) costs 87 B (bench/results/attention_fidelity.md has both).
     zipcache_salient: float = 0.4
     # Intra-op threads kvq_torch's batched decode attention runs with on a CPU (0: torch's own count, the
-    # process's). 0 by default: on a quiet 2-core machine the second thread is faster (one layer, SmolLM2, 256 tokens:
-    # B=8 0.52 vs 0.72 ms, B=16 0.97 vs 1.43 ms; 1k tokens, B=8: 1.96 vs 2.79 ms; bench/decode_work.py,
+    # process's). 0 by default: on a quiet 2-core machine the second thread is faster (one layer, SmolLM2, 256
+    # tokens: B=8 0.52 vs 0.72 ms, B=16 0.97 vs 1.43 ms; 1k tokens, B=8: 1.96 vs 2.79 ms; bench/decode_work.py,
     # bench/results/decode-work-quiet-smollm2.json), and switching the count per layer slowed the model's next
-    # matmul (16 ShareGPT prompts x 32 tokens in one batch: 5.4-6.0 s against 5.8-7.4 s). 1 is for a machine other processes load: each of the
-    # attention's ~14 ops above torch's grain size is an OpenMP barrier that waits for a descheduled thread (one layer
-    # 161 ms against 0.68 ms on one thread at load average 13-17; README "Where a decode step's time goes").
+    # matmul (16 ShareGPT prompts x 32 tokens in one batch: 5.4-6.0 s against 5.8-7.4 s). 1 is for a machine other
+    # processes load: each of the attention's ~14 ops above torch's grain size is an OpenMP barrier that waits for a
+    # descheduled thread (one layer 161 ms against 0.68 ms on one thread at load average 13-17; README "Where a
+    # decode step's time goes").
     attention_threads: int = 0
 
     def __post_init__(self):

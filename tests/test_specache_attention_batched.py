@@ -84,7 +84,7 @@ def test_lanes_match_the_oracle(B, bits):
                                                                              + bits)
     sm_scale = D ** -0.5
     ctx = attention_batched.prepare(plan, G, H)
-    assert lanes.base_lengths(ctx).tolist() == n_base
+    assert ctx.base_len.tolist() == n_base
     stored = [gather_context(kv, plan, b) for b in range(B)]
 
     # pre-decode: the real tokens as speculative rows over the context as stored, no follow

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from sgl_kvq import attention_extend
-from sgl_kvq.backends.torch_backend import KVQTorchBackend, intra_op_threads
+from sgl_kvq.backends.torch_backend import KVQTorchBackend
 from sgl_kvq.metadata.forward import build_forward_plan, read_plan
 from sgl_kvq.plan import ForwardPlan, Step
 from sgl_kvq.specache import attention_batched as lanes_batched
@@ -86,9 +86,8 @@ class KVQSpeCacheBackend(KVQTorchBackend):
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         q, k, v, li = self._views(q, k, v, layer)
         sc, step = self.sc, self.forward_plan.steps[0]
-        threads = intra_op_threads(self.store.cfg.attention_threads, self.store.device)  # KVQConfig says why
         if sc.lanes.kind == "predecode":
-            with threads:
+            with self.attention_threads():
                 out, pos = lanes_batched.predecode(q, k, v, self.store.layer_view(li),
                                                    self.batched_context(step.plan), layer.scaling, sc.top_k,
                                                    self._workspace)
@@ -101,7 +100,7 @@ class KVQSpeCacheBackend(KVQTorchBackend):
         sc.host.wait(li)
         if sc.recall:
             self._count_recall(q[:n], li, step.plan, layer.scaling)
-        with threads:
+        with self.attention_threads():
             out, pos = lanes_batched.two_lane(q, k[n:], v[n:], self.store.layer_view(li),
                                               self.batched_context(step.plan), layer.scaling, sc.top_k,
                                               sc.topk_k[li, self.req], sc.topk_v[li, self.req],

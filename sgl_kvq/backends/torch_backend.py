@@ -45,8 +45,12 @@ class KVQTorchBackend(KVQAttentionBackendBase):
             self._batched = (plan, attention_batched.prepare(plan, self.store.G, self.store.shape.heads))
         return self._batched[1]
 
+    def attention_threads(self):
+        """The decode attention's intra-op thread limit (KVQConfig.attention_threads says why), as a context."""
+        return intra_op_threads(self.store.cfg.attention_threads, self.store.device)
+
     def decode(self, q, li, step, sm_scale):
-        with intra_op_threads(self.store.cfg.attention_threads, self.store.device):  # KVQConfig says why
+        with self.attention_threads():
             return attention_batched.decode(q, self.store.layer_view(li), self.batched_context(step.plan), sm_scale,
                                             self._workspace)
 

@@ -25,18 +25,12 @@ from sgl_kvq.attention_batched import BatchedContext, Workspace
 from sgl_kvq.plan import LayerKV
 
 
-def base_lengths(ctx: BatchedContext) -> torch.Tensor:
-    """[B] int64: how many of each request's context positions come from the packed base (the rest are fp16
-    frames); its base positions are t < n_base[b]."""
-    B = ctx.pages.shape[0]
-    return ctx.is_base_tok.view(B, -1).sum(1)
-
-
 def with_topk(k: torch.Tensor, v: torch.Tensor, n_base: torch.Tensor, topk_k: torch.Tensor, topk_v: torch.Tensor,
               topk_pos: torch.Tensor) -> None:
     """The prefetched 16-bit rows written in place over their positions of the padded k, v [H, B, T, D]: row
     topk_k/v[b, h, j] [B, H, K, D] replaces position topk_pos[b, h, j] [B, H, K] of request b, KV head h when
-    0 <= pos < n_base[b]; -1 and positions past the base (the fp16 window, already exact) are ignored."""
+    0 <= pos < n_base[b] (BatchedContext.base_len); -1 and positions past the base (the fp16 window, already exact)
+    are ignored."""
     use = (topk_pos >= 0) & (topk_pos < n_base[:, None, None])
     b, h, j = use.nonzero(as_tuple=True)
     t = topk_pos[b, h, j]
@@ -100,7 +94,7 @@ def two_lane(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, kv: Laye
     follow the real rows' mass one position earlier)."""
     H = kv.ov_k.shape[2]
     k, v = attention_batched.context(kv, ctx, ws)
-    n_base = base_lengths(ctx)
+    n_base = ctx.base_len
     with_topk(k, v, n_base, topk_k, topk_v, topk_pos)
     g = q.shape[1] // H
     out, p = _attend(_heads(q, H, 2), k, v, ctx.valid, sm_scale, k_own.float().transpose(0, 1),
@@ -122,4 +116,4 @@ def predecode(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, kv: Lay
     g = q.shape[1] // H
     out, p = _attend(_heads(q, H, 1), k, v, ctx.valid, sm_scale, k_own.float().transpose(0, 1),
                      v_own.float().transpose(0, 1), slice(0, g))
-    return _rows(out, 1, q.dtype), top_positions(p[..., :k.shape[2]].sum(2), base_lengths(ctx), top_k)
+    return _rows(out, 1, q.dtype), top_positions(p[..., :k.shape[2]].sum(2), ctx.base_len, top_k)
