@@ -41,8 +41,9 @@ def scale_zero(lo: torch.Tensor, hi: torch.Tensor, bits: int, *, specache_one_bi
 
 
 def encode(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
-    q = torch.round((x.float() - zero.float()) / scale.float())
-    return q.clamp_(0, levels(bits)).to(torch.uint8)
+    # in place on one temporary: the same roundings as round((x - zero) / scale), without three x-sized allocations
+    q = x.float() - zero.float()
+    return q.div_(scale.float()).round_().clamp_(0, levels(bits)).to(torch.uint8)
 
 
 def quantize(x: torch.Tensor, bits: int, dims, *, specache_one_bit: bool = True) -> Quantized:
