@@ -10,6 +10,13 @@ batched attention over a QuantizedKVStore the extend path filled; bf16's per-lay
 bf16 cache) and torch_native's per-request gather + SDPA (sglang's _run_sdpa_forward_decode, the same ops).
 threads: one layer of kvq_torch's batched decode, 2 intra-op threads and 1 alternately in one process, wall time
 (median and mean of 30): on a loaded machine the 2-thread joins wait for descheduled threads.
+
+    python bench/decode_work.py --paths --batch 1 8 16 --context 512 --ragged
+
+paths: one layer of kvq_torch's two decode paths alternately in one process, thread CPU time on one thread (median
+of 40): the padded dequantized layout (attention_batched) and page by page with the scales folded
+(attention_pages), on the same batch; --ragged gives each request a context drawn from 20..C (a ShareGPT-like
+batch), else all C.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import time
 import torch
 
 from sgl_kvq import attention_batched as ab
+from sgl_kvq import attention_pages as ap
 from sgl_kvq.config import KVQConfig
 from sgl_kvq.kv_store import QuantizedKVStore
 from sgl_kvq.layout import PoolShape
@@ -117,14 +125,43 @@ def threads(B: int, C: int, bits: int, reps: int = 30) -> dict:
             for n, v in times.items()}
 
 
+def paths(B: int, C: int, bits: int, ragged: bool, reps: int = 40) -> dict:
+    store, req_to_token, reqs = filled_store(B, C, bits)
+    gen = torch.Generator().manual_seed(B * C)
+    lens = torch.randint(20, C + 1, (B,), generator=gen) if ragged else torch.full((B,), C)
+    fp = build_forward_plan(store, req_to_token, reqs, lens + 1, req_to_token[reqs, lens].long(), is_decode=True)
+    plan = fp.steps[0].plan
+    ctx, idx, ws = ab.prepare(plan, G, H), ap.index(plan, G, H), ab.Workspace()
+    q, kv = torch.randn(B, HQ, D, dtype=torch.bfloat16), store.layer_view(0)
+    runs = {"padded": lambda: ab.decode(q, kv, ctx, D ** -0.5, ws),
+            "pages": lambda: ap.decode(q, kv, idx, D ** -0.5, ws)}
+    torch.testing.assert_close(runs["pages"]().float(), runs["padded"]().float(), rtol=2e-2, atol=2e-2)
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(reps):
+        for name, run in runs.items():
+            t = time.thread_time()
+            run()
+            times[name].append(time.thread_time() - t)
+    out = {f"{k}_ms": statistics.median(v) * 1e3 for k, v in times.items()}
+    return {"batch": B, "context": C, "ragged": ragged, "tokens": int(lens.sum()), "kvq_bits": bits, **out,
+            "padded_over_pages": out["padded_ms"] / out["pages_ms"]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--bits", type=int, default=2)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--paths", action="store_true", help="compare the two decode paths instead (see above)")
+    p.add_argument("--ragged", action="store_true", help="--paths: contexts drawn from 20..C")
     args = p.parse_args()
     out = []
+    if args.paths:
+        torch.set_num_threads(1)
+        for B in args.batch:
+            print(json.dumps(paths(B, args.context, args.bits, args.ragged)), flush=True)
+        return
     for B in args.batch:
         torch.set_num_threads(1)
         row = {"batch": B, "context": args.context, "kvq_bits": args.bits,

@@ -110,21 +110,22 @@ _WORD_LUTS: dict[tuple[torch.device, int], torch.Tensor] = {}
 _WORD = {1: torch.int64, 2: torch.int32, 4: torch.int16}
 
 
-def _codes(codes: torch.Tensor, ctx: BatchedContext, bits: int) -> torch.Tensor:
-    """codes [S, H, Dp] uint8 of one layer -> [H, B * T, D] uint8 codes at the padded positions (head-major).
+def unpacked_codes(codes: torch.Tensor, slot_rows: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes [S, H, Dp] uint8 of one layer -> [H, N, D] uint8 codes of the N slots whose head-major rows are
+    slot_rows (BatchedContext.slot_rows: the padded positions).
 
     One word gather per packed byte writes the codes in natural channel order, so the dequantize that follows
     reads one contiguous uint8 tensor. Why (one thread, SmolLM2, B=8, 1k tokens: [3, 8192, 16] packed bytes,
     thread time, ms): word table 0.09 / 0.16 / 0.32 at 1 / 2 / 4 bits; per-position shifts written
     interleaved into fp32 (8 // bits strided copies) 0.4-2.3. In the engine (2 OMP threads on a loaded 2-core
     machine) those strided copies were 63% of kivi2's decode step (py-spy on the scheduler)."""
-    packed = _rows(codes, ctx.slot_rows, codes.shape[1])  # [H, B * T, Dp]: small, uint8
+    packed = _rows(codes, slot_rows, codes.shape[1])  # [H, N, Dp]: small, uint8
     key = (codes.device, bits)
     if key not in _WORD_LUTS:
         table = pack.unpack(torch.arange(256, dtype=torch.uint8, device=codes.device)[:, None], bits)
         _WORD_LUTS[key] = table.contiguous().view(_WORD[bits]).reshape(256)
     words = torch.index_select(_WORD_LUTS[key], 0, packed.reshape(-1).int())
-    return words.view(torch.uint8).view(packed.shape[0], packed.shape[1], -1)
+    return words.view(torch.uint8).view(packed.shape[0], packed.shape[1], packed.shape[2] * 8 // bits)
 
 
 def context(kv: LayerKV, ctx: BatchedContext, ws: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,7 +133,7 @@ def context(kv: LayerKV, ctx: BatchedContext, ws: Workspace | None = None) -> tu
     tokens copied, zeros at padding; in ws's buffers when given (valid until the next call)."""
     G, H, D = kv.G, kv.ov_k.shape[2], kv.ov_k.shape[3]
     B, units = ctx.pages.shape
-    kc, vc = _codes(kv.k_codes, ctx, kv.bits), _codes(kv.v_codes, ctx, kv.bits)
+    kc, vc = (unpacked_codes(c, ctx.slot_rows, kv.bits) for c in (kv.k_codes, kv.v_codes))
     # Keys: per page and channel, broadcast over the page's G tokens. Zero scale/zero outside base pages, so
     # padding holds zeros and overlay positions hold nothing until the overlay is copied over them.
     off = ~ctx.is_base_page[None, :, :, None]

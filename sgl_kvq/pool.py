@@ -8,6 +8,8 @@ whole pool to serve a read.
 
 from __future__ import annotations
 
+import collections
+
 import logging
 
 import torch
@@ -52,6 +54,9 @@ class KVQTokenToKVPool(KVCache):
         self.head_num, self.head_dim, self.v_head_dim = shape.heads, shape.head_dim, shape.head_dim
         self.shape = shape
         self.store = QuantizedKVStore(cfg, self.shape, num_req_slots, model_dtype, device)
+        # Decode batches per kvq_torch decode path ("pages" / "padded"; sgl_kvq/backends/torch_backend.py), exported
+        # with the stats: which path served a workload
+        self.decode_batches: collections.Counter[str] = collections.Counter()
         self.specache = None
         if cfg.is_specache:
             from sgl_kvq.specache.state import SpeCacheState
@@ -109,6 +114,8 @@ class KVQTokenToKVPool(KVCache):
                     **({"salient_per_page": self.cfg.salient_per_page, "salient_bits": self.cfg.salient_bits}
                        if self.cfg.is_zipcache else {})},
         )
+        if self.decode_batches:
+            stats["decode_batches"] = dict(self.decode_batches)
         host = getattr(self, "hicache_host", None)  # HiCache's host tier (patches/hicache.py)
         if host is not None:
             stats.update(hicache_host_tokens=host.size, hicache_host_bytes=host.nbytes(), hicache_layout=host.layout)

@@ -3,6 +3,8 @@ process's count is back after it (what the engine's other ops run with)."""
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
@@ -46,21 +48,27 @@ def test_knob(monkeypatch):
         parse_kv_cache_dtype("kivi2")
 
 
-def test_kvq_torch_decode_runs_under_the_limit(two_threads, monkeypatch):
+@pytest.mark.parametrize("path", ["padded", "pages"])
+def test_kvq_torch_decode_runs_under_the_limit(two_threads, monkeypatch, path):
     from types import SimpleNamespace
 
-    from sgl_kvq import attention_batched
+    from sgl_kvq import attention_batched, attention_pages
     from sgl_kvq.backends.torch_backend import KVQTorchBackend
 
     seen = []
-    monkeypatch.setattr(attention_batched, "prepare",
-                        lambda plan, G, H: seen.append(("prepare", torch.get_num_threads())))
-    monkeypatch.setattr(attention_batched, "decode",
-                        lambda q, kv, ctx, sm, ws: seen.append(("decode", torch.get_num_threads())) or q)
+    module, build = (attention_batched, "prepare") if path == "padded" else (attention_pages, "index")
+    monkeypatch.setattr(attention_pages, "pays_off", lambda plan, G: path == "pages")
+    built = attention_pages.PageIndex.__new__(attention_pages.PageIndex) if path == "pages" else object()
+    monkeypatch.setattr(module, build, lambda plan, G, H: seen.append((build, torch.get_num_threads())) or built)
+    monkeypatch.setattr(module, "decode",
+                        lambda q, kv, idx, sm, ws: seen.append(("decode", torch.get_num_threads())) or q)
     backend = KVQTorchBackend.__new__(KVQTorchBackend)
-    backend._batched, backend._workspace = None, None
+    backend._plan_derived, backend._workspace = (None, {}), None
+    backend.pool = SimpleNamespace(decode_batches=collections.Counter())
     backend.store = SimpleNamespace(cfg=KVQConfig("kivi", 2, attention_threads=1), device=torch.device("cpu"), G=64,
-                                    shape=SimpleNamespace(heads=3), layer_view=lambda li: None)
+                                    shape=SimpleNamespace(heads=3),
+                                    layer_view=lambda li: SimpleNamespace(corr=None, rows=None, sal=None))
     q = torch.zeros(1, 3, 64)
     assert backend.decode(q, 0, SimpleNamespace(plan=object()), 0.125) is q
-    assert seen == [("prepare", 1), ("decode", 1)] and torch.get_num_threads() == 2
+    assert seen == [(build, 1), ("decode", 1)] and torch.get_num_threads() == 2
+    assert backend.pool.decode_batches == {path: 1}

@@ -59,14 +59,17 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(common_prefix_share(x, y) for x, y in zip(a, b)) / len(a)
 
 
-@pytest.mark.parametrize("prefill", ["full", "paged"])
-def test_kvq_triton_gives_the_same_tokens_as_kvq_torch(tiny, prompts, prefill):
+@pytest.mark.parametrize("prefill,contexts,torch_path", [("full", "equal", "padded"), ("paged", "ragged", "pages")])
+def test_kvq_triton_gives_the_same_tokens_as_kvq_torch(tiny, prompts, prefill, contexts, torch_path):
+    """Equal contexts decode on kvq_torch's padded path, ragged ones (120, 40 and 6 words) page by page
+    (sgl_kvq/attention_pages.py; the pool's decode_batches count which ran): both give kvq_triton's tokens."""
     env = {"KVQ_PREFILL": prefill}
-    torch_out, stats = run_engine(tiny, "kivi2", prompts[:3], attention_backend="kvq_torch", max_total_tokens=4096,
-                                  env=env)
-    triton_out, _ = run_engine(tiny, "kivi2", prompts[:3], attention_backend="kvq_triton", max_total_tokens=4096,
+    batch = prompts[:3] if contexts == "equal" else [" ".join(p.split()[:n]) for p, n in zip(prompts, (120, 40, 6))]
+    torch_out, stats = run_engine(tiny, "kivi2", batch, attention_backend="kvq_torch", max_total_tokens=4096, env=env)
+    triton_out, _ = run_engine(tiny, "kivi2", batch, attention_backend="kvq_triton", max_total_tokens=4096,
                                env={**env, "TRITON_INTERPRET": "1"})
     assert stats["pool_class"] == "KVQTokenToKVPool" and stats["kv_cache_dtype"] == "kivi2"
+    assert stats["decode_batches"].get(torch_path, 0) > 0, stats["decode_batches"]
     assert triton_out == torch_out
 
 

@@ -1,8 +1,10 @@
 """kvq_torch: the torch attention backend over the quantized pool; any device, the CPU default.
 
-Decode runs batched (sgl_kvq/attention_batched.py: one padded attention over the batch, its index built once per
-batch); extend runs torch's fused attention per request (sgl_kvq/attention_extend.py). Both dequantize only the
-pages the batch references, never the pool; sgl_kvq/attention_ref.py is the oracle of both."""
+Decode runs batched with its index built once per batch: page by page with the scales folded into the query and the
+weights (sgl_kvq/attention_pages.py) for formats whose pages are codes, scales and zeros, on batches where that does
+less work (ragged or long contexts), else over a padded dequantized layout (sgl_kvq/attention_batched.py). Extend
+runs torch's fused attention per request (sgl_kvq/attention_extend.py). All read only the pages the batch
+references, never the pool; sgl_kvq/attention_ref.py is the oracle of every one."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import contextlib
 
 import torch
 
-from sgl_kvq import attention_batched, attention_extend
+from sgl_kvq import attention_batched, attention_extend, attention_pages
 from sgl_kvq.backends.base import KVQAttentionBackendBase
 
 
@@ -33,26 +35,49 @@ class KVQTorchBackend(KVQAttentionBackendBase):
 
     def __init__(self, model_runner):
         super().__init__(model_runner)
-        self._batched = None  # (plan, BatchedContext) of the current decode batch, shared by its layers
-        self._workspace = attention_batched.Workspace()  # the padded K/V buffers every layer and step reuses
+        # The current decode batch's plan and what its first layer derived from it for the others to reuse
+        self._plan_derived: tuple[object, dict] = (None, {})
+        self._workspace = attention_batched.Workspace()  # the K/V buffers every layer and step reuses
 
     def extend(self, q, k, v, li, step, sm_scale):
         return attention_extend.extend(q, k, v, step.qo_indptr, self.store.layer_view(li), step.plan, sm_scale)
 
+    def _derived(self, plan, name, build):
+        if self._plan_derived[0] is not plan:
+            self._plan_derived = (plan, {})
+        derived = self._plan_derived[1]
+        if name not in derived:
+            derived[name] = build()
+        return derived[name]
+
     def batched_context(self, plan) -> attention_batched.BatchedContext:
         """The padded layout of a decode plan, prepared by its first layer and reused by the others."""
-        if self._batched is None or self._batched[0] is not plan:
-            self._batched = (plan, attention_batched.prepare(plan, self.store.G, self.store.shape.heads))
-        return self._batched[1]
+        return self._derived(plan, "padded", lambda: attention_batched.prepare(plan, self.store.G,
+                                                                               self.store.shape.heads))
+
+    def decode_index(self, plan, kv) -> attention_pages.PageIndex | attention_batched.BatchedContext:
+        """A decode plan's index for the path that does less work on it (attention_pages.pays_off; formats with
+        per-page extras always take the padded one), built by the first layer and reused by the others."""
+        def build():
+            G, H = self.store.G, self.store.shape.heads
+            if attention_pages.supports(kv) and attention_pages.pays_off(plan, G):
+                self.pool.decode_batches["pages"] += 1
+                return attention_pages.index(plan, G, H)
+            self.pool.decode_batches["padded"] += 1
+            return self.batched_context(plan)
+
+        return self._derived(plan, "decode", build)
 
     def attention_threads(self):
         """The decode attention's intra-op thread limit (KVQConfig.attention_threads says why), as a context."""
         return intra_op_threads(self.store.cfg.attention_threads, self.store.device)
 
     def decode(self, q, li, step, sm_scale):
+        kv = self.store.layer_view(li)
         with self.attention_threads():
-            return attention_batched.decode(q, self.store.layer_view(li), self.batched_context(step.plan), sm_scale,
-                                            self._workspace)
+            idx = self.decode_index(step.plan, kv)
+            path = attention_pages if isinstance(idx, attention_pages.PageIndex) else attention_batched
+            return path.decode(q, kv, idx, sm_scale, self._workspace)
 
     def support_triton(self):
         return False

@@ -1,0 +1,131 @@
+"""kvq_torch's page-by-page decode (sgl_kvq/attention_pages.py) against its oracle attention_ref.ref_decode and the
+padded path (attention_batched) on random pools: batch sizes 1..9, contexts shorter than a page, partial last pages
+and frames (NaN past each end), empty overlays or bases, GQA groups 1..4, 1/2/4 bits, 1..4 value groups per head,
+fp32 within 1e-5."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from paged_pool import make_pool
+from sgl_kvq import attention_batched, attention_pages
+from sgl_kvq.attention_ref import ref_decode
+from test_attention_batched import SHAPES, random_requests
+
+
+def decode(q, kv, plan, G, H, ws=None):
+    return attention_pages.decode(q, kv, attention_pages.index(plan, G, H), q.shape[-1] ** -0.5, ws)
+
+
+@pytest.mark.parametrize("B", range(1, 10))
+@pytest.mark.parametrize("group", [1, 2, 3, 4])
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_page_decode_matches_reference(B, group, bits):
+    rng = random.Random(B * 100 + group * 10 + bits + 1)
+    G, H, D, VG = SHAPES[(B + group + bits) % len(SHAPES)]
+    reqs = random_requests(rng, B, G)
+    kv, plan = make_pool(G, H, D, VG, bits, reqs, torch.float32, seed=B + 7 * bits + 1)
+    q = torch.randn(B, H * group, D, generator=torch.Generator().manual_seed(group))
+    ref = ref_decode(q, kv, plan, D ** -0.5)
+    out = decode(q, kv, plan, G, H)
+    assert not out.isnan().any(), "a position past a context's end (NaN in the pool) reached the output"
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    padded = attention_batched.decode(q, kv, attention_batched.prepare(plan, G, H), D ** -0.5)
+    torch.testing.assert_close(out, padded, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("reqs", [[(0, 5)], [(0, 5), (0, 64)], [(3, 0)], [(130, 0), (2, 0)], [(64, 1), (0, 1)]],
+                         ids=["overlay-only", "overlays-only", "one-partial-page", "partial-pages", "one-token-frames"])
+def test_page_decode_edge_batches(reqs):
+    """Batches with no base page at all, no overlay frame at all, and single-token units."""
+    G, H, D, VG = 64, 3, 64, 64
+    kv, plan = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=5)
+    q = torch.randn(len(reqs), H * 3, D, generator=torch.Generator().manual_seed(5))
+    out = decode(q, kv, plan, G, H)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref_decode(q, kv, plan, D ** -0.5), rtol=1e-5, atol=1e-5)
+
+
+def test_reads_only_the_batch_pages():
+    """Pages and frames no request references (poisoned with NaN) never reach the output."""
+    G, H, D, VG = SHAPES[0]
+    reqs = [(3 * G, 5), (7, 0), (0, 20)]
+    kv, plan = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=3)
+    used_pages, used_frames = set(plan.kv_indices.tolist()), set(plan.ov_indices.tolist())
+    for p in range(kv.k_scale.shape[0]):
+        if p not in used_pages:
+            kv.k_scale[p] = kv.k_zero[p] = float("nan")
+            kv.v_scale[p * G:(p + 1) * G] = float("nan")
+    for f in range(kv.ov_k.shape[0]):
+        if f not in used_frames:
+            kv.ov_k[f] = kv.ov_v[f] = float("nan")
+    q = torch.randn(len(reqs), H * 2, D)
+    torch.testing.assert_close(decode(q, kv, plan, G, H), ref_decode(q, kv, plan, D ** -0.5), rtol=1e-5, atol=1e-5)
+
+
+def test_scales_are_read():
+    """Folding the scales into the query and weights still reads them: doubling a used page's key scale or a used
+    token's value scale moves the output exactly as it moves the reference's."""
+    G, H, D, VG = SHAPES[1]
+    reqs = [(2 * G, 10), (G, 3)]
+    kv, plan = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=8)
+    q = torch.randn(len(reqs), H * 3, D, generator=torch.Generator().manual_seed(8))
+    before = decode(q, kv, plan, G, H)
+    page = int(plan.kv_indices[0])
+    kv.k_scale[page] *= 2
+    kv.v_scale[page * G:(page + 1) * G] *= 2
+    after = decode(q, kv, plan, G, H)
+    assert (after - before).abs().max() > 1e-3
+    torch.testing.assert_close(after, ref_decode(q, kv, plan, D ** -0.5), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_page_decode_model_dtypes(dtype):
+    """The engine's dtypes: overlay and q in 16 bits, output in q's dtype (reference within its rounding)."""
+    G, H, D, VG = SHAPES[1]
+    reqs = [(2 * G, G + 3), (G - 1, 0), (0, 40)]
+    kv, plan = make_pool(G, H, D, VG, 4, reqs, dtype, seed=11)
+    q = torch.randn(len(reqs), H * 3, D).to(dtype)
+    out = decode(q, kv, plan, G, H)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref_decode(q, kv, plan, D ** -0.5).float(), rtol=1e-2, atol=1e-2)
+
+
+def test_workspace_reuse_across_batches():
+    """One Workspace (shared with the padded path, as in the backend) through batches that grow and shrink: every
+    output equals the one computed with fresh buffers."""
+    ws = attention_batched.Workspace()
+    rng = random.Random(12)
+    for i, B in enumerate([3, 8, 1, 5, 8]):
+        G, H, D, VG = SHAPES[i % len(SHAPES)]
+        kv, plan = make_pool(G, H, D, VG, 2, random_requests(rng, B, G), torch.float32, seed=i)
+        q = torch.randn(B, H * 2, D, generator=torch.Generator().manual_seed(i))
+        fresh = decode(q, kv, plan, G, H)
+        attention_batched.decode(q, kv, attention_batched.prepare(plan, G, H), D ** -0.5, ws)
+        torch.testing.assert_close(decode(q, kv, plan, G, H, ws), fresh, rtol=0, atol=0)
+
+
+def test_supports_only_plain_pages():
+    """GEAR corrections, LogQuant rows and ZipCache planes change dequantized K/V: those go the padded way."""
+    G, H, D, VG = SHAPES[0]
+    reqs = [(2 * G, 3)]
+    assert attention_pages.supports(make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=1)[0])
+    for extra in ({"gear": (2, 1, 1)}, {"rows": 2}, {"salient": 3}):
+        assert not attention_pages.supports(make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=1, **extra)[0])
+
+
+def test_pays_off_on_ragged_or_long_batches():
+    """The backend's choice (attention_pages.pays_off): the page path where the padded layout pads or the batch is
+    long, the padded one on short batches of equal contexts (where the page path's extra small ops cost more)."""
+    G, H, D, VG = 64, 1, 16, 16
+
+    def plan(reqs):
+        return make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=0)[1]
+
+    assert not attention_pages.pays_off(plan([(512, 64)]), G)  # one request, 9 units
+    assert not attention_pages.pays_off(plan([(512, 64)] * 4), G)  # equal contexts, 2,304 tokens
+    assert attention_pages.pays_off(plan([(512, 64), (64, 10), (0, 30)]), G)  # 3 x 9 padded units for 12
+    assert attention_pages.pays_off(plan([(4096, 64)]), G)  # 4,160 tokens
