@@ -80,9 +80,10 @@ class QuantizedKVStore:
         if bw.done_pages.numel():
             # Earlier batches' tokens of a completing page are in its frame (same request, and its frame is reused
             # only by a later page); this batch's tokens come from k/v. A page begun in this batch writes every
-            # offset, so its frame's stale rows are all overwritten. Read frames before this layer writes them.
-            kp = self.ov_k[layer, bw.done_frames].clone()
-            vp = self.ov_v[layer, bw.done_frames].clone()
+            # offset, so its frame's stale rows are all overwritten. Read frames before this layer writes them
+            # (indexing by a tensor copies them).
+            kp = self.ov_k[layer, bw.done_frames]
+            vp = self.ov_v[layer, bw.done_frames]
             kp[bw.done_tok_page, bw.done_tok_off] = k[bw.done_tok_rows].to(kp.dtype)
             vp[bw.done_tok_page, bw.done_tok_off] = v[bw.done_tok_rows].to(vp.dtype)
             if kernels:

@@ -13,6 +13,7 @@ in the kernel, not in torch.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -34,14 +35,15 @@ def build(prefix_slots: list[torch.Tensor], page_size: int, device: torch.device
     G = page_size
     lens = [int(s.numel()) for s in prefix_slots]
     frames = [-(-n // G) for n in lens]
-    starts = [sum(frames[:b]) for b in range(len(frames))]
-    total = sum(frames)
+    ends = list(itertools.accumulate(frames))
+    starts = [e - f for e, f in zip(ends, frames)]
+    total = ends[-1] if ends else 0
     i32 = dict(dtype=torch.int32, device=device)
     plan = PagedPlan(
         kv_indptr=torch.zeros(len(lens) + 1, **i32),
         kv_indices=torch.zeros(0, **i32),
         kv_last_page_len=torch.zeros(len(lens), **i32),
-        ov_indptr=torch.tensor([0] + [s + f for s, f in zip(starts, frames)], **i32),
+        ov_indptr=torch.tensor([0] + ends, **i32),
         ov_indices=torch.arange(total, **i32),
         ov_last_page_len=torch.tensor([n - (f - 1) * G if f else 0 for n, f in zip(lens, frames)], **i32),
     )
