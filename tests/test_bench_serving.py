@@ -22,6 +22,7 @@ def test_bench_serving_tiny_writes_loadgen_metrics_server_stats_and_plots(venv_b
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["command"].startswith("sgl-kvq bench serving --model tiny")
+    assert report["machine"]["cpus"] >= 1 and len(report["machine"]["load_average_before"]) == 3
     servers = {s["kv_cache_dtype"]: s for s in report["servers"]}
     assert set(servers) == {"auto", "kivi2"}
     for s in servers.values():

@@ -34,6 +34,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from sgl_kvq.commands.machine import describe
+
 DEFAULT_DTYPES = "auto,kivi4,kivi2,specache2"
 
 
@@ -300,6 +302,7 @@ def run(args) -> int:
           f"logs in {log_dir}", flush=True)
     from sgl_kvq.commands.bench_capacity import startup_error
 
+    machine = describe()
     rows, refused = [], []
     t0 = time.time()
     for label, dtype, tree in runs:
@@ -317,8 +320,7 @@ def run(args) -> int:
         Path(args.json).write_text(json.dumps({"model": args.model, "command": command, "steps": args.steps,
                                                "reps": args.reps, "kv_budget_gb": budget_gb,
                                                "context_length": args.context_length or geo["max_positions"],
-                                               "host": f"{os.cpu_count()} CPUs",
-                                               "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset"),
+                                               "machine": machine,
                                                "runs": rows, "refused": refused}, indent=1) + "\n")
     if args.plot:
         plot(rows, args.plot)

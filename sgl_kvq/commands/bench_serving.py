@@ -18,6 +18,7 @@ from pathlib import Path
 
 from sgl_kvq.commands import serving_stats as stats
 from sgl_kvq.commands import serving_workloads as wl
+from sgl_kvq.commands.machine import describe
 
 DEFAULT_DTYPES = "auto,kivi4,kivi2,specache2"
 REGIMES = ("tight", "generous")
@@ -158,7 +159,8 @@ def run(args) -> int:
     dtypes = [d for d in args.kv_cache_dtype.split(",") if d]
     budgets = regime_budgets(args, shape, loads[top], top)
     command = "sgl-kvq " + shlex.join(getattr(args, "_argv", None) or sys.argv[1:])
-    report = {"command": command, "model": args.model, "concurrencies": concurrencies, "kv_cache_dtypes": dtypes,
+    report = {"command": command, "model": args.model, "machine": describe(), "concurrencies": concurrencies,
+              "kv_cache_dtypes": dtypes,
               "workloads": {c: [workload_info(w, c) for w in loads[c]] for c in concurrencies},
               "regimes": {}, "servers": [], "runs": [], "sources": SOURCES}
     print(f"serving benchmark: {args.model}, {len(budgets) * len(dtypes)} servers, logs in {tmp}", flush=True)
