@@ -72,3 +72,16 @@ def make_pool(G, H, D, VG, bits, reqs, dtype, seed, gear=None, salient=0, rows=N
             if corr is not None:
                 corr.v_out_val[tail] = float("nan")
     return kv, PagedPlan(kvi, kvx, kvl, ovi, ovx, ovl)
+
+
+def poison_unused(kv: LayerKV, plan: PagedPlan, G: int) -> None:
+    """NaN into every page's key scale and zero and value scales, and every overlay frame, that no request of plan
+    references: a path that reads beyond the batch's own pages then shows it in its output."""
+    used_pages, used_frames = set(plan.kv_indices.tolist()), set(plan.ov_indices.tolist())
+    for p in range(kv.k_scale.shape[0]):
+        if p not in used_pages:
+            kv.k_scale[p] = kv.k_zero[p] = float("nan")
+            kv.v_scale[p * G:(p + 1) * G] = float("nan")
+    for f in range(kv.ov_k.shape[0]):
+        if f not in used_frames:
+            kv.ov_k[f] = kv.ov_v[f] = float("nan")

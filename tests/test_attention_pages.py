@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from paged_pool import make_pool
+from paged_pool import make_pool, poison_unused
 from sgl_kvq import attention_batched, attention_pages
 from sgl_kvq.attention_ref import ref_decode
 from test_attention_batched import SHAPES, random_requests
@@ -54,14 +54,7 @@ def test_reads_only_the_batch_pages():
     G, H, D, VG = SHAPES[0]
     reqs = [(3 * G, 5), (7, 0), (0, 20)]
     kv, plan = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=3)
-    used_pages, used_frames = set(plan.kv_indices.tolist()), set(plan.ov_indices.tolist())
-    for p in range(kv.k_scale.shape[0]):
-        if p not in used_pages:
-            kv.k_scale[p] = kv.k_zero[p] = float("nan")
-            kv.v_scale[p * G:(p + 1) * G] = float("nan")
-    for f in range(kv.ov_k.shape[0]):
-        if f not in used_frames:
-            kv.ov_k[f] = kv.ov_v[f] = float("nan")
+    poison_unused(kv, plan, G)
     q = torch.randn(len(reqs), H * 2, D)
     torch.testing.assert_close(decode(q, kv, plan, G, H), ref_decode(q, kv, plan, D ** -0.5), rtol=1e-5, atol=1e-5)
 
