@@ -119,3 +119,41 @@ def test_stream_batch_reads_every_request_token_by_token():
     assert [[n for _, n in a] for a in arrivals] == [[1, 3, 4, 5]] * 3
     assert 0.005 < bench_decode.step_seconds(arrivals) < 0.5
     assert cpu >= 0.0
+
+
+def test_json_is_saved_after_every_server(tmp_path, monkeypatch):
+    """A run cut off after its first server (hours at B=8, 16k tokens) keeps that server's rows on disk."""
+    import json
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 30, "num_attention_heads": 9,
+                                                   "num_key_value_heads": 3, "hidden_size": 576,
+                                                   "max_position_embeddings": 8192, "vocab_size": 49152}))
+    monkeypatch.setattr(bench_decode, "equal_budget", lambda *a: 2**30)
+    monkeypatch.setattr(bench_decode, "describe", lambda: {"cpu": "test"})
+
+    def measure(model, label, *rest):
+        if label != "auto":
+            raise KeyboardInterrupt  # the run is stopped while the second server measures
+        return [{"kv_cache_dtype": "auto", "batch": 1, "context": 1024, "ms_per_step": 50.0,
+                 "cpu_ms_per_step": 90.0, "tok_per_s": 20.0, "kv_read_bytes_per_step": 1}]
+
+    monkeypatch.setattr(bench_decode, "measure", measure)
+    out = tmp_path / "d.json"
+    a = args("--model", str(model), "--kv-cache-dtype", "auto,kivi2", "--context", "1024", "--batch", "1",
+             "--json", str(out))
+    try:
+        bench_decode.run(a)
+    except KeyboardInterrupt:
+        pass
+    saved = json.loads(out.read_text())
+    assert saved["complete"] is False
+    assert [(r["kv_cache_dtype"], r["x_bf16_tok_per_s"]) for r in saved["runs"]] == [("auto", 1.0)]
+    monkeypatch.setattr(bench_decode, "measure", lambda model, label, *rest: [
+        {**r, "kv_cache_dtype": label, "tok_per_s": 40.0 if label == "kivi2" else 20.0} for r in
+        measure(model, "auto")])
+    bench_decode.run(a)
+    saved = json.loads(out.read_text())
+    assert saved["complete"] is True
+    assert [r["x_bf16_tok_per_s"] for r in saved["runs"]] == [1.0, 2.0]

@@ -304,6 +304,17 @@ def run(args) -> int:
 
     machine = describe()
     rows, refused = [], []
+    command = "sgl-kvq " + shlex.join(getattr(args, "_argv", None) or sys.argv[1:])
+
+    def save(done: bool) -> None:
+        """The JSON so far, after every server: a run of hours (B=8 at 16k tokens) cut off keeps what it measured."""
+        if args.json:
+            Path(args.json).write_text(json.dumps({"model": args.model, "command": command, "steps": args.steps,
+                                                   "reps": args.reps, "kv_budget_gb": budget_gb,
+                                                   "context_length": args.context_length or geo["max_positions"],
+                                                   "machine": machine, "complete": done,
+                                                   "runs": rows, "refused": refused}, indent=1) + "\n")
+
     t0 = time.time()
     for label, dtype, tree in runs:
         try:
@@ -312,16 +323,11 @@ def run(args) -> int:
             why = startup_error(log_dir / f"{label.replace('/', '_')}.log") or str(e).splitlines()[0]
             refused.append({"kv_cache_dtype": label, "refused": why})
             print(f"[decode] {label}: {why}", flush=True)
-    ratios(rows)
+        ratios(rows)
+        save(done=False)
     print(table(rows))
     print(f"[decode] {time.time() - t0:.0f}s")
-    if args.json:
-        command = "sgl-kvq " + shlex.join(getattr(args, "_argv", None) or sys.argv[1:])
-        Path(args.json).write_text(json.dumps({"model": args.model, "command": command, "steps": args.steps,
-                                               "reps": args.reps, "kv_budget_gb": budget_gb,
-                                               "context_length": args.context_length or geo["max_positions"],
-                                               "machine": machine,
-                                               "runs": rows, "refused": refused}, indent=1) + "\n")
+    save(done=True)
     if args.plot:
         plot(rows, args.plot)
     return 0
