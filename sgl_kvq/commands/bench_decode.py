@@ -172,9 +172,9 @@ def measure(model: Path, label: str, dtype: str, tree: str | None, points, args,
             log_dir: Path) -> list[dict]:
     from sgl_kvq.launch import ServerProcess, baseline_page_size
 
-    # The watchdog raised: bf16's torch_native extend computes every request's whole-context attention (its
-    # queries padded to the full length), so the re-sent batch's one-page extend at B=8 x 16k tokens is one forward
-    # of minutes, which SGLang's 300 s scheduler watchdog killed. Not a performance flag: it only stops the kill.
+    # A 2-hour watchdog: bf16's torch_native extend computes every request's whole-context attention (its queries
+    # padded to the full length), so the re-sent batch's one-page extend at B=8 x 16k tokens is one forward of about
+    # 9 minutes, past SGLang's 300 s scheduler watchdog, which kills the server. Not a performance flag.
     server_args = ["--model-path", str(model), "--max-running-requests", str(max(b for b, _ in points)),
                    "--watchdog-timeout", "7200"]
     if args.context_length:
