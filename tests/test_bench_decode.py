@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
+
+import pytest
 
 from sgl_kvq.commands import bench, bench_decode
 
@@ -81,7 +84,6 @@ def test_step_seconds_is_the_median_time_per_token():
 def test_stream_batch_reads_every_request_token_by_token():
     """Against a stand-in server that streams SGLang's SSE lines: one request per prompt, all at once, each
     token's arrival recorded, [DONE] not counted."""
-    import json
     import os
     import threading
     import time
@@ -123,8 +125,6 @@ def test_stream_batch_reads_every_request_token_by_token():
 
 def test_json_is_saved_after_every_server(tmp_path, monkeypatch):
     """A run cut off after its first server (hours at B=8, 16k tokens) keeps that server's rows on disk."""
-    import json
-
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"num_hidden_layers": 30, "num_attention_heads": 9,
@@ -143,10 +143,8 @@ def test_json_is_saved_after_every_server(tmp_path, monkeypatch):
     out = tmp_path / "d.json"
     a = args("--model", str(model), "--kv-cache-dtype", "auto,kivi2", "--context", "1024", "--batch", "1",
              "--json", str(out))
-    try:
+    with pytest.raises(KeyboardInterrupt):
         bench_decode.run(a)
-    except KeyboardInterrupt:
-        pass
     saved = json.loads(out.read_text())
     assert saved["complete"] is False
     assert [(r["kv_cache_dtype"], r["x_bf16_tok_per_s"]) for r in saved["runs"]] == [("auto", 1.0)]
