@@ -17,6 +17,12 @@ paths: one layer of kvq_torch's two decode paths alternately in one process, thr
 of 40): the padded dequantized layout (attention_batched) and page by page with the scales folded
 (attention_pages), on the same batch; --ragged gives each request a context drawn from 20..C (a ShareGPT-like
 batch), else all C.
+
+    python bench/decode_work.py --kernel --batch 1 4 8 --context 256
+
+kernel: one layer of each kvq_torch decode (the padded layout, page by page, and the C kernel
+kernels/cpu_decode_attention.c) and of bf16 torch_native's gather + SDPA over the same contexts, alternately in one
+process with torch's own thread count, wall time (median of 40): what a decode step pays per layer.
 """
 
 from __future__ import annotations
@@ -147,6 +153,42 @@ def paths(B: int, C: int, bits: int, ragged: bool, reps: int = 40) -> dict:
             "padded_over_pages": out["padded_ms"] / out["pages_ms"]}
 
 
+def kernel(B: int, C: int, bits: int, ragged: bool, reps: int = 40) -> dict:
+    from sgl_kvq.kernels import cpu_decode_attention as cda
+
+    store, req_to_token, reqs = filled_store(B, C, bits)
+    gen = torch.Generator().manual_seed(B * C)
+    lens = torch.randint(20, C + 1, (B,), generator=gen) if ragged else torch.full((B,), C)
+    fp = build_forward_plan(store, req_to_token, reqs, lens + 1, req_to_token[reqs, lens].long(), is_decode=True)
+    plan = fp.steps[0].plan
+    ctx, idx, ws = ab.prepare(plan, G, H), ap.index(plan, G, H), ab.Workspace()
+    q, kv = torch.randn(B, HQ, D, dtype=torch.bfloat16), store.layer_view(0)
+    kc = torch.randn(int(lens.sum()) + B, H, D, dtype=torch.bfloat16)
+    tokens = [torch.arange(int(s), int(e)) for s, e in zip([0, *(lens + 1).cumsum(0)[:-1]], (lens + 1).cumsum(0))]
+
+    def bf16():  # sglang's torch_native decode: per request a gather of its K and V rows and one SDPA
+        for b in range(B):
+            k = kc[tokens[b]].movedim(0, 1)
+            torch.nn.functional.scaled_dot_product_attention(q[b:b + 1].transpose(0, 1).unsqueeze(0), k.unsqueeze(0),
+                                                             kc[tokens[b]].movedim(0, 1).unsqueeze(0),
+                                                             enable_gqa=True, scale=D ** -0.5)
+
+    runs = {"padded": lambda: ab.decode(q, kv, ctx, D ** -0.5, ws),
+            "pages": lambda: ap.decode(q, kv, idx, D ** -0.5, ws),
+            "cpu_kernel": lambda: cda.decode_attention(q, kv, plan, D ** -0.5, check=False),
+            "bf16_torch_native": bf16}
+    torch.testing.assert_close(runs["cpu_kernel"]().float(), runs["padded"]().float(), rtol=2e-2, atol=2e-2)
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(reps):
+        for name, run in runs.items():
+            t = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - t)
+    out = {f"{k}_ms": statistics.median(v) * 1e3 for k, v in times.items()}
+    return {"batch": B, "context": C, "ragged": ragged, "tokens": int(lens.sum()), "kvq_bits": bits,
+            "threads": torch.get_num_threads(), **out}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
@@ -154,9 +196,14 @@ def main() -> None:
     p.add_argument("--bits", type=int, default=2)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--paths", action="store_true", help="compare the two decode paths instead (see above)")
-    p.add_argument("--ragged", action="store_true", help="--paths: contexts drawn from 20..C")
+    p.add_argument("--kernel", action="store_true", help="the C kernel against both torch paths and bf16 (above)")
+    p.add_argument("--ragged", action="store_true", help="--paths, --kernel: contexts drawn from 20..C")
     args = p.parse_args()
     out = []
+    if args.kernel:
+        for B in args.batch:
+            print(json.dumps(kernel(B, args.context, args.bits, args.ragged)), flush=True)
+        return
     if args.paths:
         torch.set_num_threads(1)
         for B in args.batch:

@@ -1,1 +1,2 @@
-"""Triton kernels of sgl_kvq: each @triton.jit kernel file beside its launcher; no SGLang imports."""
+"""Kernels of sgl_kvq, each beside its launcher, no SGLang imports: the Triton kernels (@triton.jit files) and
+the CPU decode kernel in C (cpu_decode_attention.c, compiled by its launcher)."""

@@ -108,6 +108,11 @@ class KVQConfig:
     # descheduled thread (one layer 161 ms against 0.68 ms on one thread at load average 13-17; README "Where a
     # decode step's time goes").
     attention_threads: int = 0
+    # 1: kvq_torch decodes the codes-scales-zeros formats (kivi1/2/4) on a CPU with the compiled C kernel
+    # (kernels/cpu_decode_attention.c) when a C compiler is found, else its torch paths; 0: always the torch paths.
+    # One layer, SmolLM2, 2 threads, wall: B=1 256 tokens 0.10 ms against the padded path's 0.47 (bf16
+    # torch_native 0.24), B=8 1k 1.6 against 3.7 (bf16 7.5); bench/results/decode-kernel-smollm2.json.
+    cpu_kernel: int = 1
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -151,6 +156,9 @@ class KVQConfig:
         if self.attention_threads < 0:
             raise KVQConfigError(f"sgl_kvq: KVQ_ATTENTION_THREADS={self.attention_threads} must be 0 (torch's own "
                                  "thread count) or more, e.g. 1")
+        if self.cpu_kernel not in (0, 1):
+            raise KVQConfigError(f"sgl_kvq: KVQ_CPU_KERNEL={self.cpu_kernel} must be 0 (torch paths) or 1 (the C "
+                                 "decode kernel where a C compiler is found)")
         if self.is_specache and self.prefill != "full":
             raise KVQConfigError("sgl_kvq: specache extends read the cached prefix in 16 bits from the host tier; "
                                  f"KVQ_PREFILL={self.prefill} applies to kivi only")

@@ -63,7 +63,7 @@ def test_kvq_torch_decode_runs_under_the_limit(two_threads, monkeypatch, path):
     monkeypatch.setattr(module, "decode",
                         lambda q, kv, idx, sm, ws: seen.append(("decode", torch.get_num_threads())) or q)
     backend = KVQTorchBackend.__new__(KVQTorchBackend)
-    backend._plan_derived, backend._workspace = (None, {}), None
+    backend._plan_derived, backend._workspace, backend._cpu_kernel = (None, {}), None, False
     backend.pool = SimpleNamespace(decode_batches=collections.Counter())
     backend.store = SimpleNamespace(cfg=KVQConfig("kivi", 2, attention_threads=1), device=torch.device("cpu"), G=64,
                                     shape=SimpleNamespace(heads=3),
@@ -72,3 +72,14 @@ def test_kvq_torch_decode_runs_under_the_limit(two_threads, monkeypatch, path):
     assert backend.decode(q, 0, SimpleNamespace(plan=object()), 0.125) is q
     assert seen == [(build, 1), ("decode", 1)] and torch.get_num_threads() == 2
     assert backend.pool.decode_batches == {path: 1}
+
+
+def test_cpu_kernel_knob(monkeypatch):
+    """KVQ_CPU_KERNEL: 1 (the C decode kernel where a compiler is found) by default, 0 keeps the torch paths,
+    anything else is refused when the flag is parsed, before a model loads."""
+    assert KVQConfig("kivi", 2).cpu_kernel == 1
+    monkeypatch.setenv("KVQ_CPU_KERNEL", "0")
+    assert parse_kv_cache_dtype("kivi2").cpu_kernel == 0
+    monkeypatch.setenv("KVQ_CPU_KERNEL", "2")
+    with pytest.raises(KVQConfigError, match="KVQ_CPU_KERNEL=2 must be 0 .* or 1"):
+        parse_kv_cache_dtype("kivi2")

@@ -59,18 +59,26 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(common_prefix_share(x, y) for x, y in zip(a, b)) / len(a)
 
 
-@pytest.mark.parametrize("prefill,contexts,torch_path", [("full", "equal", "padded"), ("paged", "ragged", "pages")])
-def test_kvq_triton_gives_the_same_tokens_as_kvq_torch(tiny, prompts, prefill, contexts, torch_path):
-    """Equal contexts decode on kvq_torch's padded path, ragged ones (120, 40 and 6 words) page by page
-    (sgl_kvq/attention_pages.py; the pool's decode_batches count which ran): both give kvq_triton's tokens."""
-    env = {"KVQ_PREFILL": prefill}
+@pytest.mark.parametrize("prefill,contexts,torch_paths", [("full", "equal", ["padded", "cpu_kernel"]),
+                                                           ("paged", "ragged", ["pages"])])
+def test_kvq_triton_gives_the_same_tokens_as_kvq_torch(tiny, prompts, prefill, contexts, torch_paths):
+    """kvq_torch's decode paths give kvq_triton's tokens: with KVQ_CPU_KERNEL=0 equal contexts decode on the padded
+    path, ragged ones (120, 40 and 6 words) page by page (sgl_kvq/attention_pages.py); by default on a CPU the C
+    kernel (kernels/cpu_decode_attention.c) decodes them. The pool's decode_batches count which ran."""
+    from sgl_kvq.kernels.cpu_decode_attention import compiler
+
     batch = prompts[:3] if contexts == "equal" else [" ".join(p.split()[:n]) for p, n in zip(prompts, (120, 40, 6))]
-    torch_out, stats = run_engine(tiny, "kivi2", batch, attention_backend="kvq_torch", max_total_tokens=4096, env=env)
     triton_out, _ = run_engine(tiny, "kivi2", batch, attention_backend="kvq_triton", max_total_tokens=4096,
-                               env={**env, "TRITON_INTERPRET": "1"})
-    assert stats["pool_class"] == "KVQTokenToKVPool" and stats["kv_cache_dtype"] == "kivi2"
-    assert stats["decode_batches"].get(torch_path, 0) > 0, stats["decode_batches"]
-    assert triton_out == torch_out
+                               env={"KVQ_PREFILL": prefill, "TRITON_INTERPRET": "1"})
+    for path in torch_paths:
+        if path == "cpu_kernel" and compiler() is None:
+            continue  # no C compiler: kvq_torch keeps its torch paths (tests/test_kernels_cpu_decode.py skips too)
+        env = {"KVQ_PREFILL": prefill, "KVQ_CPU_KERNEL": "1" if path == "cpu_kernel" else "0"}
+        torch_out, stats = run_engine(tiny, "kivi2", batch, attention_backend="kvq_torch", max_total_tokens=4096,
+                                      env=env)
+        assert stats["pool_class"] == "KVQTokenToKVPool" and stats["kv_cache_dtype"] == "kivi2"
+        assert set(stats["decode_batches"]) == {path}, stats["decode_batches"]
+        assert triton_out == torch_out, path
 
 
 def test_pool_too_small_completes_every_request_like_an_uncontended_run(capfd):

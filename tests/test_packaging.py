@@ -60,7 +60,7 @@ def wheel_problems(wheel: Path, root: Path, target: Path) -> list[str]:
     problems = []
     names = set(zipfile.ZipFile(wheel).namelist())
     for top in ("kernels", "patches"):
-        for f in sorted((root / top).rglob("*.py")):
+        for f in sorted([*(root / top).rglob("*.py"), *(root / top).rglob("*.c")]):  # .c: the CPU kernel's source
             if "__pycache__" not in f.parts:
                 rel = f"sgl_kvq/{top}/{f.relative_to(root / top).as_posix()}"
                 if rel not in names:

@@ -1,19 +1,24 @@
 """kvq_torch: the torch attention backend over the quantized pool; any device, the CPU default.
 
-Decode runs batched with its index built once per batch: page by page with the scales folded into the query and the
-weights (sgl_kvq/attention_pages.py) for formats whose pages are codes, scales and zeros, on batches where that does
-less work (ragged or long contexts), else over a padded dequantized layout (sgl_kvq/attention_batched.py). Extend
-runs torch's fused attention per request (sgl_kvq/attention_extend.py). All read only the pages the batch
+Decode of the codes-scales-zeros formats (kivi) on a CPU runs the compiled C kernel (kernels/cpu_decode_attention.c;
+KVQ_CPU_KERNEL, where a C compiler is found). Otherwise it runs batched with its index built once per batch: page
+by page with the scales folded into the query and the weights (sgl_kvq/attention_pages.py) for formats whose pages
+are codes, scales and zeros, on batches where that does less work (ragged or long contexts), else over a padded
+dequantized layout (sgl_kvq/attention_batched.py). Extend runs torch's fused attention per request (sgl_kvq/attention_extend.py). All read only the pages the batch
 references, never the pool; sgl_kvq/attention_ref.py is the oracle of every one."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 
 from sgl_kvq import attention_batched, attention_extend, attention_pages
 from sgl_kvq.backends.base import KVQAttentionBackendBase
+from sgl_kvq.kernels import cpu_decode_attention
+
+logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -38,6 +43,20 @@ class KVQTorchBackend(KVQAttentionBackendBase):
         # The current decode batch's plan and what its first layer derived from it for the others to reuse
         self._plan_derived: tuple[object, dict] = (None, {})
         self._workspace = attention_batched.Workspace()  # the K/V buffers every layer and step reuses
+        self._cpu_kernel = self._use_cpu_kernel()
+        self._checked_layers: set[int] = set()  # layer views the C kernel's layout check has passed
+
+    def _use_cpu_kernel(self) -> bool:
+        """Whether decode of a kivi format runs the C kernel (built here, once per machine, about 2 s). Not for
+        specache: its decode lanes (sgl_kvq/specache/) attend on the torch path."""
+        cfg = self.store.cfg
+        if not cfg.cpu_kernel or cfg.is_specache or self.store.device.type != "cpu":
+            return False
+        if cpu_decode_attention.available():
+            return True
+        logger.warning("sgl_kvq: kvq_torch decodes with its torch paths: %s (KVQ_CPU_KERNEL=0 silences this)",
+                       cpu_decode_attention.unavailable_reason())
+        return False
 
     def extend(self, q, k, v, li, step, sm_scale):
         return attention_extend.extend(q, k, v, step.qo_indptr, self.store.layer_view(li), step.plan, sm_scale)
@@ -74,6 +93,14 @@ class KVQTorchBackend(KVQAttentionBackendBase):
 
     def decode(self, q, li, step, sm_scale):
         kv = self.store.layer_view(li)
+        if self._cpu_kernel and cpu_decode_attention.supports(kv):
+            if self._plan_derived[0] is not step.plan:  # count batches, not layers
+                self._plan_derived = (step.plan, {})
+                self.pool.decode_batches["cpu_kernel"] += 1
+            check = li not in self._checked_layers
+            self._checked_layers.add(li)
+            with self.attention_threads():
+                return cpu_decode_attention.decode_attention(q.contiguous(), kv, step.plan, sm_scale, check=check)
         with self.attention_threads():
             idx = self.decode_index(step.plan, kv)
             path = attention_pages if isinstance(idx, attention_pages.PageIndex) else attention_batched

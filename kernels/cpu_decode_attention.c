@@ -1,0 +1,269 @@
+/* Decode attention over the packed base plus the fp16 overlay on a CPU: one fused pass per (request, KV head, chunk
+ * of pages) that reads the packed codes, never a dequantized context. The C counterpart of attention_pages.py (the
+ * same algebra), checked against attention_ref.ref_decode (tests/test_kernels_cpu_decode.py).
+ *
+ * Layouts (sgl_kvq/plan.py LayerKV and PagedPlan, one layer; asserted by the launcher, cpu_decode_attention.py):
+ *   q, out     [B, Hq, D]      fp32 / fp16 / bf16 (dtype code 0 / 1 / 2), contiguous
+ *   k_codes    [S, H, D*b/8]   uint8, b-bit codes packed along D (sgl_kvq/quant/pack.py: element i in byte
+ *   v_codes                    i / (8/b) at bit (i % (8/b)) * b)
+ *   k_scale    [P, H, D]       fp16 per page and channel: key = code * scale + zero
+ *   k_zero
+ *   v_scale    [S, H, NG]      fp16 per token and group of D / NG channels: value = code * scale + zero
+ *   v_zero
+ *   ov_k, ov_v [F, G, H, D]    fp32 / fp16 / bf16 overlay frames (the model's dtype), as stored
+ *   plan       kv_indptr [B+1], kv_indices, kv_last [B]; ov_indptr [B+1], ov_indices, ov_last [B]: int32
+ * Request b's context is its base pages then its overlay frames; the last page of each list holds *_last tokens.
+ *
+ * A base page folds its scales into the query instead of dequantizing its keys: q . k_t = (q * s) . c_t + q . z.
+ * Query head i reads KV head i / g (g = Hq / H). Work is split into tasks of up to `chunk` units (pages or frames)
+ * of one request and KV head; each task leaves its running max, sum and weighted values in `partial`, and a second
+ * pass merges a (request, head)'s tasks. Threads: OpenMP over tasks, resolved against the libgomp torch already
+ * loaded (the same soname), so torch.set_num_threads governs this loop too. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { F32 = 0, F16 = 1, BF16 = 2 };
+
+static inline float f16_to_f32(uint16_t x) {
+    _Float16 h;
+    memcpy(&h, &x, 2);
+    return (float)h;
+}
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float load(const void *p, long i, int dtype) {
+    if (dtype == F32) return ((const float *)p)[i];
+    if (dtype == F16) return f16_to_f32(((const uint16_t *)p)[i]);
+    return bf16_to_f32(((const uint16_t *)p)[i]);
+}
+
+static inline void store(void *p, long i, float x, int dtype) {
+    if (dtype == F32) {
+        ((float *)p)[i] = x;
+    } else if (dtype == F16) {
+        _Float16 h = (_Float16)x;
+        memcpy((uint16_t *)p + i, &h, 2);
+    } else {  /* round to nearest even, as torch's float -> bfloat16 */
+        uint32_t u;
+        memcpy(&u, &x, 4);
+        uint16_t r = isnan(x) ? 0x7fc0 : (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+        ((uint16_t *)p)[i] = r;
+    }
+}
+
+typedef struct {
+    const void *q;
+    void *out;
+    const uint8_t *k_codes, *v_codes;
+    const uint16_t *k_scale, *k_zero, *v_scale, *v_zero;
+    const uint16_t *ov_k, *ov_v;
+    const int32_t *kv_indptr, *kv_indices, *kv_last, *ov_indptr, *ov_indices, *ov_last;
+    int B, H, Hq, D, G, bits, NG, q_dtype, ov_dtype, chunk;
+    float sm_scale;
+    float *partial;  /* [tasks, g, D + 2]: per query head its weighted values, then max and sum */
+} Args;
+
+/* Byte value -> its 8 / b codes as floats, in element order (a copy per packed byte instead of a shift, mask and
+ * convert per code: the unpack was most of a token's work). */
+static float LUT1[256][8], LUT2[256][4], LUT4[256][2];
+
+__attribute__((constructor)) static void init_luts(void) {
+    for (int v = 0; v < 256; v++) {
+        for (int s = 0; s < 8; s++) LUT1[v][s] = (float)((v >> s) & 1);
+        for (int s = 0; s < 4; s++) LUT2[v][s] = (float)((v >> (2 * s)) & 3);
+        for (int s = 0; s < 2; s++) LUT4[v][s] = (float)((v >> (4 * s)) & 15);
+    }
+}
+
+/* One row of b-bit codes -> D floats (b: the bit width as a constant, so each case has its own loop). */
+static inline void unpack_row(const uint8_t *restrict p, float *restrict c, int D, const int b) {
+    if (b == 8) {
+        for (int d = 0; d < D; d++) c[d] = (float)p[d];
+        return;
+    }
+    const int k = 8 / b;
+    const float *lut = b == 1 ? LUT1[0] : b == 2 ? LUT2[0] : LUT4[0];
+    for (int j = 0; j < D / k; j++) memcpy(c + j * k, lut + p[j] * k, sizeof(float) * k);
+}
+
+static inline float dot(const float *restrict a, const float *restrict b, int D) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int d = 0; d < D; d++) s += a[d] * b[d];
+    return s;
+}
+
+/* Online softmax over one unit's n scores s[j * G + t] per query head j: rescale the running state to the new max,
+ * turn the scores into weights in place. */
+static inline void softmax_step(float *restrict s, float *restrict m, float *restrict l, float *restrict acc,
+                                int g, int n, int G, int D) {
+    for (int j = 0; j < g; j++) {
+        float mx = m[j];
+        for (int t = 0; t < n; t++) mx = fmaxf(mx, s[j * G + t]);
+        if (mx > m[j]) {
+            const float alpha = m[j] == -INFINITY ? 0.f : expf(m[j] - mx);
+            l[j] *= alpha;
+            for (int d = 0; d < D; d++) acc[j * D + d] *= alpha;
+            m[j] = mx;
+        }
+        float sum = 0.f;
+        for (int t = 0; t < n; t++) {
+            const float e = expf(s[j * G + t] - mx);
+            s[j * G + t] = e;
+            sum += e;
+        }
+        l[j] += sum;
+    }
+}
+
+static inline void axpy(float *restrict y, const float *restrict x, float a, int D) {
+#pragma omp simd
+    for (int d = 0; d < D; d++) y[d] += a * x[d];
+}
+
+/* A base page's n tokens of KV head h for the g query rows qh (already scaled by sm_scale). */
+static inline void base_page(const Args *a, int page, int n, int h, const float *restrict qh, float *restrict m,
+                             float *restrict l, float *restrict acc, float *restrict s, const int b) {
+    const int D = a->D, H = a->H, G = a->G, NG = a->NG, g = a->Hq / a->H, Dp = D * b / 8, VG = D / NG;
+    float qs[g * D], qz[g], c[D], v[D];
+    const long kp = ((long)page * H + h) * D;
+    for (int j = 0; j < g; j++) {
+        float z = 0.f;
+        for (int d = 0; d < D; d++) {
+            qs[j * D + d] = qh[j * D + d] * f16_to_f32(a->k_scale[kp + d]);
+            z += qh[j * D + d] * f16_to_f32(a->k_zero[kp + d]);
+        }
+        qz[j] = z;
+    }
+    for (int t = 0; t < n; t++) {
+        unpack_row(a->k_codes + ((long)(page * G + t) * H + h) * Dp, c, D, b);
+        for (int j = 0; j < g; j++) s[j * G + t] = dot(qs + j * D, c, D) + qz[j];
+    }
+    softmax_step(s, m, l, acc, g, n, G, D);
+    for (int t = 0; t < n; t++) {
+        const long row = (long)(page * G + t) * H + h;
+        unpack_row(a->v_codes + row * Dp, c, D, b);
+        for (int grp = 0; grp < NG; grp++) {
+            const float sc = f16_to_f32(a->v_scale[row * NG + grp]), zr = f16_to_f32(a->v_zero[row * NG + grp]);
+            for (int d = grp * VG; d < (grp + 1) * VG; d++) v[d] = c[d] * sc + zr;
+        }
+        for (int j = 0; j < g; j++) axpy(acc + j * D, v, s[j * G + t], D);
+    }
+}
+
+/* An overlay frame's n tokens of KV head h, as stored. */
+static inline void overlay_frame(const Args *a, int frame, int n, int h, const float *restrict qh,
+                                 float *restrict m, float *restrict l, float *restrict acc, float *restrict s) {
+    const int D = a->D, H = a->H, G = a->G, g = a->Hq / a->H;
+    float c[D];
+    for (int t = 0; t < n; t++) {
+        const long row = ((long)(frame * G + t) * H + h) * D;
+        for (int d = 0; d < D; d++) c[d] = load(a->ov_k, row + d, a->ov_dtype);
+        for (int j = 0; j < g; j++) s[j * G + t] = dot(qh + j * D, c, D);
+    }
+    softmax_step(s, m, l, acc, g, n, G, D);
+    for (int t = 0; t < n; t++) {
+        const long row = ((long)(frame * G + t) * H + h) * D;
+        for (int d = 0; d < D; d++) c[d] = load(a->ov_v, row + d, a->ov_dtype);
+        for (int j = 0; j < g; j++) axpy(acc + j * D, c, s[j * G + t], D);
+    }
+}
+
+/* Units [u0, u1) of request b for KV head h into one partial state. */
+static inline void run_task(const Args *a, int b, int h, int u0, int u1, float *restrict part, const int bits) {
+    const int D = a->D, G = a->G, g = a->Hq / a->H;
+    const int np = a->kv_indptr[b + 1] - a->kv_indptr[b], nf = a->ov_indptr[b + 1] - a->ov_indptr[b];
+    float qh[g * D], s[g * G];
+    float *acc = part, *m = part + g * D, *l = m + g;
+    for (int j = 0; j < g; j++) {
+        const long qi = ((long)b * a->Hq + h * g + j) * D;
+        for (int d = 0; d < D; d++) qh[j * D + d] = load(a->q, qi + d, a->q_dtype) * a->sm_scale;
+        m[j] = -INFINITY;
+        l[j] = 0.f;
+    }
+    memset(acc, 0, sizeof(float) * g * D);
+    for (int u = u0; u < u1; u++) {
+        if (u < np) {
+            const int n = u == np - 1 ? a->kv_last[b] : G;
+            base_page(a, a->kv_indices[a->kv_indptr[b] + u], n, h, qh, m, l, acc, s, bits);
+        } else {
+            const int f = u - np, n = f == nf - 1 ? a->ov_last[b] : G;
+            overlay_frame(a, a->ov_indices[a->ov_indptr[b] + f], n, h, qh, m, l, acc, s);
+        }
+    }
+}
+
+/* Returns 0, or -1 when the task table could not be allocated. */
+int kvq_cpu_decode(const void *q, void *out, const uint8_t *k_codes, const uint8_t *v_codes,
+                   const uint16_t *k_scale, const uint16_t *k_zero, const uint16_t *v_scale, const uint16_t *v_zero,
+                   const uint16_t *ov_k, const uint16_t *ov_v, const int32_t *kv_indptr, const int32_t *kv_indices,
+                   const int32_t *kv_last, const int32_t *ov_indptr, const int32_t *ov_indices,
+                   const int32_t *ov_last, int B, int H, int Hq, int D, int G, int bits, int NG, int q_dtype,
+                   int ov_dtype, float sm_scale, int chunk, float *partial) {
+    const Args a = {q, out, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, ov_k, ov_v, kv_indptr, kv_indices,
+                    kv_last, ov_indptr, ov_indices, ov_last, B, H, Hq, D, G, bits, NG, q_dtype, ov_dtype, chunk,
+                    sm_scale, partial};
+    const int g = Hq / H, stride = g * (D + 2);
+    /* task t: request task_b[t], its chunk task_c[t]; a request's tasks are H * chunks in (head, chunk) order */
+    int *first = malloc(sizeof(int) * (B + 1));
+    if (!first) return -1;
+    first[0] = 0;
+    for (int b = 0; b < B; b++) {
+        const int units = kv_indptr[b + 1] - kv_indptr[b] + ov_indptr[b + 1] - ov_indptr[b];
+        first[b + 1] = first[b] + H * ((units + chunk - 1) / chunk);
+    }
+    const int tasks = first[B];
+    int *task_b = malloc(sizeof(int) * (tasks > 0 ? tasks : 1));
+    if (!task_b) {
+        free(first);
+        return -1;
+    }
+    for (int b = 0; b < B; b++)
+        for (int t = first[b]; t < first[b + 1]; t++) task_b[t] = b;
+#pragma omp parallel for schedule(dynamic, 1) if (tasks > 1)
+    for (int t = 0; t < tasks; t++) {
+        const int b = task_b[t], chunks = (first[b + 1] - first[b]) / H, i = t - first[b];
+        const int h = i / chunks, c = i % chunks;
+        const int units = kv_indptr[b + 1] - kv_indptr[b] + ov_indptr[b + 1] - ov_indptr[b];
+        const int u0 = c * chunk, u1 = u0 + chunk < units ? u0 + chunk : units;
+        float *part = partial + (long)t * stride;
+        switch (bits) {
+            case 1: run_task(&a, b, h, u0, u1, part, 1); break;
+            case 2: run_task(&a, b, h, u0, u1, part, 2); break;
+            case 4: run_task(&a, b, h, u0, u1, part, 4); break;
+            default: run_task(&a, b, h, u0, u1, part, 8); break;
+        }
+    }
+    /* merge each (request, KV head)'s chunks; a request without units (none in a decode batch) gets zeros */
+    for (int b = 0; b < B; b++) {
+        const int chunks = (first[b + 1] - first[b]) / H;
+        for (int h = 0; h < H; h++) {
+            for (int j = 0; j < g; j++) {
+                float mx = -INFINITY, l = 0.f, o[D];
+                for (int c = 0; c < chunks; c++)
+                    mx = fmaxf(mx, partial[(long)(first[b] + h * chunks + c) * stride + g * D + j]);
+                memset(o, 0, sizeof(float) * D);
+                for (int c = 0; c < chunks; c++) {
+                    const float *p = partial + (long)(first[b] + h * chunks + c) * stride;
+                    const float w = p[g * D + j] == -INFINITY ? 0.f : expf(p[g * D + j] - mx);
+                    l += w * p[g * D + g + j];
+                    axpy(o, p + j * D, w, D);
+                }
+                const long oi = ((long)b * Hq + h * g + j) * D;
+                for (int d = 0; d < D; d++) store(out, oi + d, l > 0.f ? o[d] / l : 0.f, q_dtype);
+            }
+        }
+    }
+    free(task_b);
+    free(first);
+    return 0;
+}
