@@ -18,7 +18,8 @@
  * Query head i reads KV head i / g (g = Hq / H). Work is split into tasks of up to `chunk` units (pages or frames)
  * of one request and KV head; each task leaves its running max, sum and weighted values in `partial`, and a second
  * pass merges a (request, head)'s tasks. Threads: OpenMP over tasks, resolved against the libgomp torch already
- * loaded (the same soname), so torch.set_num_threads governs this loop too. */
+ * loaded (the same soname, one thread pool), `threads` of them: the launcher passes torch.get_num_threads(), as
+ * torch's own parallel loops do (a thread's default OpenMP count ignores torch.set_num_threads). */
 
 #include <math.h>
 #include <stdint.h>
@@ -208,7 +209,7 @@ int kvq_cpu_decode(const void *q, void *out, const uint8_t *k_codes, const uint8
                    const uint16_t *ov_k, const uint16_t *ov_v, const int32_t *kv_indptr, const int32_t *kv_indices,
                    const int32_t *kv_last, const int32_t *ov_indptr, const int32_t *ov_indices,
                    const int32_t *ov_last, int B, int H, int Hq, int D, int G, int bits, int NG, int q_dtype,
-                   int ov_dtype, float sm_scale, int chunk, float *partial) {
+                   int ov_dtype, float sm_scale, int chunk, int threads, float *partial) {
     const Args a = {q, out, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, ov_k, ov_v, kv_indptr, kv_indices,
                     kv_last, ov_indptr, ov_indices, ov_last, B, H, Hq, D, G, bits, NG, q_dtype, ov_dtype, chunk,
                     sm_scale, partial};
@@ -229,7 +230,7 @@ int kvq_cpu_decode(const void *q, void *out, const uint8_t *k_codes, const uint8
     }
     for (int b = 0; b < B; b++)
         for (int t = first[b]; t < first[b + 1]; t++) task_b[t] = b;
-#pragma omp parallel for schedule(dynamic, 1) if (tasks > 1)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (tasks > 1 && threads > 1)
     for (int t = 0; t < tasks; t++) {
         const int b = task_b[t], chunks = (first[b + 1] - first[b]) / H, i = t - first[b];
         const int h = i / chunks, c = i % chunks;

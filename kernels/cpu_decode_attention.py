@@ -89,14 +89,14 @@ def _load() -> None:
         return
     try:
         # torch is imported above, so the library's libgomp.so.1 resolves to the copy torch loaded: one OpenMP
-        # runtime, whose thread count torch.set_num_threads sets.
+        # runtime and thread pool.
         lib = ctypes.CDLL(str(_build(cc)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         _reason = f"building the CPU decode kernel failed: {e}"
         return
     fn = lib.kvq_cpu_decode
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 16 + [ctypes.c_int] * 9 + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
+    fn.argtypes = [ctypes.c_void_p] * 16 + [ctypes.c_int] * 9 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     _lib = lib
 
 
@@ -151,10 +151,10 @@ def _plan_args(plan: PagedPlan) -> list[int]:
     return [t.data_ptr() for t in ts]
 
 
-def chunk_units(plan: PagedPlan, G: int, H: int) -> int:
+def chunk_units(plan: PagedPlan, G: int, H: int, threads: int) -> int:
     """Units (pages or frames) per task: enough tasks for every thread, none shorter than _MIN_TOKENS_PER_TASK."""
     units = plan.kv_indices.numel() + plan.ov_indices.numel()
-    want = -(-units * H // (_TASKS_PER_THREAD * torch.get_num_threads()))
+    want = -(-units * H // (_TASKS_PER_THREAD * threads))
     return max(want, -(-_MIN_TOKENS_PER_TASK // G), 1)
 
 
@@ -171,7 +171,8 @@ def decode_attention(q: torch.Tensor, kv: LayerKV, plan: PagedPlan, sm_scale: fl
     _require(Dk == D and Hq % H == 0 and B == plan.batch_size and q.dtype in _DTYPE_CODE and q.is_contiguous(),
              f"q {tuple(q.shape)} {q.dtype} against {H} KV heads of dim {Dk} and a plan of {plan.batch_size} "
              "requests (contiguous fp32/fp16/bf16)")
-    chunk = chunk_units(plan, G, H)
+    threads = torch.get_num_threads()
+    chunk = chunk_units(plan, G, H, threads)
     tasks = H * (B + (plan.kv_indices.numel() + plan.ov_indices.numel()) // chunk + 1)
     partial = torch.empty(tasks * (Hq // H) * (D + 2), dtype=torch.float32)
     out = torch.empty_like(q)
@@ -179,6 +180,6 @@ def decode_attention(q: torch.Tensor, kv: LayerKV, plan: PagedPlan, sm_scale: fl
                              kv.k_scale.data_ptr(), kv.k_zero.data_ptr(), kv.v_scale.data_ptr(),
                              kv.v_zero.data_ptr(), kv.ov_k.data_ptr(), kv.ov_v.data_ptr(), *_plan_args(plan),
                              B, H, Hq, D, G, kv.bits, kv.v_scale.shape[-1], _DTYPE_CODE[q.dtype],
-                             _DTYPE_CODE[kv.ov_k.dtype], sm_scale, chunk, partial.data_ptr())
+                             _DTYPE_CODE[kv.ov_k.dtype], sm_scale, chunk, threads, partial.data_ptr())
     _require(rc == 0, "out of memory for the task table")
     return out

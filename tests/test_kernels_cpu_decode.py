@@ -102,7 +102,7 @@ def test_split_tasks_and_threads_agree(threads, monkeypatch, n_threads):
     G, H, D, VG = 16, 2, 64, 32
     reqs = [(20 * G, 7), (3 * G + 5, 0), (0, 9), (8 * G, G)]
     kv, plan = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=21)
-    assert cda.chunk_units(plan, G, H) == 1
+    assert cda.chunk_units(plan, G, H, n_threads) == 1
     q = torch.randn(len(reqs), H * 4, D, generator=torch.Generator().manual_seed(21))
     torch.testing.assert_close(decode(q, kv, plan), ref_decode(q, kv, plan, D ** -0.5), rtol=1e-5, atol=1e-5)
 
