@@ -4,8 +4,9 @@ Decode of the codes-scales-zeros formats (kivi) on a CPU runs the compiled C ker
 KVQ_CPU_KERNEL, where a C compiler is found). Otherwise it runs batched with its index built once per batch: page
 by page with the scales folded into the query and the weights (sgl_kvq/attention_pages.py) for formats whose pages
 are codes, scales and zeros, on batches where that does less work (ragged or long contexts), else over a padded
-dequantized layout (sgl_kvq/attention_batched.py). Extend runs torch's fused attention per request (sgl_kvq/attention_extend.py). All read only the pages the batch
-references, never the pool; sgl_kvq/attention_ref.py is the oracle of every one."""
+dequantized layout (sgl_kvq/attention_batched.py). Extend runs torch's fused attention per request
+(sgl_kvq/attention_extend.py). All read only the pages the batch references, never the pool;
+sgl_kvq/attention_ref.py is the oracle of every one."""
 
 from __future__ import annotations
 
