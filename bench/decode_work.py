@@ -131,24 +131,34 @@ def threads(B: int, C: int, bits: int, reps: int = 30) -> dict:
             for n, v in times.items()}
 
 
-def paths(B: int, C: int, bits: int, ragged: bool, reps: int = 40) -> dict:
+def decode_batch(B: int, C: int, bits: int, ragged: bool):
+    """One decode step's batch over a filled kivi store: contexts all C tokens, or drawn from 20..C when ragged.
+    -> (its plan, context lengths, queries, layer 0's view)."""
     store, req_to_token, reqs = filled_store(B, C, bits)
     gen = torch.Generator().manual_seed(B * C)
     lens = torch.randint(20, C + 1, (B,), generator=gen) if ragged else torch.full((B,), C)
     fp = build_forward_plan(store, req_to_token, reqs, lens + 1, req_to_token[reqs, lens].long(), is_decode=True)
-    plan = fp.steps[0].plan
-    ctx, idx, ws = ab.prepare(plan, G, H), ap.index(plan, G, H), ab.Workspace()
-    q, kv = torch.randn(B, HQ, D, dtype=torch.bfloat16), store.layer_view(0)
-    runs = {"padded": lambda: ab.decode(q, kv, ctx, D ** -0.5, ws),
-            "pages": lambda: ap.decode(q, kv, idx, D ** -0.5, ws)}
-    torch.testing.assert_close(runs["pages"]().float(), runs["padded"]().float(), rtol=2e-2, atol=2e-2)
+    return fp.steps[0].plan, lens, torch.randn(B, HQ, D, dtype=torch.bfloat16), store.layer_view(0)
+
+
+def median_ms(runs: dict, reps: int, clock) -> dict:
+    """Each run called reps times, alternately with the others -> "<name>_ms": its median time by `clock`."""
     times: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(reps):
         for name, run in runs.items():
-            t = time.thread_time()
+            t = clock()
             run()
-            times[name].append(time.thread_time() - t)
-    out = {f"{k}_ms": statistics.median(v) * 1e3 for k, v in times.items()}
+            times[name].append(clock() - t)
+    return {f"{k}_ms": statistics.median(v) * 1e3 for k, v in times.items()}
+
+
+def paths(B: int, C: int, bits: int, ragged: bool, reps: int = 40) -> dict:
+    plan, lens, q, kv = decode_batch(B, C, bits, ragged)
+    ctx, idx, ws = ab.prepare(plan, G, H), ap.index(plan, G, H), ab.Workspace()
+    runs = {"padded": lambda: ab.decode(q, kv, ctx, D ** -0.5, ws),
+            "pages": lambda: ap.decode(q, kv, idx, D ** -0.5, ws)}
+    torch.testing.assert_close(runs["pages"]().float(), runs["padded"]().float(), rtol=2e-2, atol=2e-2)
+    out = median_ms(runs, reps, time.thread_time)
     return {"batch": B, "context": C, "ragged": ragged, "tokens": int(lens.sum()), "kvq_bits": bits, **out,
             "padded_over_pages": out["padded_ms"] / out["pages_ms"]}
 
@@ -156,13 +166,8 @@ def paths(B: int, C: int, bits: int, ragged: bool, reps: int = 40) -> dict:
 def kernel(B: int, C: int, bits: int, ragged: bool, reps: int = 40) -> dict:
     from sgl_kvq.kernels import cpu_decode_attention as cda
 
-    store, req_to_token, reqs = filled_store(B, C, bits)
-    gen = torch.Generator().manual_seed(B * C)
-    lens = torch.randint(20, C + 1, (B,), generator=gen) if ragged else torch.full((B,), C)
-    fp = build_forward_plan(store, req_to_token, reqs, lens + 1, req_to_token[reqs, lens].long(), is_decode=True)
-    plan = fp.steps[0].plan
+    plan, lens, q, kv = decode_batch(B, C, bits, ragged)
     ctx, idx, ws = ab.prepare(plan, G, H), ap.index(plan, G, H), ab.Workspace()
-    q, kv = torch.randn(B, HQ, D, dtype=torch.bfloat16), store.layer_view(0)
     kc = torch.randn(int(lens.sum()) + B, H, D, dtype=torch.bfloat16)
     tokens = [torch.arange(int(s), int(e)) for s, e in zip([0, *(lens + 1).cumsum(0)[:-1]], (lens + 1).cumsum(0))]
 
@@ -178,15 +183,8 @@ def kernel(B: int, C: int, bits: int, ragged: bool, reps: int = 40) -> dict:
             "cpu_kernel": lambda: cda.decode_attention(q, kv, plan, D ** -0.5, check=False),
             "bf16_torch_native": bf16}
     torch.testing.assert_close(runs["cpu_kernel"]().float(), runs["padded"]().float(), rtol=2e-2, atol=2e-2)
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    for _ in range(reps):
-        for name, run in runs.items():
-            t = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - t)
-    out = {f"{k}_ms": statistics.median(v) * 1e3 for k, v in times.items()}
     return {"batch": B, "context": C, "ragged": ragged, "tokens": int(lens.sum()), "kvq_bits": bits,
-            "threads": torch.get_num_threads(), **out}
+            "threads": torch.get_num_threads(), **median_ms(runs, reps, time.perf_counter)}
 
 
 def main() -> None:

@@ -68,9 +68,8 @@ typedef struct {
     const uint16_t *k_scale, *k_zero, *v_scale, *v_zero;
     const uint16_t *ov_k, *ov_v;
     const int32_t *kv_indptr, *kv_indices, *kv_last, *ov_indptr, *ov_indices, *ov_last;
-    int B, H, Hq, D, G, bits, NG, q_dtype, ov_dtype, chunk;
+    int H, Hq, D, G, NG, q_dtype, ov_dtype;
     float sm_scale;
-    float *partial;  /* [tasks, g, D + 2]: per query head its weighted values, then max and sum */
 } Args;
 
 /* Byte value -> its 8 / b codes as floats, in element order (a copy per packed byte instead of a shift, mask and
@@ -179,6 +178,11 @@ static inline void overlay_frame(const Args *a, int frame, int n, int h, const f
     }
 }
 
+/* Request b's units: its base pages, then its overlay frames. */
+static inline int units_of(const Args *a, int b) {
+    return a->kv_indptr[b + 1] - a->kv_indptr[b] + a->ov_indptr[b + 1] - a->ov_indptr[b];
+}
+
 /* Units [u0, u1) of request b for KV head h into one partial state. */
 static inline void run_task(const Args *a, int b, int h, int u0, int u1, float *restrict part, const int bits) {
     const int D = a->D, G = a->G, g = a->Hq / a->H;
@@ -211,16 +215,16 @@ int kvq_cpu_decode(const void *q, void *out, const uint8_t *k_codes, const uint8
                    const int32_t *ov_last, int B, int H, int Hq, int D, int G, int bits, int NG, int q_dtype,
                    int ov_dtype, float sm_scale, int chunk, int threads, float *partial) {
     const Args a = {q, out, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, ov_k, ov_v, kv_indptr, kv_indices,
-                    kv_last, ov_indptr, ov_indices, ov_last, B, H, Hq, D, G, bits, NG, q_dtype, ov_dtype, chunk,
-                    sm_scale, partial};
+                    kv_last, ov_indptr, ov_indices, ov_last, H, Hq, D, G, NG, q_dtype, ov_dtype, sm_scale};
+    /* partial [tasks, g, D + 2]: per query head of a task its weighted values, then max and sum */
     const int g = Hq / H, stride = g * (D + 2);
-    /* task t: request task_b[t], its chunk task_c[t]; a request's tasks are H * chunks in (head, chunk) order */
+    /* request b's tasks are first[b] .. first[b + 1] - 1, H x its chunks in (head, chunk) order; task_b[t]: the
+     * request of task t */
     int *first = malloc(sizeof(int) * (B + 1));
     if (!first) return -1;
     first[0] = 0;
     for (int b = 0; b < B; b++) {
-        const int units = kv_indptr[b + 1] - kv_indptr[b] + ov_indptr[b + 1] - ov_indptr[b];
-        first[b + 1] = first[b] + H * ((units + chunk - 1) / chunk);
+        first[b + 1] = first[b] + H * ((units_of(&a, b) + chunk - 1) / chunk);
     }
     const int tasks = first[B];
     int *task_b = malloc(sizeof(int) * (tasks > 0 ? tasks : 1));
@@ -234,8 +238,7 @@ int kvq_cpu_decode(const void *q, void *out, const uint8_t *k_codes, const uint8
     for (int t = 0; t < tasks; t++) {
         const int b = task_b[t], chunks = (first[b + 1] - first[b]) / H, i = t - first[b];
         const int h = i / chunks, c = i % chunks;
-        const int units = kv_indptr[b + 1] - kv_indptr[b] + ov_indptr[b + 1] - ov_indptr[b];
-        const int u0 = c * chunk, u1 = u0 + chunk < units ? u0 + chunk : units;
+        const int units = units_of(&a, b), u0 = c * chunk, u1 = u0 + chunk < units ? u0 + chunk : units;
         float *part = partial + (long)t * stride;
         switch (bits) {
             case 1: run_task(&a, b, h, u0, u1, part, 1); break;

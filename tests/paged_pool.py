@@ -85,3 +85,48 @@ def poison_unused(kv: LayerKV, plan: PagedPlan, G: int) -> None:
     for f in range(kv.ov_k.shape[0]):
         if f not in used_frames:
             kv.ov_k[f] = kv.ov_v[f] = float("nan")
+
+
+# Decode checks every decode path runs (attention_pages, the C kernel): decode(q, kv, plan) -> [B, Hq, D], compared
+# with attention_ref.ref_decode in fp32 within 1e-5.
+EDGE_BATCHES = [[(0, 5)], [(0, 5), (0, 64)], [(3, 0)], [(130, 0), (2, 0)], [(64, 1), (0, 1)]]
+EDGE_IDS = ["overlay-only", "overlays-only", "one-partial-page", "partial-pages", "one-token-frames"]
+
+
+def _close_to_reference(out, q, kv, plan) -> None:
+    from sgl_kvq.attention_ref import ref_decode
+
+    torch.testing.assert_close(out, ref_decode(q, kv, plan, q.shape[-1] ** -0.5), rtol=1e-5, atol=1e-5)
+
+
+def check_edge_batch(decode, reqs) -> None:
+    """Batches with no base page at all, no overlay frame at all, and single-token units (EDGE_BATCHES)."""
+    G, H, D, VG = 64, 3, 64, 64
+    kv, plan = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=5)
+    q = torch.randn(len(reqs), H * 3, D, generator=torch.Generator().manual_seed(5))
+    out = decode(q, kv, plan)
+    assert not out.isnan().any()
+    _close_to_reference(out, q, kv, plan)
+
+
+def check_reads_only_the_batch_pages(decode, G, H, D, VG) -> None:
+    """Pages and frames no request references (poisoned with NaN) never reach the output."""
+    reqs = [(3 * G, 5), (7, 0), (0, 20)]
+    kv, plan = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=3)
+    poison_unused(kv, plan, G)
+    q = torch.randn(len(reqs), H * 2, D)
+    _close_to_reference(decode(q, kv, plan), q, kv, plan)
+
+
+def check_scales_are_read(decode, G, H, D, VG) -> None:
+    """Folding the scales into the query and weights still reads them: doubling a used page's key scale or a used
+    token's value scale moves the output exactly as it moves the reference's."""
+    kv, plan = make_pool(G, H, D, VG, 2, [(2 * G, 10), (G, 3)], torch.float32, seed=8)
+    q = torch.randn(2, H * 3, D, generator=torch.Generator().manual_seed(8))
+    before = decode(q, kv, plan)
+    page = int(plan.kv_indices[0])
+    kv.k_scale[page] *= 2
+    kv.v_scale[page * G:(page + 1) * G] *= 2
+    after = decode(q, kv, plan)
+    assert (after - before).abs().max() > 1e-3
+    _close_to_reference(after, q, kv, plan)

@@ -11,7 +11,8 @@ import random
 import pytest
 import torch
 
-from paged_pool import make_pool, poison_unused
+from paged_pool import (EDGE_BATCHES, EDGE_IDS, check_edge_batch, check_reads_only_the_batch_pages,
+                        check_scales_are_read, make_pool)
 from sgl_kvq.attention_ref import ref_decode
 from sgl_kvq.kernels import cpu_decode_attention as cda
 from test_attention_batched import random_requests
@@ -56,40 +57,17 @@ def test_matches_reference(B, group, bits):
     torch.testing.assert_close(out, ref_decode(q, kv, plan, D ** -0.5), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("reqs", [[(0, 5)], [(0, 5), (0, 64)], [(3, 0)], [(130, 0), (2, 0)], [(64, 1), (0, 1)]],
-                         ids=["overlay-only", "overlays-only", "one-partial-page", "partial-pages", "one-token-frames"])
+@pytest.mark.parametrize("reqs", EDGE_BATCHES, ids=EDGE_IDS)
 def test_edge_batches(reqs):
-    """Batches with no base page at all, no overlay frame at all, and single-token units."""
-    G, H, D, VG = 64, 3, 64, 64
-    kv, plan = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=5)
-    q = torch.randn(len(reqs), H * 3, D, generator=torch.Generator().manual_seed(5))
-    out = decode(q, kv, plan)
-    assert not out.isnan().any()
-    torch.testing.assert_close(out, ref_decode(q, kv, plan, D ** -0.5), rtol=1e-5, atol=1e-5)
+    check_edge_batch(decode, reqs)
 
 
 def test_reads_only_the_batch_pages():
-    """Pages and frames no request references (poisoned with NaN) never reach the output."""
-    G, H, D, VG = SHAPES[0]
-    reqs = [(3 * G, 5), (7, 0), (0, 20)]
-    kv, plan = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=3)
-    poison_unused(kv, plan, G)
-    q = torch.randn(len(reqs), H * 2, D)
-    torch.testing.assert_close(decode(q, kv, plan), ref_decode(q, kv, plan, D ** -0.5), rtol=1e-5, atol=1e-5)
+    check_reads_only_the_batch_pages(decode, *SHAPES[0])
 
 
 def test_scales_are_read():
-    """Doubling a used page's key scale or a used token's value scale moves the output as it moves the reference's."""
-    G, H, D, VG = SHAPES[1]
-    kv, plan = make_pool(G, H, D, VG, 2, [(2 * G, 10), (G, 3)], torch.float32, seed=8)
-    q = torch.randn(2, H * 3, D, generator=torch.Generator().manual_seed(8))
-    before = decode(q, kv, plan)
-    page = int(plan.kv_indices[0])
-    kv.k_scale[page] *= 2
-    kv.v_scale[page * G:(page + 1) * G] *= 2
-    after = decode(q, kv, plan)
-    assert (after - before).abs().max() > 1e-3
-    torch.testing.assert_close(after, ref_decode(q, kv, plan, D ** -0.5), rtol=1e-5, atol=1e-5)
+    check_scales_are_read(decode, *SHAPES[1])
 
 
 @pytest.mark.parametrize("n_threads", [1, 2])

@@ -88,6 +88,9 @@ class KVQTorchBackend(KVQAttentionBackendBase):
 
         return self._derived(plan, "decode", build)
 
+    def _count_cpu_kernel_batch(self) -> None:
+        self.pool.decode_batches["cpu_kernel"] += 1
+
     def attention_threads(self):
         """The decode attention's intra-op thread limit (KVQConfig.attention_threads says why), as a context."""
         return intra_op_threads(self.store.cfg.attention_threads, self.store.device)
@@ -95,9 +98,7 @@ class KVQTorchBackend(KVQAttentionBackendBase):
     def decode(self, q, li, step, sm_scale):
         kv = self.store.layer_view(li)
         if self._cpu_kernel and cpu_decode_attention.supports(kv):
-            if self._plan_derived[0] is not step.plan:  # count batches, not layers
-                self._plan_derived = (step.plan, {})
-                self.pool.decode_batches["cpu_kernel"] += 1
+            self._derived(step.plan, "decode", self._count_cpu_kernel_batch)  # batches, not layers
             check = li not in self._checked_layers
             self._checked_layers.add(li)
             with self.attention_threads():
