@@ -49,4 +49,5 @@ def live_counts(scheduler, pool) -> dict:
             # page 0 is reserved (padded rows' dummy page), never handed out, never a live request's page
             current &= ~torch.isin(pages, free.to(pages.device)) & (pages != 0)
         out["overlay_frames_live"] = int(current.sum())
+        out["frames_held"] = store.frames.frames_held()  # pooled frames of running requests (0 when idle)
     return out

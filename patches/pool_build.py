@@ -22,13 +22,18 @@ def build_token_to_kv_pool(orig, self, *, sizes, is_dsa_model, is_dsv4_model, re
     mc = self.model_config
     if mc.v_head_dim != mc.head_dim:
         raise KVQConfigError(f"sgl_kvq: head_dim {mc.head_dim} != v_head_dim {mc.v_head_dim} is not supported")
-    # Every request slot owns overlay frames: the budget split charged for request_slots of them.
+    # Per-slot state (static frames, SpeCache's top-k rows): the budget split charged for request_slots of it.
+    split = budget_split(self)
     slots = req_to_token_pool.req_to_token.shape[0]
-    charged = budget_split(self).request_slots
-    if slots > charged:
-        raise RuntimeError(f"sgl_kvq: SGLang built {slots} request slots, the KV budget was split for {charged}")
+    if split.per_request_bytes and slots > split.request_slots:
+        raise RuntimeError(f"sgl_kvq: SGLang built {slots} request slots, the KV budget was split for "
+                           f"{split.request_slots}")
+    from sgl_kvq.patches.frames import register_slot_pool
     from sgl_kvq.pool import KVQTokenToKVPool
 
-    return KVQTokenToKVPool(sizes.max_total_num_tokens, shape, device=self.device, model_dtype=self.model_dtype,
+    pool = KVQTokenToKVPool(sizes.max_total_num_tokens, shape, device=self.device, model_dtype=self.model_dtype,
                             num_req_slots=slots, start_layer=self.layer_info.start_layer,
-                            end_layer=self.layer_info.end_layer)
+                            end_layer=self.layer_info.end_layer, frames_pooled=split.frames_pooled)
+    if split.frames_pooled:
+        register_slot_pool(req_to_token_pool, pool)
+    return pool

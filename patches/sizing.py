@@ -9,7 +9,7 @@ import logging
 
 from sgl_kvq import env
 from sgl_kvq.capacity import BudgetSplit, split_budget
-from sgl_kvq.config import is_kvq_dtype, parse_kv_cache_dtype
+from sgl_kvq.config import KVQConfigError, is_kvq_dtype, parse_kv_cache_dtype
 from sgl_kvq.layout import PoolShape
 
 logger = logging.getLogger("sgl_kvq")
@@ -73,11 +73,26 @@ def profile_available_bytes(orig, self, *args, **kwargs):
 
             host_budget = int(available_host_bytes() * env.host_mem_fraction())
         split = split_budget(budget, shape, self.model_dtype, host_is_device=host_is_device,
+                             frames_pooled=frames_pooled(shape, self.model_dtype),
                              requested=requested_max_running_requests(self),
                              context_len=self.model_config.context_len, host_budget_bytes=host_budget)
         _splits[id(self)] = split
         logger.info("%s", split.describe(shape.cfg.name))
     return budget
+
+
+def frames_pooled(shape, model_dtype) -> bool:
+    """Whether this server's frames come out of the pool per running request (sgl_kvq/frames.py)."""
+    from sglang.srt.runtime_context import get_disagg, get_memory
+
+    from sgl_kvq.frames import pooled_frames
+
+    pooled = pooled_frames(shape, model_dtype, get_disagg().disaggregation_mode,
+                           bool(get_memory().enable_hierarchical_cache))
+    if not pooled:
+        logger.info("sgl_kvq: static fp16 frames per request slot (prefill/decode disaggregation, HiCache, or a "
+                    "frame of %d pages over pages of %d tokens)", shape.pages_per_frame(model_dtype), shape.G)
+    return pooled
 
 
 def _node_share(budget: int, device) -> int:
@@ -107,15 +122,24 @@ def pool_configurator_init(orig, self, kvc, *args, **kwargs):
 
 def apply_token_constraints(orig, self, token_capacity: int) -> int:
     """SpeCache on a GPU: no more tokens than the host tier can hold (SGLang's own token cap, like
-    --max-total-tokens)."""
+    --max-total-tokens). Pooled frames: the pool's pages are whole frames (sgl_kvq/layout.py)."""
     tokens = orig(self, token_capacity)
     split = _splits.get(id(self)) if is_kvq_dtype(self.kv_cache_dtype_str) else None
-    if split is not None and split.host_token_cap is not None:
-        tokens = min(tokens, split.host_token_cap)
+    if split is not None:
+        if split.host_token_cap is not None:
+            tokens = min(tokens, split.host_token_cap)
+        tokens = split.round_tokens(tokens)
+        if tokens < split.min_tokens:  # only a token cap (--max-total-tokens) gets here: the budget was checked
+            raise KVQConfigError(
+                f"sgl_kvq: {tokens} {self.kv_cache_dtype_str} tokens (--max-total-tokens) cannot hold one running request's "
+                f"fp16 frames ({split.frame_tokens} tokens of pages) besides the padded rows' dummy frame; use "
+                f"--max-total-tokens {split.min_tokens + split.page_size} or more")
     return tokens
 
 
 def resolve_max_num_reqs(orig, self, token_capacity: int) -> int:
-    if not is_kvq_dtype(self.kv_cache_dtype_str):
+    """A kvq pool with per-slot state (SpeCache's top-k rows, static frames) runs what its split decided; with
+    pooled frames alone SGLang's own default applies, and admission charges each request's frames."""
+    if not is_kvq_dtype(self.kv_cache_dtype_str) or budget_split(self).max_running_requests is None:
         return orig(self, token_capacity)
     return min(budget_split(self).max_running_requests, max(token_capacity // 2, 1))

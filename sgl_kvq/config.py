@@ -33,6 +33,7 @@ BITS = (1, 2, 4)
 DTYPE_NAMES = tuple(f"{m}{b}" for m, bits in METHOD_BITS.items() for b in bits)
 
 PREFILL_MODES = ("full", "paged")
+FRAME_MODES = ("pooled", "static")
 SPECACHE_PREFIX_SOURCES = ("host", "device")
 
 # SpeCache's default top-k per code width: the smallest k at which specache1 answers every needle bf16 answers on
@@ -79,9 +80,10 @@ class KVQConfig:
     # tokens of Llama-3-8B, README). "device": the low-bit pool as kivi reads it (no host traffic; the cached
     # prefix's quality is then the low-bit base's).
     specache_prefix: str = "host"
-    # The share of SGLang's KV budget that per-request state (overlay frames; SpeCache's top-k buffers) may take
-    # when --max-running-requests is not given; it sets the default max_running_requests (sgl_kvq/capacity.py).
-    # 0.06 keeps kivi4 at 3.34x and kivi2 at 6.0x bf16's tokens (packed ratios 3.56x / 6.4x).
+    # The share of SGLang's KV budget that per-slot state may take when --max-running-requests is not given: SpeCache's
+    # top-k buffers, and the overlay frames where they cannot be pooled (prefill/decode disaggregation); it sets
+    # their default max_running_requests (sgl_kvq/capacity.py). Pooled frames (the default) need no share. 0.06 kept
+    # kivi4 at 3.34x and kivi2 at 6.0x bf16's tokens with static frames (packed ratios 3.56x / 6.4x).
     overlay_share: float = 0.06
     # GEAR / GEAR-L (gear_rank, gear_iters used by both; gear_outliers by gear only). Each page of G = 64 tokens is
     # compressed once, when it completes: GEAR's streaming buffer (n_b = 64) at its decode-phase rank 2.
@@ -113,6 +115,10 @@ class KVQConfig:
     # One layer, SmolLM2, 2 threads, wall: B=1 256 tokens 0.10 ms against the padded path's 0.47 (bf16
     # torch_native 0.24), B=8 1k 1.6 against 3.7 (bf16 7.5); bench/results/decode-kernel-smollm2.json.
     cpu_kernel: int = 1
+    # "pooled": running requests' fp16 frames are pages of the pool, taken from the KV budget while they run
+    # (sgl_kvq/frames.py); "static": `ring` frames per request slot in a region of their own, sized by
+    # overlay_share (what prefill/decode disaggregation and HiCache always use).
+    frames: str = "pooled"
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -133,6 +139,8 @@ class KVQConfig:
             raise KVQConfigError(f"sgl_kvq: KVQ_SPECACHE_FOLLOW={self.specache_follow} must be 0 or 1")
         if self.top_k < 1:
             raise KVQConfigError(f"sgl_kvq: top-k {self.top_k} must be at least 1")
+        if self.frames not in FRAME_MODES:
+            raise KVQConfigError(f"sgl_kvq: KVQ_FRAMES={self.frames!r}; choose one of {', '.join(FRAME_MODES)}")
         if not 0 < self.overlay_share < 1:
             raise KVQConfigError(f"sgl_kvq: KVQ_OVERLAY_SHARE={self.overlay_share} must be in (0, 1), e.g. 0.06")
         if not 1 <= self.gear_rank <= g:

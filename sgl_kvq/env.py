@@ -15,10 +15,11 @@ variable as a deprecated spelling of SGLANG_* and warns about it in each of its 
 | KVQ_GEAR_OUTLIERS        | gear_outliers: share of each row kept as fp16 outliers (gear2) | 0.02 |
 | KVQ_LOGQUANT_WINDOW      | logquant_window: LogQuant's window W (logquant2) | 10 |
 | KVQ_ZIPCACHE_SALIENT     | zipcache_salient: share of each page's tokens (per KV head) kept at 4 bit (zipcache2) | 0.4 |
-| KVQ_OVERLAY_SHARE        | overlay_share: the KV budget's share for per-request fp16 state when --max-running-requests is not given | 0.06 |
+| KVQ_OVERLAY_SHARE        | overlay_share: the KV budget's share for per-slot state (SpeCache's top-k rows; fp16 frames under PD) when --max-running-requests is not given | 0.06 |
 | KVQ_SPECACHE_RECALL      | 1: measure each step how much of the output row's exact 16-bit top-k the speculative lane prefetched (reads every context row from the host tier: a diagnostic, off by default so a server does no extra full-context read) | 0 |
 | KVQ_ATTENTION_THREADS    | attention_threads: intra-op threads of kvq_torch's batched decode attention on CPU (0: torch's own; 1 on a machine other processes load) | 0 |
 | KVQ_CPU_KERNEL           | cpu_kernel: 1 decodes kivi formats on a CPU with the compiled C kernel (kernels/cpu_decode_attention.c) when a C compiler is found; 0 keeps kvq_torch's torch paths | 1 |
+| KVQ_FRAMES               | frames: "pooled" (running requests' fp16 frames are pool pages, sgl_kvq/frames.py) or "static" (per request slot, outside the pool; what PD and HiCache use) | pooled |
 | KVQ_HOST_MEM_FRACTION    | share of the host's available RAM SpeCache's host tier may take | 0.8 |
 | KVQ_CACHE_DIR            | where embedded models are materialized | ~/.cache/sgl_kvq |
 | KVQ_KV_CACHE_GB          | fixes SGLang's KV budget to this many GiB for ANY kv dtype (bf16 too), instead of profiling free memory: capacity comparisons at the same KV memory (per rank) | unset |
@@ -50,6 +51,7 @@ _CONFIG_KNOBS = {
     "KVQ_ZIPCACHE_SALIENT": ("zipcache_salient", float),
     "KVQ_ATTENTION_THREADS": ("attention_threads", int),
     "KVQ_CPU_KERNEL": ("cpu_kernel", int),
+    "KVQ_FRAMES": ("frames", str),
 }
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from sgl_kvq.config import KVQConfig
+from sgl_kvq.frames import FrameTable
 from sgl_kvq.layout import PoolShape
 from sgl_kvq.plan import BatchWrite, DecodeWrite, LayerKV
 from sgl_kvq.quant import gear_page, kivi_page, logquant_page, zipcache_page
@@ -31,7 +32,9 @@ from sgl_kvq.quant import gear_page, kivi_page, logquant_page, zipcache_page
 
 class QuantizedKVStore:
     def __init__(self, cfg: KVQConfig, shape: PoolShape, num_req_slots: int, model_dtype: torch.dtype,
-                 device: str | torch.device):
+                 device: str | torch.device, *, frames_pooled: bool = False):
+        """frames_pooled: the overlay frames live in the pool's pages, handed out per running request (frames.py);
+        else a separate region with `ring` frames per request slot."""
         cfg.check_head_dim(shape.head_dim)
         self.cfg, self.shape = cfg, shape
         self.G, self.ring = cfg.group_size, cfg.ring_pages
@@ -41,9 +44,19 @@ class QuantizedKVStore:
         for name, (dims, dtype) in shape.base_shapes().items():
             setattr(self, name, torch.zeros(dims, dtype=dtype, device=self.device))
         L, H, D = shape.layers, shape.heads, shape.head_dim
-        F = num_req_slots * self.ring
-        self.ov_k = torch.zeros((L, F, self.G, H, D), dtype=model_dtype, device=self.device)
-        self.ov_v = torch.zeros_like(self.ov_k)
+        self.frames_pooled = frames_pooled
+        if frames_pooled:
+            k = shape.pages_per_frame(model_dtype)
+            if shape.P % k:
+                raise AssertionError(f"sgl_kvq: {shape.P} pool pages are not whole frames of {k} pages")
+            F = shape.P // k
+            self.ov_k = self.k_codes.view(L, -1).view(model_dtype).view(L, F, self.G, H, D)
+            self.ov_v = self.v_codes.view(L, -1).view(model_dtype).view(L, F, self.G, H, D)
+        else:
+            F = num_req_slots * self.ring
+            self.ov_k = torch.zeros((L, F, self.G, H, D), dtype=model_dtype, device=self.device)
+            self.ov_v = torch.zeros_like(self.ov_k)
+        self.frames = FrameTable(num_req_slots, self.ring, F, self.device, pooled=frames_pooled)
         self.ov_tag = torch.full((F,), -1, dtype=torch.int64, device=self.device)
         self.ov_gen = torch.zeros(F, dtype=torch.int64, device=self.device)
         self.page_gen = torch.zeros(shape.P, dtype=torch.int64, device=self.device)
@@ -61,8 +74,10 @@ class QuantizedKVStore:
         return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in self.shape.base_shapes())
 
     def overlay_bytes(self) -> int:
+        """Bytes allocated for the overlay beyond the base (pooled frames are the base's own pages)."""
+        frames = () if self.frames_pooled else (self.ov_k, self.ov_v)
         extra = (self.ov_score,) if self.cfg.is_zipcache else ()
-        return sum(t.numel() * t.element_size() for t in (self.ov_k, self.ov_v, self.ov_tag, self.ov_gen, *extra))
+        return sum(t.numel() * t.element_size() for t in (*frames, self.ov_tag, self.ov_gen, *extra))
 
     # ---- writes (where tokens go: sgl_kvq.metadata) ----
     def _need_q(self, q, sm_scale) -> None:

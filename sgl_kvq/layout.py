@@ -35,9 +35,15 @@ Base (complete pages, immutable once quantized; shared by the radix tree):
     s_v_scale, s_v_zero [L, P, H, NS, D // VG]  fp16  per salient row and value group
 
 Overlay (fp16 tokens that override the base: the open page and the recent window), per running request:
-    ov_k, ov_v [L, F, G, H, D]  model dtype; F = max_running_requests * cfg.ring_pages frames
-  request slot r (SGLang's req_pool_idx) owns frames r * ring .. r * ring + ring - 1; its logical page n (positions
-  n*G .. n*G+G-1) uses frame frame_of(r, n, ring) = r * ring + n % ring, so its last `ring` pages never collide.
+    ov_k, ov_v [L, F, G, H, D]  model dtype
+  request slot r (SGLang's req_pool_idx) owns `ring` = cfg.ring_pages frames; its logical page n (positions
+  n*G .. n*G+G-1) uses frame slot_frames[r, n % ring] (sgl_kvq/frames.py), so its last `ring` pages never collide.
+  Where the frames' memory is:
+    pooled  ov_k / ov_v are k_codes / v_codes viewed in the model dtype: frame f is the code bytes of pool pages
+            f*k .. f*k+k-1, k = pages_per_frame = D * elem_size / Dp (8 at 2 bit in bf16), so P is a multiple of k
+            and F = P / k. A page is a token page or part of a frame, never both: the allocator hands out whole
+            frames while a request runs (patches/frames.py). The scales and extras of a frame's pages go unused.
+    static  a separate region of F = request slots * ring frames; slot r owns frame_of(r, n, ring) = r*ring + n%ring.
     ov_tag   [F]                int64   pool page whose tokens the frame holds (-1: empty)
     ov_gen   [F]                int64   that page's generation when the frame was written
     ov_score [L, F, G, H]       fp32    zipcache2 only: attention each frame token has received from its page's
@@ -148,6 +154,19 @@ class PoolShape:
             per *= shape[0] * torch.empty((), dtype=dtype).element_size()
             total += per / (self.G if shape[1] == self.P else 1)
         return total
+
+    def pages_per_frame(self, model_dtype: torch.dtype) -> int:
+        """k: pool pages whose packed codes hold one model-dtype frame (a frame's K over k pages' k_codes, its V
+        over their v_codes)."""
+        frame_row = self.head_dim * torch.empty((), dtype=model_dtype).element_size()
+        if frame_row % self.Dp:
+            raise AssertionError(f"sgl_kvq: a {model_dtype} row of {self.head_dim} channels is not a whole number of "
+                                 f"{self.Dp}-byte code rows")
+        return frame_row // self.Dp
+
+    def frame_page_bytes(self, model_dtype: torch.dtype) -> int:
+        """Budget bytes one pooled frame takes: its k pages, codes, scales and extras alike."""
+        return round(self.pages_per_frame(model_dtype) * self.G * self.base_bytes_per_token())
 
     def overlay_bytes_per_frame(self, model_dtype: torch.dtype) -> int:
         L, H, D = self.layers, self.heads, self.head_dim

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import torch
 
-from sgl_kvq.layout import frame_of
 from sgl_kvq.metadata.host import frames_holding
 
 
@@ -73,6 +72,8 @@ def request_state_layer_ids(store, start_layer: int = 0) -> list[int]:
 
 
 def request_state_buf_infos(store) -> tuple[list[int], list[int], list[int]]:
+    if store.frames_pooled:
+        raise AssertionError("sgl_kvq: prefill/decode transfer sends a slot's frames as one row: they must be static")
     return buf_infos(request_state_entries(store), store.num_req_slots)
 
 
@@ -80,8 +81,8 @@ def window_pages(store, req_slot: int, pages: torch.Tensor, seq_len: int) -> int
     """How many of the request's last `ring` logical pages (pool pages `pages` of logical pages 0, 1, ...) its
     frames hold: the suffix plan_contexts reads from the overlay for a decode at the context's end."""
     n_pages = -(-seq_len // store.G)
-    return frames_holding(store.ov_tag, store.ov_gen, store.page_gen, req_slot, pages, n_pages,
-                          max(n_pages - store.ring, 0), store.ring)
+    return frames_holding(store.ov_tag, store.ov_gen, store.page_gen, store.frames, req_slot, pages, n_pages,
+                          max(n_pages - store.ring, 0))
 
 
 def mark_window(store, req_slot: int, pages: torch.Tensor, seq_len: int) -> None:
@@ -100,6 +101,6 @@ def adopt_frames(store, req_slot: int, pages: torch.Tensor, seq_len: int) -> Non
         raise RuntimeError(f"sgl_kvq: request slot {req_slot} received pd_window {held} for {n_pages} pages "
                            f"(ring {ring}): the request state did not arrive intact")
     for n in range(max(n_pages - ring, 0), n_pages):
-        f, p = frame_of(req_slot, n, ring), int(pages[n])
+        f, p = store.frames.of_host(req_slot, n), int(pages[n])
         store.ov_tag[f] = p if n >= n_pages - held else -1
         store.ov_gen[f] = store.page_gen[p]

@@ -39,9 +39,11 @@ def kv_cache_stats(pool: KVCache, capacity_tokens: int) -> dict:
 
 class KVQTokenToKVPool(KVCache):
     def __init__(self, size: int, shape: PoolShape, device: str, model_dtype: torch.dtype, num_req_slots: int,
-                 start_layer: int | None = None, end_layer: int | None = None, enable_memory_saver: bool = False):
+                 start_layer: int | None = None, end_layer: int | None = None, enable_memory_saver: bool = False,
+                 frames_pooled: bool = False):
         """size tokens of capacity; shape: the geometry derived once where SGLang sizes the pool
-        (patches/sizing.py: kvq_pool_shape), with num_pages = ceil(size / G)."""
+        (patches/sizing.py: kvq_pool_shape), with num_pages = ceil(size / G). frames_pooled: running requests'
+        fp16 frames are carved from the pool's pages (sgl_kvq/frames.py; the allocator hands them out)."""
         cfg = shape.cfg
         pages = -(-size // shape.G)
         if shape.num_pages != pages:
@@ -53,7 +55,8 @@ class KVQTokenToKVPool(KVCache):
         self.cfg = cfg
         self.head_num, self.head_dim, self.v_head_dim = shape.heads, shape.head_dim, shape.head_dim
         self.shape = shape
-        self.store = QuantizedKVStore(cfg, self.shape, num_req_slots, model_dtype, device)
+        self.store = QuantizedKVStore(cfg, self.shape, num_req_slots, model_dtype, device,
+                                      frames_pooled=frames_pooled)
         # Decode batches per kvq_torch decode path ("pages" / "padded"; sgl_kvq/backends/torch_backend.py), exported
         # with the stats: which path served a workload
         self.decode_batches: collections.Counter[str] = collections.Counter()
@@ -66,9 +69,15 @@ class KVQTokenToKVPool(KVCache):
                         self.specache.host.nbytes() / 2**30, self.specache.host_bytes_per_token,
                         self.specache.device_bytes() / 2**20)
         self._finalize_allocation_log(size)
-        logger.info("sgl_kvq %s pool: %d tokens, base %.1f B/token, overlay %.1f MB (%d request slots x %d frames)",
-                    cfg.name, size, self.shape.base_bytes_per_token(), self.store.overlay_bytes() / 2**20,
-                    num_req_slots, cfg.ring_pages)
+        if frames_pooled:
+            k = shape.pages_per_frame(model_dtype)
+            logger.info("sgl_kvq %s pool: %d tokens, base %.1f B/token; each running request takes %d fp16 frames "
+                        "of %d pages (%d tokens of the pool) while it runs", cfg.name, size,
+                        self.shape.base_bytes_per_token(), cfg.ring_pages, k, cfg.ring_pages * k * shape.G)
+        else:
+            logger.info("sgl_kvq %s pool: %d tokens, base %.1f B/token, overlay %.1f MB (%d request slots x %d "
+                        "frames)", cfg.name, size, self.shape.base_bytes_per_token(),
+                        self.store.overlay_bytes() / 2**20, num_req_slots, cfg.ring_pages)
 
     # ---- what SGLang reads for sizing and logs ----
     def get_kv_size_bytes(self):
@@ -79,8 +88,9 @@ class KVQTokenToKVPool(KVCache):
             # zipcache2's salient plane: s_k_* / s_v_* with their side, the offsets (s_idx) and the saliency
             # accumulator (ov_score, which reads keys) with K
             extra = ["s_idx", "ov_score"] if prefix == "k_" and self.cfg.is_zipcache else []
+            frames = [] if s.frames_pooled else [f"ov_{prefix[0]}"]  # pooled frames are the codes' own bytes
             names = [n for n in self.shape.base_shapes() if n.startswith(prefix) or n.startswith("s_" + prefix)] \
-                + [f"ov_{prefix[0]}"] + extra
+                + frames + extra
             return sum(getattr(s, n).numel() * getattr(s, n).element_size() for n in names)
 
         k, v = nbytes("k_"), nbytes("v_")
@@ -104,6 +114,11 @@ class KVQTokenToKVPool(KVCache):
             base_bytes=self.store.base_bytes(),
             overlay_bytes=self.store.overlay_bytes(),
             request_state_bytes=self.request_state_bytes(),
+            frames_pooled=self.store.frames_pooled,
+            frames_held=self.store.frames.frames_held(),
+            # pool tokens one running request's pooled frames take (0: static frames, outside the pool)
+            frame_tokens=self.cfg.ring_pages * self.shape.pages_per_frame(self.store.model_dtype) * self.shape.G
+            if self.store.frames_pooled else 0,
             base_bytes_per_token=self.shape.base_bytes_per_token(),
             config={"group_size": self.cfg.group_size, "value_group": self.shape.VG, "residual": self.cfg.residual,
                     "bits": self.cfg.bits, "prefill": self.cfg.prefill,
@@ -126,7 +141,8 @@ class KVQTokenToKVPool(KVCache):
         return stats
 
     def request_state_bytes(self) -> int:
-        """The per-request fp16 state the pool allocated: overlay frames, and SpeCache's top-k buffers."""
+        """The per-request fp16 state the pool allocated beyond its pages: static overlay frames (pooled ones are
+        pages), and SpeCache's top-k buffers."""
         return self.store.overlay_bytes() + (0 if self.specache is None else self.specache.device_bytes())
 
     def get_v_head_dim(self):

@@ -1,7 +1,10 @@
-"""The KV budget split (sgl_kvq/capacity.py) over a grid of budgets and model shapes: a kvq pool never holds fewer
-tokens than the model dtype's pool in the same budget, comes close to the packed ratio once one request's fp16
+"""The KV budget split (sgl_kvq/capacity.py) over a grid of budgets and model shapes. Pooled frames (the default):
+the pool holds the packed ratio of the model dtype's tokens, in whole frames, with nothing set aside per request
+slot and SGLang's default max_running_requests; a budget that cannot hold one request's frames is refused with the
+budget that would. Static frames (prefill/decode disaggregation) and SpeCache's top-k rows: a kvq pool never holds
+fewer tokens than the model dtype's pool in the same budget, comes close to the packed ratio once one request's
 state fits the default share, refuses an explicit --max-running-requests it cannot hold with the largest value that
-fits, and charges exactly what the store and SpeCache's state allocate."""
+fits. Both charge exactly what the store and SpeCache's state allocate."""
 
 from __future__ import annotations
 
@@ -34,20 +37,61 @@ def shape_of(model: str, dtype_name: str) -> tuple[PoolShape, torch.dtype]:
 
 
 def one_request_budget(shape: PoolShape, model_dtype) -> float:
-    """The budget from which the default share holds the state of one running request (two request slots)."""
-    return 2 * per_request_bytes(shape, model_dtype) / shape.cfg.overlay_share
+    """The budget from which the default share holds the static state of one running request (two request slots)."""
+    return 2 * per_request_bytes(shape, model_dtype, frames_pooled=False) / shape.cfg.overlay_share
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("name", DTYPE_NAMES)
+def test_pooled_split_over_budgets(model, name):
+    shape, model_dtype = shape_of(model, name)
+    k = shape.pages_per_frame(model_dtype)
+    for gib in BUDGETS_GIB:
+        budget = int(gib * GIB)
+        try:
+            s = split_budget(budget, shape, model_dtype, host_is_device=False, context_len=8192)
+        except KVQConfigError as e:
+            # only where the pool cannot hold the dummy frame, one request's frames and one page besides
+            need = ((shape.cfg.ring_pages + 2) * k - 1) * shape.G
+            assert budget // per_token_bytes(shape, model_dtype, False) < need + 2 * k * shape.G, (model, name, gib)
+            assert "raise the KV budget" in str(e) and "GiB" in str(e)
+            continue
+        assert s.frames_pooled and s.frame_tokens == shape.cfg.ring_pages * k * shape.G
+        assert s.request_bytes + s.tokens * s.per_token_bytes <= budget
+        assert s.tokens % shape.G == 0 and (s.tokens // shape.G + 1) % k == 0  # whole frames, page 0 included
+        if shape.cfg.is_specache:  # its top-k rows stay per slot: the share rule, at least one request
+            per_slot = per_request_bytes(shape, model_dtype)
+            assert s.max_running_requests >= 1
+            assert s.request_bytes <= shape.cfg.overlay_share * budget or s.max_running_requests == 1
+            assert s.tokens >= s.dense_tokens or budget < 2 * per_slot / shape.cfg.overlay_share
+            continue
+        assert s.max_running_requests is None and s.request_bytes == 0  # SGLang's default, nothing per slot
+        assert s.tokens >= s.dense_tokens, (model, name, gib, s.describe(name))
+        if s.tokens >= 50 * k * shape.G:  # where rounding to whole frames costs under 2%
+            assert s.ratio >= TARGET[name], (model, name, gib, s.describe(name))
+
+
+def test_smollm2_at_the_issue_budget_holds_three_times_bf16s_running_requests():
+    """0.12 GiB, 1,100-token conversations: bf16 holds 5 of them; pooled kivi2 holds every frame and token of 16."""
+    shape, model_dtype = shape_of("smollm2-135m", "kivi2")
+    s = split_budget(int(0.12 * GIB), shape, model_dtype, host_is_device=True, context_len=8192)
+    conversation = 1100
+    bf16 = s.dense_tokens // conversation
+    kivi2 = (s.tokens - shape.pages_per_frame(model_dtype) * shape.G) // (conversation + s.frame_tokens)
+    assert bf16 == 5 and kivi2 >= 16 and s.ratio >= 6.3, s.describe("kivi2")
 
 
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("name", DTYPE_NAMES)
 @pytest.mark.parametrize("host_is_device", [False, True], ids=["gpu", "cpu-engine"])
-def test_default_split_over_budgets(model, name, host_is_device):
+def test_static_split_over_budgets(model, name, host_is_device):
     shape, model_dtype = shape_of(model, name)
     cpu_specache = shape.cfg.is_specache and host_is_device
     for gib in BUDGETS_GIB:
         budget = int(gib * GIB)
         try:
-            s = split_budget(budget, shape, model_dtype, host_is_device=host_is_device, context_len=8192)
+            s = split_budget(budget, shape, model_dtype, host_is_device=host_is_device, frames_pooled=False,
+                             context_len=8192)
         except KVQConfigError as e:
             # Only where not even one request's fp16 state fits next to bf16's tokens; the message says the budget.
             assert budget < one_request_budget(shape, model_dtype) and "raise the KV budget" in str(e)
@@ -66,33 +110,45 @@ def test_default_split_over_budgets(model, name, host_is_device):
 
 @pytest.mark.parametrize("name", ["kivi2", "kivi4"])
 @pytest.mark.parametrize("gib", [0.25, 0.3, 1, 4])
-def test_smollm2_meets_the_targets_from_a_few_hundred_mb(name, gib):
+def test_smollm2_static_frames_meet_the_targets_from_a_few_hundred_mb(name, gib):
     shape, model_dtype = shape_of("smollm2-135m", name)
-    s = split_budget(int(gib * GIB), shape, model_dtype, host_is_device=True, context_len=8192)
+    s = split_budget(int(gib * GIB), shape, model_dtype, host_is_device=True, frames_pooled=False, context_len=8192)
     assert s.ratio >= TARGET[name] and s.max_running_requests >= 3, s.describe(name)
 
 
 @pytest.mark.parametrize("model", ["smollm2-135m", "llama-3-8b"])
 @pytest.mark.parametrize("name", ["kivi2", "kivi4", "specache2"])
 def test_explicit_max_running_requests_fits_or_names_the_largest(model, name):
+    """Per-slot state (static frames; SpeCache's top-k rows either way) bounds an explicit value."""
     shape, model_dtype = shape_of(model, name)
     budget = 4 * GIB
-    default = split_budget(budget, shape, model_dtype, host_is_device=False)
+    pooled = not name.startswith("kivi")  # specache2's top-k rows stay per slot with pooled frames too
+    default = split_budget(budget, shape, model_dtype, host_is_device=False, frames_pooled=pooled)
     with pytest.raises(KVQConfigError, match=r"use --max-running-requests (\d+) or less") as err:
-        split_budget(budget, shape, model_dtype, host_is_device=False, requested=10**6)
+        split_budget(budget, shape, model_dtype, host_is_device=False, frames_pooled=pooled, requested=10**6)
     largest = int(err.value.args[0].split("use --max-running-requests ")[1].split()[0])
     assert largest > default.max_running_requests
-    s = split_budget(budget, shape, model_dtype, host_is_device=False, requested=largest)
+    s = split_budget(budget, shape, model_dtype, host_is_device=False, frames_pooled=pooled, requested=largest)
     assert s.max_running_requests == largest and s.tokens >= s.dense_tokens
     with pytest.raises(KVQConfigError, match=str(largest)):
-        split_budget(budget, shape, model_dtype, host_is_device=False, requested=largest + 1)
+        split_budget(budget, shape, model_dtype, host_is_device=False, frames_pooled=pooled, requested=largest + 1)
+
+
+@pytest.mark.parametrize("name", ["kivi2", "kivi4", "gear2"])
+def test_pooled_frames_honour_any_explicit_max_running_requests(name):
+    """With nothing per slot an explicit value only caps concurrency (SGLang's own cap: half the pool's tokens);
+    admission charges each request's frames, as bf16's admission charges its tokens."""
+    shape, model_dtype = shape_of("smollm2-135m", name)
+    s = split_budget(int(0.12 * GIB), shape, model_dtype, host_is_device=True, requested=64)
+    assert s.max_running_requests == 64 and s.request_bytes == 0
 
 
 def test_llama_8b_at_a_24gb_gpu_budget_no_longer_loses_to_bf16():
     """The issue's case: 257 fixed slots x 16 MiB of frames took most of a 24 GB GPU's KV budget."""
     shape, model_dtype = shape_of("llama-3-8b", "kivi2")
-    assert per_request_bytes(shape, model_dtype) == 2 * (2 * 32 * 64 * 8 * 128 * 2 + 16)
-    s = split_budget(int(5 * GIB), shape, model_dtype, host_is_device=False, context_len=8192)
+    assert per_request_bytes(shape, model_dtype, frames_pooled=False) == 2 * (2 * 32 * 64 * 8 * 128 * 2 + 16)
+    assert per_request_bytes(shape, model_dtype) == 0
+    s = split_budget(int(5 * GIB), shape, model_dtype, host_is_device=False, frames_pooled=False, context_len=8192)
     assert s.ratio >= 5.9 and s.max_running_requests >= 16, s.describe("kivi2")
 
 
@@ -103,24 +159,27 @@ def test_a_budget_that_holds_no_request_is_refused_with_the_budget_that_would():
 
 
 @pytest.mark.parametrize("name", DTYPE_NAMES)
-def test_the_charge_is_what_the_pool_allocates(name):
+@pytest.mark.parametrize("pooled", [True, False], ids=["pooled", "static"])
+def test_the_charge_is_what_the_pool_allocates(name, pooled):
     """per_request_bytes / per_token_bytes must equal what QuantizedKVStore (and SpeCache's state) allocate."""
     cfg = KVQConfig(method=parse_kv_cache_dtype(name).method, bits=parse_kv_cache_dtype(name).bits, group_size=16,
                     value_group=16, residual=16, top_k=8)
-    shape = PoolShape(layers=2, heads=2, head_dim=32, num_pages=6, cfg=cfg)
+    shape = PoolShape(layers=2, heads=2, head_dim=32, num_pages=31, cfg=cfg)
     slots = 5
-    store = QuantizedKVStore(cfg, shape, slots, torch.float16, "cpu")
-    overlay = store.overlay_bytes()
+    store = QuantizedKVStore(cfg, shape, slots, torch.float16, "cpu", frames_pooled=pooled)
+    per_slot = 0 if pooled else store.overlay_bytes()
     if cfg.is_specache:
         from sgl_kvq.specache.state import SpeCacheState
 
-        overlay += SpeCacheState(cfg, shape, slots, torch.float16, torch.device("cpu")).device_bytes()
-    assert overlay == slots * per_request_bytes(shape, torch.float16)
+        per_slot += SpeCacheState(cfg, shape, slots, torch.float16, torch.device("cpu")).device_bytes()
+    assert per_slot == slots * per_request_bytes(shape, torch.float16, frames_pooled=pooled)
     # SGLang's cell is whole bytes: a format with per-page tensors of a size G does not divide (zipcache2's salient
-    # offsets) is charged under one byte per token more than it allocates, never less.
-    charged = shape.P * shape.G * per_token_bytes(shape, torch.float16, host_is_device=False)
+    # offsets) is charged under one byte per token more than it allocates, never less; pooled frames' tags (and
+    # zipcache2's accumulator) are charged per token too.
+    allocated = store.base_bytes() + (store.overlay_bytes() if pooled else 0)
+    charged = shape.P * shape.G * per_token_bytes(shape, torch.float16, host_is_device=False, frames_pooled=pooled)
     assert store.base_bytes() == shape.P * shape.G * shape.base_bytes_per_token()
-    assert 0 <= charged - store.base_bytes() < shape.P * shape.G
+    assert 0 <= charged - allocated < 2 * shape.P * shape.G
 
 
 def test_overlay_share_knob_is_validated(monkeypatch):

@@ -72,7 +72,11 @@ def page_bytes(dtype: str, prompt_tokens: int) -> int:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_pd_continues_exactly_as_one_server(dtype, tmp_path):
+def test_pd_continues_exactly_as_one_server(dtype, tmp_path, monkeypatch):
+    # PD servers keep static frames; so does the single server compared with them (a request slot's static frames
+    # can still hold the previous request's window pages, which pooled frames never do: the second prompt's shared
+    # window page would be read in fp16 on one side and quantized on the other)
+    monkeypatch.setenv("KVQ_FRAMES", "static")
     missing = mooncake_available()
     if missing:
         pytest.skip(missing)

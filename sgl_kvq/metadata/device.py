@@ -8,21 +8,21 @@ eagerly and inside a captured graph (SGLang's `init_forward_metadata_in_graph` c
 dynamic shapes):
 
     begin  page_gen[page] += 1 where the token opens a page (offset 0): frames of a reused page stop matching it;
-           the token's frame (layout.frame_of) is tagged with (page, page_gen[page])
+           the token's frame (its slot's, sgl_kvq/frames.py) is tagged with (page, page_gen[page])
     write  frame_ids [B], frame_offs [B]: where each token's fp16 row goes; done_pages [B]: the pool page the token
            completes (offset G - 1), 0 when none (page 0 is SGLang's dummy page: the quantize kernel skips it)
     plan   the PagedPlan of every request's context after its token: the longest suffix of its last `ring` logical
            pages whose frames still hold them comes from the overlay, the pages before it from the packed base
 
 Padded rows of a CUDA-graph batch (SGLang pads with request slot 0, out_cache_loc 0 and seq_len 1) write request
-slot 0's frames and page 0, both reserved and never read by a real request.
+slot 0's frames and page 0, both reserved and never read by a real request (pooled frames: slot 0's frames are the
+dummy frame 0, and a padded row writes only its first row, which lies in page 0: sgl_kvq/frames.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from sgl_kvq.layout import frame_of
 from sgl_kvq.plan import DecodeWrite, PagedPlan
 
 
@@ -59,7 +59,7 @@ def build_decode(store, req_to_token: torch.Tensor, req_pool_indices: torch.Tens
                  out_cache_loc: torch.Tensor, bufs: DecodeBuffers) -> tuple[DecodeWrite, PagedPlan]:
     """store: QuantizedKVStore (its frame tags and page generations are updated here, once per batch);
     req_pool_indices, seq_lens (length after the new token), out_cache_loc: [B] on the store's device."""
-    G, ring = store.G, store.ring
+    G = store.G
     bs = req_pool_indices.shape[0]
     if bs > bufs.max_bs:
         raise ValueError(f"sgl_kvq: decode batch of {bs} requests exceeds the metadata capacity {bufs.max_bs}")
@@ -71,7 +71,7 @@ def build_decode(store, req_to_token: torch.Tensor, req_pool_indices: torch.Tens
     lpage = (lens - 1) // G
     # begin: one token per request, so frames never collide within the batch (padded rows share slot 0's frame).
     store.page_gen.index_add_(0, pages, (offs == 0).long())
-    frames = frame_of(req, lpage, ring)
+    frames = store.frames.of(req, lpage)
     store.ov_tag[frames] = pages
     store.ov_gen[frames] = store.page_gen[pages]
     write.frame_ids.copy_(frames)
@@ -88,7 +88,7 @@ def build_decode(store, req_to_token: torch.Tensor, req_pool_indices: torch.Tens
     in_ctx = cand >= 0
     cand_c = cand.clamp(min=0)
     cand_page = table.gather(1, cand_c)
-    cand_frame = frame_of(req[:, None], cand_c, ring)
+    cand_frame = store.frames.of(req[:, None], cand_c)
     valid = in_ctx & (store.ov_tag[cand_frame] == cand_page) & (store.ov_gen[cand_frame] == store.page_gen[cand_page])
     n_ov = valid.long().cumprod(1).sum(1)  # longest valid suffix
     n_base = n_pages - n_ov
@@ -105,5 +105,5 @@ def build_decode(store, req_to_token: torch.Tensor, req_pool_indices: torch.Tens
     ov_page = n_base[:, None] + bufs.ring_cols[None, :]
     dest = torch.where(bufs.ring_cols[None, :] < n_ov[:, None], plan.ov_indptr[:-1, None].long() + bufs.ring_cols,
                        trash_ov)
-    bufs.ov_indices.scatter_(0, dest.reshape(-1), frame_of(req[:, None], ov_page, ring).to(torch.int32).reshape(-1))
+    bufs.ov_indices.scatter_(0, dest.reshape(-1), store.frames.of(req[:, None], ov_page).to(torch.int32).reshape(-1))
     return write, plan

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sgl_kvq.layout import frame_of
 from sgl_kvq.plan import BatchWrite, PagedPlan
 
 if TYPE_CHECKING:
@@ -30,7 +29,11 @@ def begin_batch(store: QuantizedKVStore, slots: torch.Tensor, req_slots: torch.T
     if bool(((positions % G) != offs).any()):
         raise AssertionError("sgl_kvq: token slot offsets do not follow position % G (page size != G?)")
     lpage = positions // G
-    frames = frame_of(req_slots, lpage, store.ring)
+    for r in set(req_slots.tolist()):
+        if not store.frames.holds(r):
+            raise RuntimeError(f"sgl_kvq: request slot {r} writes KV but holds no overlay frames (its slot was not "
+                               "allocated through SGLang's alloc_req_slots)")
+    frames = store.frames.of(req_slots, lpage)
     # A freed page that is reused starts at offset 0: bump its generation so stale frames stop matching it.
     starts = pages[offs == 0]
     store.page_gen[starts] += 1
@@ -56,13 +59,14 @@ def begin_batch(store: QuantizedKVStore, slots: torch.Tensor, req_slots: torch.T
                       done_tok_page=done_tok_page, done_tok_off=offs[done_tok_rows], done_lpages=lpage[done_rows])
 
 
-def frames_holding(tags, gens, page_gen, req_slot: int, pages, n_pages: int, lowest: int, ring: int) -> int:
+def frames_holding(tags, gens, page_gen, frames, req_slot: int, pages, n_pages: int, lowest: int) -> int:
     """How many of logical pages n_pages-1, n_pages-2, ... (down to `lowest`) the slot's frames still hold (tag and
     generation match the pool page `pages[n]`), as the longest such suffix: the pages a context reads from the
-    overlay. tags/gens: the store's ov_tag/ov_gen (lists or tensors), page_gen: its page_gen."""
+    overlay. tags/gens: the store's ov_tag/ov_gen (lists or tensors), page_gen: its page_gen, frames: its
+    FrameTable."""
     held = 0
     for n in range(n_pages - 1, lowest - 1, -1):
-        f, p = frame_of(req_slot, n, ring), int(pages[n])
+        f, p = frames.of_host(req_slot, n), int(pages[n])
         if int(tags[f]) != p or int(gens[f]) != int(page_gen[p]):
             break
         held += 1
@@ -82,7 +86,7 @@ def plan_contexts(store: QuantizedKVStore, page_tables: list[torch.Tensor], req_
     for pages, r, n_tok, qp in zip(page_tables, req_slots, seq_lens, query_pos):
         n_pages = -(-n_tok // G)
         pages = pages[:n_pages].tolist()
-        n_ov = frames_holding(tags, gens, pgen, r, pages, n_pages, max(qp // G - ring + 1, 0), ring)
+        n_ov = frames_holding(tags, gens, pgen, store.frames, r, pages, n_pages, max(qp // G - ring + 1, 0))
         n_base = n_pages - n_ov
         tail = n_tok - (n_pages - 1) * G if n_pages else 0
         if n_ov == 0 and tail != G and n_pages:
@@ -91,7 +95,7 @@ def plan_contexts(store: QuantizedKVStore, page_tables: list[torch.Tensor], req_
         kv_indices += pages[:n_base]
         kv_indptr.append(len(kv_indices))
         kv_last.append(G if n_ov else (tail if n_base else 0))
-        ov_indices += [frame_of(r, n, ring) for n in range(n_base, n_pages)]
+        ov_indices += [store.frames.of_host(r, n) for n in range(n_base, n_pages)]
         ov_indptr.append(len(ov_indices))
         ov_last.append(tail if n_ov else 0)
 

@@ -1,0 +1,147 @@
+"""Pooled overlay frames: a running request's fp16 frames are pages of the KV pool, handed out by SGLang's own page
+allocator and charged where SGLang admits requests (the layout: sgl_kvq/layout.py; the table: sgl_kvq/frames.py).
+
+- FramePageAllocator (SGLang's PagedTokenToKVPoolAllocator, built in its place for a pooled kvq pool) hands out a
+  frame as k aligned free pages (frame f = pages f*k .. f*k+k-1) and takes it back as free pages. Its
+  request_slot_reserve, which SGLang's PrefillAdder adds to every request that has no request slot yet, is one
+  request's frames (ring * k pages), so admission sees them as it sees tokens; its available_size falls while a
+  request holds them. Token pages are handed out from frames already in use by tokens first, whole free frames
+  last, so the free pages stay in whole frames (tokens fill holes; frames come from the top).
+- alloc_req_slots (AROUND): a request that gets a request slot gets its `ring` frames, evicting radix-tree pages
+  while no whole frame is free (admission counted the pages; eviction makes them whole).
+- ReqToTokenPool.free_rows (AROUND): a freed request slot (finished, retracted, aborted) gives its frames back.
+"""
+
+from __future__ import annotations
+
+import torch
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+
+# id(ReqToTokenPool) -> the pooled kvq pool whose frames its request slots own (patches/pool_build.py)
+_slot_pools: dict[int, object] = {}
+
+
+def register_slot_pool(req_to_token_pool, pool) -> None:
+    _slot_pools[id(req_to_token_pool)] = pool
+
+
+class FramePageAllocator(PagedTokenToKVPoolAllocator):
+    def __init__(self, size: int, page_size: int, dtype, device, kvcache, need_sort: bool):
+        self.store = kvcache.store
+        self.k = self.store.shape.pages_per_frame(self.store.model_dtype)
+        self.num_frames = self.store.frames.num_frames
+        self.frame_tokens = self.store.ring * self.k * page_size
+        super().__init__(size, page_size, dtype, device, kvcache, need_sort)
+        kvcache.frame_allocator = self
+
+    def clear(self):
+        super().clear()
+        # Frame 0 holds page 0, which is never free: it is never handed out (the padded rows' dummy frame).
+        self.store.frames.release_all()
+
+    def request_slot_reserve(self, *, has_req_pool_slot: bool, prefill_tokens: int = 0) -> int:
+        return 0 if has_req_pool_slot else self.frame_tokens
+
+    def max_new_tokens_for_memory(self, input_tokens: int, max_new_tokens: int, *, token_capacity: int, **kwargs):
+        """What an empty pool holds for one request besides its frames (admission charges them): a prompt that
+        does not fit with its frames is refused (SGLang aborts it) instead of waiting for room that never comes."""
+        capacity = token_capacity - self.frame_tokens
+        if -(-input_tokens // self.page_size) * self.page_size + self.page_size >= capacity:
+            return None
+        return super().max_new_tokens_for_memory(input_tokens, max_new_tokens, token_capacity=capacity, **kwargs)
+
+    def _release_page_ids(self, *page_ids: torch.Tensor):
+        # Merged at once (not staged until an allocation runs short, as SGLang does): every allocation, HiCache's
+        # load-back included, takes pages in token order.
+        self.staged_pages.extend(page_ids)
+        self.num_staged_pages += sum(ids.numel() for ids in page_ids)
+        self.merge_and_sort_free()
+
+    def merge_and_sort_free(self):
+        if not self.staged_pages:
+            return
+        pages = self.get_all_free_pages()
+        whole = self._free_counts(pages)[pages // self.k] == self.k
+        # pages of partly used frames first, whole free frames last, lowest first: tokens fill holes before they
+        # break a frame, frames are taken from the top
+        self.free_pages = pages[torch.argsort(whole.long() * (self.num_frames * self.k) + pages)]
+        self.staged_pages = []
+        self.num_staged_pages = 0
+
+    def _free_counts(self, pages: torch.Tensor) -> torch.Tensor:
+        return torch.bincount(pages // self.k, minlength=self.num_frames)
+
+    def free_frames(self) -> torch.Tensor:
+        """Ids of frames all of whose pages are free, ascending."""
+        self.merge_and_sort_free()
+        return (self._free_counts(self.free_pages) == self.k).nonzero().squeeze(1)
+
+    def take_frames(self, n: int) -> list[int] | None:
+        """n whole free frames (the highest), their pages no longer free; None when fewer are free."""
+        whole = self.free_frames()
+        if whole.numel() < n:
+            return None
+        chosen = whole[whole.numel() - n:]
+        self.free_pages = self.free_pages[~torch.isin(self.free_pages // self.k, chosen)]
+        return chosen.tolist()
+
+    def give_back_frames(self, frames: list[int]) -> None:
+        if frames:
+            ids = torch.tensor(frames, dtype=torch.int64, device=self.device)
+            self._release_page_ids((ids[:, None] * self.k + torch.arange(self.k, device=self.device)).reshape(-1))
+
+
+def build_allocator(orig, self, *, token_to_kv_pool, **kwargs):
+    """KVCacheConfigurator._build_token_to_kv_pool_allocator: a pooled kvq pool gets the frame-aware allocator."""
+    allocator = orig(self, token_to_kv_pool=token_to_kv_pool, **kwargs)
+    store = getattr(token_to_kv_pool, "store", None)
+    if store is None or not getattr(store, "frames_pooled", False):
+        return allocator
+    if type(allocator) is not PagedTokenToKVPoolAllocator:
+        raise RuntimeError(f"sgl_kvq: pooled frames need SGLang's PagedTokenToKVPoolAllocator, this server built "
+                           f"{type(allocator).__name__}")
+    return FramePageAllocator(allocator.size, allocator.page_size, allocator.dtype, allocator.device,
+                              token_to_kv_pool, allocator.need_sort)
+
+
+def _make_whole_frames(allocator: FramePageAllocator, tree_cache, needed: int) -> None:
+    """Evict unlocked radix-tree pages until `needed` frames are wholly free or nothing more can be evicted."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    while (short := needed - allocator.free_frames().numel()) > 0:
+        if tree_cache is None or not tree_cache.supports_prefix_sharing():
+            return
+        result = tree_cache.evict(EvictParams(num_tokens=short * allocator.k * allocator.page_size))
+        if not result.num_tokens_evicted:
+            return
+
+
+def alloc_req_slots(orig, req_to_token_pool, reqs, tree_cache):
+    pool = _slot_pools.get(id(req_to_token_pool))
+    if pool is None:
+        return orig(req_to_token_pool, reqs, tree_cache)
+    allocator, frames = pool.frame_allocator, pool.store.frames
+    new = sum(1 for r in reqs if not r.kv.holds_kv)
+    _make_whole_frames(allocator, tree_cache, new * frames.ring)
+    indices = orig(req_to_token_pool, reqs, tree_cache)
+    for slot in indices:
+        if frames.holds(slot):
+            continue
+        got = allocator.take_frames(frames.ring)
+        if got is None:
+            raise RuntimeError(
+                f"sgl_kvq: no {frames.ring} whole free frames of {allocator.k} pages for request slot {slot} "
+                f"({allocator.available_size()} tokens free, free pages per frame "
+                f"{allocator._free_counts(allocator.free_pages).tolist()}): admission charged them, eviction could "
+                "not free them")
+        frames.assign(slot, got, pool.store.ov_tag)
+    return indices
+
+
+def free_rows(orig, self, indices):
+    result = orig(self, indices)
+    pool = _slot_pools.get(id(self))
+    if pool is not None:
+        for slot in indices:
+            pool.frame_allocator.give_back_frames(pool.store.frames.release(int(slot)))
+    return result
