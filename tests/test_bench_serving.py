@@ -17,7 +17,7 @@ def test_bench_serving_tiny_writes_loadgen_metrics_server_stats_and_plots(venv_b
     cmd = [str(venv_bin / "sgl-kvq"), "bench", "serving", "--model", "tiny", "--kv-cache-dtype", "auto,kivi2",
            "--concurrency", "2", "--waves", "1", "--regime", "tight", "--groups", "1", "--turns", "2",
            "--system-prompt-len", "64", "--question-len", "16", "--output-len", "4", "--sharegpt-context-len", "256",
-           "--server-args", "--dtype float32", "--json", str(out)]
+           "--flags", "default", "--server-args", "--dtype float32", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -27,6 +27,7 @@ def test_bench_serving_tiny_writes_loadgen_metrics_server_stats_and_plots(venv_b
     assert set(servers) == {"auto", "kivi2"}
     for s in servers.values():
         assert s["capacity_tokens"] > 0 and s["max_running_requests"] >= 1 and s["kv_budget_bytes"] > 0
+        assert s["flags"] == "default"  # no --max-running-requests: SGLang's default, kvq's pooled frames
     runs = report["runs"]
     assert {(r["kv_cache_dtype"], r["workload"]) for r in runs} == {
         (d, w) for d in ("auto", "kivi2") for w in ("shared-prefix-multiturn", "sharegpt")}

@@ -67,7 +67,8 @@ def test_tight_regime_fits_kivi2_but_not_bf16_and_generous_fits_bf16():
 
 
 def test_a_budget_too_small_for_one_specache_request_is_predicted_refused():
-    pool = wl.predicted_pool(SMOLLM2, "specache2", 64 * 2**20, 16)
+    # 32 MiB of packed + 16-bit host rows hold ~1,260 tokens, fewer than one request's frames and the dummy frame
+    pool = wl.predicted_pool(SMOLLM2, "specache2", 32 * 2**20, 16)
     assert "refused" in pool and "specache2" in pool["refused"]
 
 

@@ -272,8 +272,9 @@ def plot(rows: list[dict], path: str) -> None:
 
 def equal_budget(model: Path, dtypes: list[str], points, steps: int) -> int:
     """One KV budget (bytes) for every server: bf16 holds the largest batch x context with 30% to spare, and every
-    dtype's pool holds those tokens with the largest batch's request slots (SpeCache's per-request top-k state on the
-    CPU engine needs more than bf16's tokens alone: capacity.split_budget's rule)."""
+    dtype's pool holds those tokens with the largest batch's request slots and its running requests' fp16 frames
+    (SpeCache's per-request top-k state on the CPU engine needs more than bf16's tokens alone: capacity.split_budget's
+    rule)."""
     from sgl_kvq.commands.serving_workloads import ModelShape, predicted_pool
 
     shape = ModelShape.of(model)
@@ -283,7 +284,8 @@ def equal_budget(model: Path, dtypes: list[str], points, steps: int) -> int:
 
     def fits(dtype: str) -> bool:
         pool = predicted_pool(shape, dtype, budget, top)
-        return pool.get("max_running_requests", 0) >= top and pool.get("capacity_tokens", 0) >= need
+        frames = top * pool.get("frame_tokens", 0)
+        return pool.get("max_running_requests", 0) >= top and pool.get("capacity_tokens", 0) >= need + frames
 
     while not all(fits(d) for d in dtypes):
         budget = int(budget * 1.05)

@@ -2,8 +2,10 @@
 KV dtype at the same pinned KV budget (KVQ_KV_CACHE_GB), for a multi-turn shared-prefix workload and a ShareGPT one,
 at several concurrencies, in two budget regimes: "tight" (bf16's budget is the bottleneck at the top concurrency:
 sized so kivi2 holds every conversation's tokens at once, which leaves bf16 about a sixth of them) and "generous"
-(bf16 holds twice what the top concurrency needs). Every server gets --max-running-requests = the top concurrency, or
-the most its budget allows a kvq dtype (sgl_kvq/capacity.py), and --decode-log-interval 1."""
+(bf16 holds twice what the top concurrency needs). Every server gets --decode-log-interval 1, and runs with each of
+--flags: "default" (no --max-running-requests: what a user who sets nothing gets) and "explicit"
+(--max-running-requests = the top concurrency, or the most the budget allows a kvq dtype: sgl_kvq/capacity.py).
+Ratios to bf16 compare servers of the same flags."""
 
 from __future__ import annotations
 
@@ -61,6 +63,8 @@ def add_arguments(p) -> None:
     p.add_argument("--output-len", type=int, default=32, help="output tokens per request, both workloads")
     p.add_argument("--sharegpt-context-len", type=int, default=512,
                    help="ShareGPT prompts longer than this minus --output-len are skipped by the load generator")
+    p.add_argument("--flags", default="default,explicit", help="comma list: default (no --max-running-requests), "
+                   "explicit (--max-running-requests = the top concurrency, or the most a kvq budget allows)")
     p.add_argument("--server-args", default="", help="extra launch_server flags for every server, e.g. '--dtype "
                    "float32'")
     p.add_argument("--quick", action="store_true", help="a short run: concurrency 1,4, 2 groups, shorter prompts, 8 "
@@ -131,11 +135,11 @@ def measure(server, model: Path, load: wl.Workload, concurrency: int, out_file: 
             "specache": stats.specache_delta(spec_before, server.kv_pool_stats().get("specache"))}
 
 
-def serve_dtype(model: Path, dtype: str, budget: int, max_running: int, extra: list[str], log: Path):
+def serve_dtype(model: Path, dtype: str, budget: int, max_running: int | None, extra: list[str], log: Path):
     from sgl_kvq.launch import ServerProcess, baseline_page_size
 
-    server_args = ["--model-path", str(model), "--max-running-requests", str(max_running),
-                   "--decode-log-interval", "1", *extra]
+    server_args = ["--model-path", str(model), "--decode-log-interval", "1", *extra]
+    server_args += [] if max_running is None else ["--max-running-requests", str(max_running)]
     server_args += ["--page-size", str(baseline_page_size())] if dtype == "auto" else ["--kv-cache-dtype", dtype]
     os.environ["KVQ_KV_CACHE_GB"] = repr(budget / 2**30)
     return ServerProcess(server_args, log_path=log)
@@ -167,24 +171,24 @@ def run(args) -> int:
     for regime, budget in budgets.items():
         predicted = {d: wl.predicted_pool(shape, d, budget, top) for d in dtypes}
         report["regimes"][regime] = {"kv_cache_gb": budget / 2**30, "predicted": predicted}
-        for dtype in dtypes:
+        for dtype, flags in [(d, f) for d in dtypes for f in args.flags.split(",") if f]:
             t0 = time.time()
-            label = f"[{regime} {budget / 2**30:.3f} GiB] {dtype}"
-            row = {"regime": regime, "kv_cache_dtype": dtype, "kv_cache_gb": budget / 2**30}
+            label = f"[{regime} {budget / 2**30:.3f} GiB] {dtype} ({flags} flags)"
+            row = {"regime": regime, "kv_cache_dtype": dtype, "flags": flags, "kv_cache_gb": budget / 2**30}
             if "refused" in predicted[dtype]:
                 report["servers"].append({**row, "refused": predicted[dtype]["refused"]})
                 print(f"{label}: refused at this budget: {predicted[dtype]['refused']}", flush=True)
                 continue
-            log = tmp / f"server-{regime}-{dtype}.log"
+            log = tmp / f"server-{regime}-{dtype}-{flags}.log"
             print(f"{label}: starting the server (log {log})", flush=True)
+            max_running = predicted[dtype]["max_running_requests"] if flags == "explicit" else None
             try:
-                with serve_dtype(model, dtype, budget, predicted[dtype]["max_running_requests"],
-                                 shlex.split(args.server_args), log) as server:
+                with serve_dtype(model, dtype, budget, max_running, shlex.split(args.server_args), log) as server:
                     report["servers"].append({**row, **stats.server_summary(server.get("/get_server_info"))})
                     for kind in range(len(loads[top])):  # each workload, at every concurrency
                         for c in concurrencies:
                             load = loads[c][kind]
-                            result_file = tmp / f"loadgen-{regime}-{dtype}-{load.name}-c{c}.jsonl"
+                            result_file = tmp / f"loadgen-{regime}-{dtype}-{flags}-{load.name}-c{c}.jsonl"
                             out = measure(server, model, load, c, result_file)
                             report["runs"].append({**row, "workload": load.name, "concurrency": c, **out})
                             print(f"{label} {load.name} c={c}: {brief(out)}", flush=True)
@@ -225,10 +229,12 @@ def brief(out: dict) -> str:
 
 
 def add_ratios(runs: list[dict]) -> None:
-    """Output throughput over bf16's ("auto") in the same regime, workload and concurrency."""
-    base = {(r["regime"], r["workload"], r["concurrency"]): r["loadgen"].get("output_throughput") for r in runs
-            if r["kv_cache_dtype"] == "auto"}
+    """Output throughput over bf16's ("auto") in the same regime, flags, workload and concurrency."""
+    def key(r):
+        return r["regime"], r.get("flags", "explicit"), r["workload"], r["concurrency"]
+
+    base = {key(r): r["loadgen"].get("output_throughput") for r in runs if r["kv_cache_dtype"] == "auto"}
     for r in runs:
-        b = base.get((r["regime"], r["workload"], r["concurrency"]))
+        b = base.get(key(r))
         if b and r["loadgen"].get("output_throughput"):
             r["output_throughput_vs_bf16"] = r["loadgen"]["output_throughput"] / b

@@ -95,11 +95,10 @@ def plot(runs: list[dict], workload: str, regime: str, title: str, path: Path) -
               ("p99_itl_ms", "p99 ITL (ms)"))
     fig, axes = plt.subplots(1, len(panels), figsize=(15, 4.2))
     mine = [r for r in runs if r["workload"] == workload and r["regime"] == regime and r.get("loadgen")]
-    for dtype in dict.fromkeys(r["kv_cache_dtype"] for r in mine):
-        pts = sorted(((r["concurrency"], r["loadgen"]) for r in mine if r["kv_cache_dtype"] == dtype),
-                     key=lambda p: p[0])
+    for name in dict.fromkeys(series(r) for r in mine):
+        pts = sorted(((r["concurrency"], r["loadgen"]) for r in mine if series(r) == name), key=lambda p: p[0])
         for ax, (key, _) in zip(axes, panels):
-            ax.plot([c for c, _ in pts], [m.get(key) for _, m in pts], marker="o", label=dtype)
+            ax.plot([c for c, _ in pts], [m.get(key) for _, m in pts], marker="o", label=name)
     concurrencies = sorted({r["concurrency"] for r in mine})
     for ax, (_, label) in zip(axes, panels):
         ax.set_xscale("log", base=2)
@@ -114,20 +113,25 @@ def plot(runs: list[dict], workload: str, regime: str, title: str, path: Path) -
     plt.close(fig)
 
 
+def series(r: dict) -> str:
+    """A server's name in tables and plots: its dtype, and "explicit" where --max-running-requests was passed."""
+    return r["kv_cache_dtype"] + (" explicit" if r.get("flags", "explicit") == "explicit" else "")
+
+
 def table(report: dict) -> str:
     """One markdown row per run: the load generator's numbers beside the server's."""
-    capacity = {(s["regime"], s["kv_cache_dtype"]): s.get("capacity_tokens", s.get("refused", "-"))
-                for s in report["servers"]}
-    lines = ["| regime | workload | kv dtype | capacity tok | conc. | out tok/s | x bf16 | p99 TTFT ms | p99 ITL ms | "
-             "peak running | retracted | cached (loadgen) | specache B/step, hit, recall |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    capacity = {(s["regime"], series(s)): (s.get("capacity_tokens", s.get("refused", "-")),
+                                           s.get("max_running_requests", "-")) for s in report["servers"]}
+    lines = ["| regime | workload | kv dtype | capacity tok | max running | conc. | out tok/s | x bf16 | p99 TTFT ms | "
+             "p99 ITL ms | peak running | retracted | cached (loadgen) | specache B/step, hit, recall |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["runs"]:
         m, s, sc = r["loadgen"], r["server"], r.get("specache")
         hit = m.get("cache_report", {}).get("cache_hit_rate_pct")
         spec = (f"{sc['prefetched_bytes_per_step']:,.0f}, {_pct(sc['spec_token_hit_rate'])}, {_pct(sc['recall'])}"
                 if sc else "")
-        lines.append(f"| {r['regime']} | {r['workload']} | {r['kv_cache_dtype']} | "
-                     f"{capacity.get((r['regime'], r['kv_cache_dtype']))} | {r['concurrency']} | "
+        tokens, running = capacity.get((r["regime"], series(r)), ("-", "-"))
+        lines.append(f"| {r['regime']} | {r['workload']} | {series(r)} | {tokens} | {running} | {r['concurrency']} | "
                      f"{m.get('output_throughput', float('nan')):.1f} | "
                      f"{r.get('output_throughput_vs_bf16', float('nan')):.2f} | "
                      f"{m.get('p99_ttft_ms', float('nan')):.0f} | {m.get('p99_itl_ms', float('nan')):.0f} | "

@@ -114,25 +114,30 @@ def predicted_pool(shape: ModelShape, dtype: str, budget_bytes: int, concurrency
                      cfg=parse_kv_cache_dtype(dtype))
     model_dtype = getattr(torch, shape.dtype)
     per_tok = per_token_bytes(pool, model_dtype, host_is_device=not has_gpu())
-    largest = largest_fitting_requests(budget_bytes, per_request_bytes(pool, model_dtype), per_tok,
-                                       shape.dense_bytes_per_token(), pool.cfg.overlay_share)
+    per_req = per_request_bytes(pool, model_dtype)
+    # pooled frames alone (nothing per slot): any value is honoured, admission charges each request's frames
+    largest = concurrency if not per_req else largest_fitting_requests(
+        budget_bytes, per_req, per_tok, shape.dense_bytes_per_token(), pool.cfg.overlay_share)
     try:
         split = split_budget(budget_bytes, pool, model_dtype, host_is_device=not has_gpu(),
                              requested=max(1, min(concurrency, largest)))
     except KVQConfigError as e:
         return {"refused": str(e)}
-    return {"capacity_tokens": split.tokens, "max_running_requests": split.max_running_requests}
+    return {"capacity_tokens": split.tokens, "max_running_requests": split.max_running_requests,
+            "frame_tokens": split.frame_tokens}
 
 
 def bottleneck_budget(shape: ModelShape, workloads: list[Workload], concurrency: int, margin: float = 0.1) -> int:
     """The smallest KV budget (plus `margin`) at which kivi2 holds every workload's tokens at `concurrency`, each
-    conversation's prefix counted separately: there kivi2 never has to wait for memory, while bf16, at 6.4x the
-    bytes per token, holds about a sixth of that and must queue or retract."""
+    conversation's prefix counted separately, and the fp16 frames of `concurrency` running requests: there kivi2
+    never has to wait for memory, while bf16, at 6.4x the bytes per token, holds about a sixth of that and must
+    queue or retract."""
     need = max(w.peak_tokens(concurrency) for w in workloads)
     budget = math.ceil(need * shape.dense_bytes_per_token() / 6)  # a first guess below the answer
     while True:
         pool = predicted_pool(shape, "kivi2", budget, concurrency)
-        if pool.get("capacity_tokens", 0) >= need and pool.get("max_running_requests", 0) >= concurrency:
+        frames = concurrency * pool.get("frame_tokens", 0)
+        if pool.get("capacity_tokens", 0) >= need + frames and pool.get("max_running_requests", 0) >= concurrency:
             break
         budget = math.ceil(budget * 1.02)
     return math.ceil(budget * (1 + margin))
