@@ -3,7 +3,8 @@
 A kvq pool costs `per_token` bytes for every token it can hold (the packed base), and every running request keeps
 its open page and R/G window pages in fp16 frames (sgl_kvq/frames.py).
 
-Pooled frames (the default): a frame is k of the pool's own pages (k = pages_per_frame: 8 at 2 bit in bf16), handed
+Pooled frames (KVQ_FRAMES=pooled; opt-in until a request that finds no whole free frame can start: config.py): a
+frame is k of the pool's own pages (k = pages_per_frame: 8 at 2 bit in bf16), handed
 to a request when SGLang gives it a request slot and taken back when the slot is freed; SGLang's admission charges
 them like tokens (the allocator's request_slot_reserve, patches/frames.py). So nothing is set aside per request
 slot: an idle server holds budget / per_token tokens, a running request costs ring * k pages of them while it runs,
@@ -53,6 +54,13 @@ def per_token_bytes(shape: PoolShape, model_dtype: torch.dtype, host_is_device: 
         frame_extra = shape.overlay_bytes_per_frame(model_dtype) - 2 * _frame_kv_bytes(shape, model_dtype)
         cell += math.ceil(frame_extra / (shape.pages_per_frame(model_dtype) * shape.G))
     return cell
+
+
+def config_pools(shape: PoolShape, model_dtype: torch.dtype) -> bool:
+    """Whether a server without prefill/decode disaggregation or HiCache pools this config's frames (KVQ_FRAMES)."""
+    from sgl_kvq.frames import pooled_frames
+
+    return pooled_frames(shape, model_dtype, "null", False)
 
 
 def _frame_kv_bytes(shape: PoolShape, model_dtype: torch.dtype) -> int:
@@ -158,14 +166,17 @@ def largest_fitting_requests(budget_bytes: int, per_request: int, per_token: int
 
 
 def split_budget(budget_bytes: int, shape: PoolShape, model_dtype: torch.dtype, *, host_is_device: bool,
-                 frames_pooled: bool = True, requested: int | None = None, context_len: int | None = None,
+                 frames_pooled: bool | None = None, requested: int | None = None, context_len: int | None = None,
                  host_budget_bytes: int | None = None) -> BudgetSplit:
     """Decide max_running_requests for a kvq pool of `shape` in `budget_bytes` (see the module doc).
     frames_pooled: frames carved from the pool per running request (else static per slot: prefill/decode
-    disaggregation). requested: the user's --max-running-requests per worker, or None. context_len: the model's,
+    disaggregation, HiCache); None: as a plain server of this config (KVQ_FRAMES). requested: the user's
+    --max-running-requests per worker, or None. context_len: the model's,
     for SGLang's own cap on the default (2048..4096 requests, tokens // 2). host_budget_bytes: the host RAM
     SpeCache's host tier may take where it is not the device's memory."""
     cfg: KVQConfig = shape.cfg
+    if frames_pooled is None:
+        frames_pooled = config_pools(shape, model_dtype)
     per_req = per_request_bytes(shape, model_dtype, frames_pooled)
     per_tok = per_token_bytes(shape, model_dtype, host_is_device, frames_pooled)
     dense = dense_bytes_per_token(shape, model_dtype)

@@ -117,8 +117,10 @@ class KVQConfig:
     cpu_kernel: int = 1
     # "pooled": running requests' fp16 frames are pages of the pool, taken from the KV budget while they run
     # (sgl_kvq/frames.py); "static": `ring` frames per request slot in a region of their own, sized by
-    # overlay_share (what prefill/decode disaggregation and HiCache always use).
-    frames: str = "pooled"
+    # overlay_share (what prefill/decode disaggregation and HiCache always use). Static by default until a
+    # request can start where no whole frame is free: the soak (4 clients, retraction test mode, a 4,096-token
+    # pool) stopped a pooled server with 15 free pages spread over 5 frames and none whole.
+    frames: str = "static"
 
     def __post_init__(self):
         if self.method not in METHODS:

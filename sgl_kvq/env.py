@@ -19,7 +19,7 @@ variable as a deprecated spelling of SGLANG_* and warns about it in each of its 
 | KVQ_SPECACHE_RECALL      | 1: measure each step how much of the output row's exact 16-bit top-k the speculative lane prefetched (reads every context row from the host tier: a diagnostic, off by default so a server does no extra full-context read) | 0 |
 | KVQ_ATTENTION_THREADS    | attention_threads: intra-op threads of kvq_torch's batched decode attention on CPU (0: torch's own; 1 on a machine other processes load) | 0 |
 | KVQ_CPU_KERNEL           | cpu_kernel: 1 decodes kivi formats on a CPU with the compiled C kernel (kernels/cpu_decode_attention.c) when a C compiler is found; 0 keeps kvq_torch's torch paths | 1 |
-| KVQ_FRAMES               | frames: "pooled" (running requests' fp16 frames are pool pages, sgl_kvq/frames.py) or "static" (per request slot, outside the pool; what PD and HiCache use) | pooled |
+| KVQ_FRAMES               | frames: "pooled" (running requests' fp16 frames are pool pages, sgl_kvq/frames.py) or "static" (per request slot, outside the pool; what PD and HiCache use) | static |
 | KVQ_HOST_MEM_FRACTION    | share of the host's available RAM SpeCache's host tier may take | 0.8 |
 | KVQ_CACHE_DIR            | where embedded models are materialized | ~/.cache/sgl_kvq |
 | KVQ_KV_CACHE_GB          | fixes SGLang's KV budget to this many GiB for ANY kv dtype (bf16 too), instead of profiling free memory: capacity comparisons at the same KV memory (per rank) | unset |

@@ -49,7 +49,7 @@ def test_pooled_split_over_budgets(model, name):
     for gib in BUDGETS_GIB:
         budget = int(gib * GIB)
         try:
-            s = split_budget(budget, shape, model_dtype, host_is_device=False, context_len=8192)
+            s = split_budget(budget, shape, model_dtype, host_is_device=False, frames_pooled=True, context_len=8192)
         except KVQConfigError as e:
             # only where the pool cannot hold the dummy frame, one request's frames and one page besides
             need = ((shape.cfg.ring_pages + 2) * k - 1) * shape.G
@@ -74,7 +74,7 @@ def test_pooled_split_over_budgets(model, name):
 def test_smollm2_at_the_issue_budget_holds_three_times_bf16s_running_requests():
     """0.12 GiB, 1,100-token conversations: bf16 holds 5 of them; pooled kivi2 holds every frame and token of 16."""
     shape, model_dtype = shape_of("smollm2-135m", "kivi2")
-    s = split_budget(int(0.12 * GIB), shape, model_dtype, host_is_device=True, context_len=8192)
+    s = split_budget(int(0.12 * GIB), shape, model_dtype, host_is_device=True, frames_pooled=True, context_len=8192)
     conversation = 1100
     bf16 = s.dense_tokens // conversation
     kivi2 = (s.tokens - shape.pages_per_frame(model_dtype) * shape.G) // (conversation + s.frame_tokens)
@@ -139,7 +139,7 @@ def test_pooled_frames_honour_any_explicit_max_running_requests(name):
     """With nothing per slot an explicit value only caps concurrency (SGLang's own cap: half the pool's tokens);
     admission charges each request's frames, as bf16's admission charges its tokens."""
     shape, model_dtype = shape_of("smollm2-135m", name)
-    s = split_budget(int(0.12 * GIB), shape, model_dtype, host_is_device=True, requested=64)
+    s = split_budget(int(0.12 * GIB), shape, model_dtype, host_is_device=True, frames_pooled=True, requested=64)
     assert s.max_running_requests == 64 and s.request_bytes == 0
 
 

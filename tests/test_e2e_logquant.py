@@ -26,9 +26,9 @@ def test_kvq_triton_gives_the_same_tokens_as_kvq_torch(tiny, window, rows):
     # Longer than (1 + ring) pages: page 0 and its rows are read from the base.
     prompts = contended_prompts(3, words=200)
     env = {"KVQ_LOGQUANT_WINDOW": window}
-    torch_out, stats = run_engine(tiny, "logquant2", prompts, attention_backend="kvq_torch", max_total_tokens=16384,
+    torch_out, stats = run_engine(tiny, "logquant2", prompts, attention_backend="kvq_torch", max_total_tokens=4096,
                                   env=env)
-    triton_out, _ = run_engine(tiny, "logquant2", prompts, attention_backend="kvq_triton", max_total_tokens=16384,
+    triton_out, _ = run_engine(tiny, "logquant2", prompts, attention_backend="kvq_triton", max_total_tokens=4096,
                                env={**env, "TRITON_INTERPRET": "1"})
     assert stats["kv_cache_dtype"] == "logquant2" and stats["config"]["logquant_rows_per_page"] == rows
     assert triton_out == torch_out

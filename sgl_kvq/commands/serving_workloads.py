@@ -101,7 +101,8 @@ def predicted_pool(shape: ModelShape, dtype: str, budget_bytes: int, concurrency
     {"refused": why} where the budget cannot hold one request."""
     import torch
 
-    from sgl_kvq.capacity import largest_fitting_requests, per_request_bytes, per_token_bytes, split_budget
+    from sgl_kvq.capacity import (config_pools, largest_fitting_requests, per_request_bytes, per_token_bytes,
+                                  split_budget)
     from sgl_kvq.config import KVQConfigError, is_kvq_dtype, parse_kv_cache_dtype
     from sgl_kvq.launch import baseline_page_size, has_gpu
     from sgl_kvq.layout import PoolShape
@@ -113,8 +114,9 @@ def predicted_pool(shape: ModelShape, dtype: str, budget_bytes: int, concurrency
     pool = PoolShape(layers=shape.layers, heads=shape.kv_heads, head_dim=shape.head_dim, num_pages=0,
                      cfg=parse_kv_cache_dtype(dtype))
     model_dtype = getattr(torch, shape.dtype)
-    per_tok = per_token_bytes(pool, model_dtype, host_is_device=not has_gpu())
-    per_req = per_request_bytes(pool, model_dtype)
+    pooled = config_pools(pool, model_dtype)
+    per_tok = per_token_bytes(pool, model_dtype, host_is_device=not has_gpu(), frames_pooled=pooled)
+    per_req = per_request_bytes(pool, model_dtype, pooled)
     # pooled frames alone (nothing per slot): any value is honoured, admission charges each request's frames
     largest = concurrency if not per_req else largest_fitting_requests(
         budget_bytes, per_req, per_tok, shape.dense_bytes_per_token(), pool.cfg.overlay_share)
