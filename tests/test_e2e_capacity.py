@@ -1,8 +1,8 @@
 """Capacity read from live servers at SGLang's own sizing (a small --mem-fraction-static, no other flag but
 KVQ_FRAMES=pooled): kvq pools hold at least bf16's tokens and come close to the packed ratio; with pooled frames a
-kivi2 server at a tight pinned budget runs more requests at once than bf16, and every frame comes back; an
-explicit --max-running-requests that per-slot state (SpeCache's top-k rows) cannot hold is refused with the largest
-value that fits (before the model loads when the budget is pinned)."""
+kivi2 server at a tight pinned budget runs more requests at once than bf16, and every frame comes back; with static
+frames (the default) an explicit --max-running-requests the budget cannot hold is refused with the largest value
+that fits (before the model loads when the budget is pinned)."""
 
 from __future__ import annotations
 
@@ -84,13 +84,13 @@ def test_explicit_max_running_requests_beyond_a_pinned_budget_fails_before_load(
 
     monkeypatch.setenv("KVQ_KV_CACHE_GB", "0.05")
     with pytest.raises(KVQConfigError, match=r"use --max-running-requests \d+ or less"):
-        sglang.Engine(model_path=str(smollm2()), device="cpu", log_level="error", kv_cache_dtype="specache2",
+        sglang.Engine(model_path=str(smollm2()), device="cpu", log_level="error", kv_cache_dtype="kivi2",
                       max_running_requests=64)
 
 
 def test_explicit_max_running_requests_beyond_a_profiled_budget_names_the_largest(tmp_path, monkeypatch):
     monkeypatch.delenv("KVQ_KV_CACHE_GB", raising=False)
-    args = ["--model-path", str(tiny_llama()), "--kv-cache-dtype", "specache2", "--mem-fraction-static", "0.02",
+    args = ["--model-path", str(tiny_llama()), "--kv-cache-dtype", "kivi2", "--mem-fraction-static", "0.02",
             "--max-running-requests", "1000000"]
     log = tmp_path / "server.log"
     with pytest.raises(RuntimeError, match="exited"):
