@@ -41,8 +41,8 @@ def dense_bytes_per_token(shape: PoolShape, model_dtype: torch.dtype) -> int:
     return 2 * shape.layers * shape.heads * shape.head_dim * torch.empty((), dtype=model_dtype).element_size()
 
 
-def per_token_bytes(shape: PoolShape, model_dtype: torch.dtype, host_is_device: bool,
-                    frames_pooled: bool = True) -> int:
+def per_token_bytes(shape: PoolShape, model_dtype: torch.dtype, host_is_device: bool, *,
+                    frames_pooled: bool) -> int:
     """SGLang's cell size for a kvq pool: the packed base, plus SpeCache's host row where host RAM is the budget,
     plus (pooled frames) each token's share of the per-frame tags (and zipcache2's saliency accumulator)."""
     cell = math.ceil(shape.base_bytes_per_token())
@@ -72,7 +72,7 @@ def frame_tokens(shape: PoolShape, model_dtype: torch.dtype) -> int:
     return shape.cfg.ring_pages * shape.pages_per_frame(model_dtype) * shape.G
 
 
-def per_request_bytes(shape: PoolShape, model_dtype: torch.dtype, frames_pooled: bool = True) -> int:
+def per_request_bytes(shape: PoolShape, model_dtype: torch.dtype, *, frames_pooled: bool) -> int:
     """Bytes one request slot owns for the server's life: its fp16 overlay frames where they are static, and
     SpeCache's top-k rows."""
     total = 0 if frames_pooled else shape.cfg.ring_pages * shape.overlay_bytes_per_frame(model_dtype)
@@ -177,8 +177,8 @@ def split_budget(budget_bytes: int, shape: PoolShape, model_dtype: torch.dtype, 
     cfg: KVQConfig = shape.cfg
     if frames_pooled is None:
         frames_pooled = config_pools(shape, model_dtype)
-    per_req = per_request_bytes(shape, model_dtype, frames_pooled)
-    per_tok = per_token_bytes(shape, model_dtype, host_is_device, frames_pooled)
+    per_req = per_request_bytes(shape, model_dtype, frames_pooled=frames_pooled)
+    per_tok = per_token_bytes(shape, model_dtype, host_is_device, frames_pooled=frames_pooled)
     dense = dense_bytes_per_token(shape, model_dtype)
     k = shape.pages_per_frame(model_dtype) if frames_pooled else 0
     frame_toks = frame_tokens(shape, model_dtype) if frames_pooled else 0

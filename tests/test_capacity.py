@@ -53,14 +53,14 @@ def test_pooled_split_over_budgets(model, name):
         except KVQConfigError as e:
             # only where the pool cannot hold the dummy frame, one request's frames and one page besides
             need = ((shape.cfg.ring_pages + 2) * k - 1) * shape.G
-            assert budget // per_token_bytes(shape, model_dtype, False) < need + 2 * k * shape.G, (model, name, gib)
+            assert budget // per_token_bytes(shape, model_dtype, False, frames_pooled=True) < need + 2 * k * shape.G, (model, name, gib)
             assert "raise the KV budget" in str(e) and "GiB" in str(e)
             continue
         assert s.frames_pooled and s.frame_tokens == shape.cfg.ring_pages * k * shape.G
         assert s.request_bytes + s.tokens * s.per_token_bytes <= budget
         assert s.tokens % shape.G == 0 and (s.tokens // shape.G + 1) % k == 0  # whole frames, page 0 included
         if shape.cfg.is_specache:  # its top-k rows stay per slot: the share rule, at least one request
-            per_slot = per_request_bytes(shape, model_dtype)
+            per_slot = per_request_bytes(shape, model_dtype, frames_pooled=True)
             assert s.max_running_requests >= 1
             assert s.request_bytes <= shape.cfg.overlay_share * budget or s.max_running_requests == 1
             assert s.tokens >= s.dense_tokens or budget < 2 * per_slot / shape.cfg.overlay_share
@@ -147,7 +147,7 @@ def test_llama_8b_at_a_24gb_gpu_budget_no_longer_loses_to_bf16():
     """The issue's case: 257 fixed slots x 16 MiB of frames took most of a 24 GB GPU's KV budget."""
     shape, model_dtype = shape_of("llama-3-8b", "kivi2")
     assert per_request_bytes(shape, model_dtype, frames_pooled=False) == 2 * (2 * 32 * 64 * 8 * 128 * 2 + 16)
-    assert per_request_bytes(shape, model_dtype) == 0
+    assert per_request_bytes(shape, model_dtype, frames_pooled=True) == 0
     s = split_budget(int(5 * GIB), shape, model_dtype, host_is_device=False, frames_pooled=False, context_len=8192)
     assert s.ratio >= 5.9 and s.max_running_requests >= 16, s.describe("kivi2")
 

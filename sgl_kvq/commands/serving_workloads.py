@@ -116,7 +116,7 @@ def predicted_pool(shape: ModelShape, dtype: str, budget_bytes: int, concurrency
     model_dtype = getattr(torch, shape.dtype)
     pooled = config_pools(pool, model_dtype)
     per_tok = per_token_bytes(pool, model_dtype, host_is_device=not has_gpu(), frames_pooled=pooled)
-    per_req = per_request_bytes(pool, model_dtype, pooled)
+    per_req = per_request_bytes(pool, model_dtype, frames_pooled=pooled)
     # pooled frames alone (nothing per slot): any value is honoured, admission charges each request's frames
     largest = concurrency if not per_req else largest_fitting_requests(
         budget_bytes, per_req, per_tok, shape.dense_bytes_per_token(), pool.cfg.overlay_share)
