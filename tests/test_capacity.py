@@ -53,7 +53,8 @@ def test_pooled_split_over_budgets(model, name):
         except KVQConfigError as e:
             # only where the pool cannot hold the dummy frame, one request's frames and one page besides
             need = ((shape.cfg.ring_pages + 2) * k - 1) * shape.G
-            assert budget // per_token_bytes(shape, model_dtype, False, frames_pooled=True) < need + 2 * k * shape.G, (model, name, gib)
+            per_tok = per_token_bytes(shape, model_dtype, False, frames_pooled=True)
+            assert budget // per_tok < need + 2 * k * shape.G, (model, name, gib)
             assert "raise the KV budget" in str(e) and "GiB" in str(e)
             continue
         assert s.frames_pooled and s.frame_tokens == shape.cfg.ring_pages * k * shape.G
