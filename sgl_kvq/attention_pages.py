@@ -13,7 +13,8 @@ extras and stays this path's cross-check; attention_ref.ref_decode is the oracle
 
 Why (SmolLM2 geometry, one thread; ShareGPT-like batch B=16 with contexts of 20..500 tokens): the padded layout
 dequantizes B x the longest context, and its K addcmul, V scale passes and overlay copy were 2/3 of a layer's
-decode attention (2.2 of 3.2 ms at B=16, 512 tokens); measurements in the README, "Where a decode step's time goes".
+decode attention (2.2 of 3.2 ms at B=16, 512 tokens); measurements in docs/results.md, "Where a decode step's time
+goes".
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ class KVQConfig:
     specache_follow: int = 1
     # SpeCache: where an extend reads its cached prefix. "host": the 16-bit rows from the host tier (the paper's
     # full-precision prefill; on a GPU that is PCIe traffic proportional to the prefix on every turn, 78 ms at 32k
-    # tokens of Llama-3-8B, README). "device": the low-bit pool as kivi reads it (no host traffic; the cached
+    # tokens of Llama-3-8B, docs/results.md). "device": the low-bit pool as kivi reads it (no host traffic; the cached
     # prefix's quality is then the low-bit base's).
     specache_prefix: str = "host"
     # The share of SGLang's KV budget that per-slot state may take when --max-running-requests is not given: SpeCache's
@@ -95,7 +95,8 @@ class KVQConfig:
     # LogQuant's window W (logquant2). The rule keeps the sink and a band of about 6W recent positions; at G = R =
     # 64 every W <= 12 keeps only the sink beyond KIVI's fp16 window (M = 1 row per page, 3,960 B/token for
     # SmolLM2, kivi2 + 10%), while the reference's W = 21 (3W ~ R) needs M = 8 rows per page (6,484 B/token, kivi4's
-    # bytes): W = 10 (band ~ R) keeps logquant2 a 2-bit cache. README "LogQuant" has the measurements of both.
+    # bytes): W = 10 (band ~ R) keeps logquant2 a 2-bit cache. docs/results.md "GEAR, LogQuant and ZipCache" has
+    # the measurements of both.
     logquant_window: int = 10
     # ZipCache: share of each page's G tokens (per KV head) kept at 4 bit, NS = round(ratio * G). 0.4 (26 of 64):
     # zipcache2 then stores 74.0 B per token-head-layer at D = 64, kivi4's 72, so the two compare at about equal
@@ -107,7 +108,7 @@ class KVQConfig:
     # bench/results/decode-work-quiet-smollm2.json), and switching the count per layer slowed the model's next
     # matmul (16 ShareGPT prompts x 32 tokens in one batch: 5.4-6.0 s against 5.8-7.4 s). 1 is for a machine other
     # processes load: each of the attention's ~14 ops above torch's grain size is an OpenMP barrier that waits for a
-    # descheduled thread (one layer 161 ms against 0.68 ms on one thread at load average 13-17; README "Where a
+    # descheduled thread (one layer 161 ms against 0.68 ms on one thread at load average 13-17; docs/results.md "Where a
     # decode step's time goes").
     attention_threads: int = 0
     # 1: kvq_torch decodes the codes-scales-zeros formats (kivi1/2/4) on a CPU with the compiled C kernel

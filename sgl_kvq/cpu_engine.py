@@ -1,4 +1,5 @@
-"""Settings that make the real SGLang engine run on a CPU-only machine (the README's "CPU development environment").
+"""Settings that make the real SGLang engine run on a CPU-only machine (docs/development.md, "CPU development
+environment").
 
     os.environ.update(cpu_engine_env())          # before sglang is imported (children inherit it)
     engine = sglang.Engine(**engine_kwargs(sgl_kvq.models.smollm2(), kv_cache_dtype="kivi2"))

@@ -7,7 +7,7 @@ tp 1 gives with the same dtype (SGLang all-reduces the row-parallel outputs over
 from a `--dp-size 2` server, whose replicas are tp 1: one DP server and one TP server per dtype serve both tests.
 CI covers kivi2 and specache2 (the KIVI pool; SpeCache's host tier and two decode lanes); KVQ_TEST_PARALLEL_DTYPES=all
 runs every name in sgl_kvq.config.DTYPE_NAMES, so a dtype added there is covered, and a comma list runs those
-(README, "Tensor and data parallel")."""
+(docs/deployment.md, "Tensor and data parallel")."""
 
 from __future__ import annotations
 

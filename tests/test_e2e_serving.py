@@ -91,7 +91,7 @@ def test_pool_too_small_completes_every_request_like_an_uncontended_run(capfd):
     function of the tokens alone, computed as decode computes it whatever the scheduling, so a stale or foreign page
     read would show at once. With the defaults (KIVI's full-precision prefill, R = 64) that cannot hold: a resumed or
     re-prefilled request recomputes its tokens without the fp16 window it decoded them with, and the window exists
-    nowhere else (README, "Status and limits"). There the contended run must stay closer to its uncontended run than
+    nowhere else (docs/status.md). There the contended run must stay closer to its uncontended run than
     quantization itself moves a run away from bf16 (the uncontended kvq run against the uncontended bf16 run,
     measured here): contention may perturb a kvq run at quantization-noise level, never more. A corrupted page read
     (another request's codes, a stale scale) derails a continuation far beyond that."""

@@ -1,7 +1,7 @@
 """HiCache's host pool for packed pages (sgl_kvq/host_pool.py), driven directly through SGLang's host-pool interface
 (HostKVCache: alloc, backup_from_device_all_layer, load_to_device_per_layer, flat data pages), since SGLang's
-HiCache does not start on the CPU engine (README "Past one rank"). Pages are written by the real store path, backed up,
-clobbered on the device, and loaded back into other pages: bytes and attention must come back exact.
+HiCache does not start on the CPU engine (docs/deployment.md, "HiCache"). Pages are written by the real store path,
+backed up, clobbered on the device, and loaded back into other pages: bytes and attention must come back exact.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ measured average KL are recorded; the KL kit compares at the kit's own threshold
 Kits run here: basic API contract, basic decode correctness, matched stop, abort-all, basic scheduler stress,
 radix-cache server, multi-turn cache hit, KL divergence (prefix and decode cache hit). The others do not fit this
 engine; why, in one line each, is KITS_NOT_RUN. Each server also runs the openai client checks and test_programs.py's
-programs (conformance_clients.py); `--table` prints the README's tables from the JSON (conformance_table.py).
+programs (conformance_clients.py); `--table` prints docs/conformance.md's tables from the JSON (conformance_table.py).
 """
 
 from __future__ import annotations
@@ -381,7 +381,7 @@ def add_arguments(p) -> None:
                    "run goes on where it stopped")
     p.add_argument("--from-tests", metavar="PATH", help="build the report from the rows a pytest run of "
                    "tests/test_conformance_*.py wrote with KVQ_CONFORMANCE_JSON=PATH, instead of starting servers")
-    p.add_argument("--table", action="store_true", help="print the README's Markdown tables (stdout) and the "
+    p.add_argument("--table", action="store_true", help="print docs/conformance.md's Markdown tables (stdout) and the "
                    "KL_OVER_KIT_THRESHOLD entries (stderr) from the report in --json, instead of starting servers")
 
 
@@ -414,7 +414,7 @@ def run(args) -> int:
         from sgl_kvq.commands import conformance_table
 
         report = json.loads(Path(args.json).read_text())
-        print(conformance_table.readme_tables(report))  # stdout: the README block; stderr: the constant to copy
+        print(conformance_table.readme_tables(report))  # stdout: docs/conformance.md; stderr: what to copy
         entries = conformance_table.kl_entries(report)
         print("KL_OVER_KIT_THRESHOLD from this report" + ("" if entries == KL_OVER_KIT_THRESHOLD else
               " (differs from sgl_kvq/commands/bench_conformance.py: copy it there)") + ":\n"

@@ -1,5 +1,5 @@
-"""The README's conformance tables and the KL_OVER_KIT_THRESHOLD entries, computed from a `sgl-kvq bench conformance`
-report (`--table`), so the README and the documented KL bounds are rerun from the JSON, never typed.
+"""docs/conformance.md's tables and the KL_OVER_KIT_THRESHOLD entries, computed from a `sgl-kvq bench conformance`
+report (`--table`), so docs/conformance.md and the documented KL bounds are rerun from the JSON, never typed.
 
 Per dtype: kit tests run and passed; failures bf16 has too (the model's, expected for every dtype); KL tests over the
 kit's threshold that KL_OVER_KIT_THRESHOLD documents (expected, held to their bound); every other failure where bf16
@@ -142,5 +142,5 @@ def not_run_lists() -> str:
 
 
 def readme_tables(report: dict) -> str:
-    """The Markdown the README carries between its conformance-table markers."""
+    """The Markdown docs/conformance.md carries between its conformance-table markers."""
     return kits_table(report) + "\n\n" + clients_table(report) + "\n\n" + not_run_lists()

@@ -1,6 +1,6 @@
 """What a benchmark ran on, recorded in its JSON: run-to-run comparisons of wall time hold only on the same machine
 (this project's 2-core machines have differed by 1.5x in bf16's decode step, 43 vs 65 ms at B=1 and 1k tokens), and
-only when nothing else loaded it (README "Where a decode step's time goes")."""
+only when nothing else loaded it (docs/results.md, "Where a decode step's time goes")."""
 
 from __future__ import annotations
 

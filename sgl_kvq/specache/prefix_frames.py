@@ -4,7 +4,7 @@ An extend with KVQ_SPECACHE_PREFIX=host (the default) attends to its cached pref
 host tier. kvq_triton's extend kernel (kernels/extend_attention.py) reads a request's context as packed base pages
 followed by model-dtype frames [F, G, H, D]; a plan with no base pages whose frames hold the prefix rows makes it
 read exactly those rows, in position order. Per layer the rows cross from the host tier into the staging frames
-once (on a GPU: the PCIe traffic the README's "What SpeCache's 16-bit extends cost" counts), and the attention runs
+once (on a GPU: the PCIe traffic docs/results.md's "What SpeCache's 16-bit extends cost" counts), and the attention runs
 in the kernel, not in torch.
 
     pf = build(prefix_slots, G, device)         # per batch: the frame plan, shared by every layer
