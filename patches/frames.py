@@ -7,8 +7,13 @@ allocator and charged where SGLang admits requests (the layout: sgl_kvq/layout.p
   request's frames (ring * k pages), so admission sees them as it sees tokens; its available_size falls while a
   request holds them. Token pages are handed out from frames already in use by tokens first, whole free frames
   last, so the free pages stay in whole frames (tokens fill holes; frames come from the top).
+- PrefillAdder.add_one_req (AROUND): a request without a request slot is admitted only while its frames (and those
+  of the requests admitted before it in the same step) can be made whole: free pages scattered over frames whose
+  other pages running requests hold add up in admission's count but form no frame. Such a request waits (NO_TOKEN)
+  until running requests finish; with none running every non-free page is evictable, so it never waits forever.
 - alloc_req_slots (AROUND): a request that gets a request slot gets its `ring` frames, evicting radix-tree pages
-  while no whole frame is free (admission counted the pages; eviction makes them whole).
+  while no whole frame is free (admission checked the frames can be made whole; eviction makes them whole). Its
+  req_to_token row is zeroed, so the pages the row names are its own (what admission counts as held).
 - ReqToTokenPool.free_rows (AROUND): a freed request slot (finished, retracted, aborted) gives its frames back.
 """
 
@@ -17,12 +22,12 @@ from __future__ import annotations
 import torch
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 
-# id(ReqToTokenPool) -> the pooled kvq pool whose frames its request slots own (patches/pool_build.py)
-_slot_pools: dict[int, object] = {}
+# id(ReqToTokenPool) -> (the pooled kvq pool whose frames its request slots own, the ReqToTokenPool): pool_build.py
+_slot_pools: dict[int, tuple] = {}
 
 
 def register_slot_pool(req_to_token_pool, pool) -> None:
-    _slot_pools[id(req_to_token_pool)] = pool
+    _slot_pools[id(req_to_token_pool)] = (pool, req_to_token_pool)
 
 
 class FramePageAllocator(PagedTokenToKVPoolAllocator):
@@ -33,6 +38,8 @@ class FramePageAllocator(PagedTokenToKVPoolAllocator):
         self.frame_tokens = self.store.ring * self.k * page_size
         super().__init__(size, page_size, dtype, device, kvcache, need_sort)
         kvcache.frame_allocator = self
+        # the request slots whose frames this pool holds (registered when the pool was built, before this)
+        self.req_to_token_pool = next((rtp for pool, rtp in _slot_pools.values() if pool is kvcache), None)
 
     def clear(self):
         super().clear()
@@ -85,6 +92,30 @@ class FramePageAllocator(PagedTokenToKVPoolAllocator):
         self.free_pages = self.free_pages[~torch.isin(self.free_pages // self.k, chosen)]
         return chosen.tolist()
 
+    def held_pages(self) -> torch.Tensor:
+        """Per page, whether a request holding a request slot holds it: a page its req_to_token row names (its radix
+        prefix, locked while it runs, and its own tokens; the row is zeroed when the slot gets frames, so nothing
+        stale), a page of a frame it owns, or page 0. A page neither free nor held is a radix-tree page no running
+        request locks: evictable."""
+        frames = self.store.frames
+        held = torch.zeros(self.num_frames * self.k, dtype=torch.bool, device=self.device)
+        held[0] = True
+        slots = list(frames.owned)
+        if slots:
+            rows = self.req_to_token_pool.req_to_token[torch.tensor(slots, device=self.device)]
+            held[(rows.reshape(-1).long() // self.page_size).to(self.device)] = True
+            owned = torch.tensor([f for fs in frames.owned.values() for f in fs], dtype=torch.int64,
+                                 device=self.device)
+            held[(owned[:, None] * self.k + torch.arange(self.k, device=self.device)).reshape(-1)] = True
+        return held
+
+    def frames_obtainable(self, n: int) -> bool:
+        """Whether n whole frames are free, or can be made free by evicting radix-tree pages no request holds."""
+        if self.free_frames().numel() >= n:
+            return True
+        unheld = (~self.held_pages()).reshape(self.num_frames, self.k).all(dim=1)
+        return int(unheld.sum()) >= n
+
     def give_back_frames(self, frames: list[int]) -> None:
         if frames:
             ids = torch.tensor(frames, dtype=torch.int64, device=self.device)
@@ -116,8 +147,21 @@ def _make_whole_frames(allocator: FramePageAllocator, tree_cache, needed: int) -
             return
 
 
+def add_one_req(orig, self, req, *args, **kwargs):
+    """PrefillAdder.add_one_req: a request that would need a new request slot waits while its frames cannot be made
+    whole (see the module docstring)."""
+    allocator = self.token_to_kv_pool_allocator
+    if isinstance(allocator, FramePageAllocator) and not req.kv.holds_kv:
+        new_slots = 1 + sum(1 for r in self.can_run_list if not r.kv.holds_kv)
+        if not allocator.frames_obtainable(new_slots * allocator.store.frames.ring):
+            from sglang.srt.managers.schedule_policy import AddReqResult
+
+            return AddReqResult.NO_TOKEN
+    return orig(self, req, *args, **kwargs)
+
+
 def alloc_req_slots(orig, req_to_token_pool, reqs, tree_cache):
-    pool = _slot_pools.get(id(req_to_token_pool))
+    pool, _ = _slot_pools.get(id(req_to_token_pool), (None, None))
     if pool is None:
         return orig(req_to_token_pool, reqs, tree_cache)
     allocator, frames = pool.frame_allocator, pool.store.frames
@@ -135,12 +179,13 @@ def alloc_req_slots(orig, req_to_token_pool, reqs, tree_cache):
                 f"{allocator._free_counts(allocator.free_pages).tolist()}): admission charged them, eviction could "
                 "not free them")
         frames.assign(slot, got, pool.store.ov_tag)
+        req_to_token_pool.req_to_token[slot].zero_()
     return indices
 
 
 def free_rows(orig, self, indices):
     result = orig(self, indices)
-    pool = _slot_pools.get(id(self))
+    pool, _ = _slot_pools.get(id(self), (None, None))
     if pool is not None:
         for slot in indices:
             pool.frame_allocator.give_back_frames(pool.store.frames.release(int(slot)))

@@ -26,6 +26,7 @@ HOOKS = (
     ("sglang.srt.mem_cache.common.release_kv_cache", "retraction", "release_kv_cache", "AROUND"),
     ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_token_to_kv_pool_allocator", "frames",
      "build_allocator", "AROUND"),
+    ("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req", "frames", "add_one_req", "AROUND"),
     ("sglang.srt.mem_cache.allocation.alloc_req_slots", "frames", "alloc_req_slots", "AROUND"),
     ("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.free_rows", "frames", "free_rows", "AROUND"),
     ("sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController._add_memory_usage",

@@ -108,6 +108,33 @@ def test_allocator_hands_out_whole_frames_and_keeps_them_whole():
                                            chunk_size=None) is None
 
 
+def test_admission_counts_frames_eviction_can_make_whole_not_scattered_free_pages():
+    """The soak's stop: free pages in every frame, none whole, the rest held by running requests. A frame whose other
+    pages only the radix tree holds can be made whole (evicted); one a running request holds a page of cannot."""
+    _, pooled, _ = make_pair(16, 2, 16, "kivi", 63)  # 8 frames of k = 8 pages; frame 0 holds page 0
+    alloc = make_allocator(pooled)
+    G, k = 16, alloc.k
+    req_to_token = torch.zeros(SLOTS, MAX_CTX, dtype=torch.int32)
+    alloc.req_to_token_pool = types.SimpleNamespace(req_to_token=req_to_token)
+    running = alloc.take_frames(2)
+    pooled.frames.assign(1, running, pooled.ov_tag)  # frames 6, 7: a running request's
+    pages = (alloc.alloc(alloc.available_size()) // G).unique()
+    assert alloc.available_size() == 0 and len(pages) == 6 * k - 1
+    held = [f * k + 3 for f in (1, 2, 4, 5)]  # its tokens: one page in each of frames 1, 2, 4, 5
+    req_to_token[1, :len(held) * G] = (torch.tensor(held)[:, None] * G + torch.arange(G)).reshape(-1)
+    tree = [3 * k + 1, 3 * k + 6]  # frame 3: two pages only the radix tree holds (evictable)
+    alloc.free(torch.tensor([p * G for p in pages.tolist() if p not in held and p not in tree]))
+    assert alloc.free_frames().numel() == 0 and alloc.available_size() == (6 * k - 1 - 6) * G
+    assert alloc.frames_obtainable(1) and not alloc.frames_obtainable(2)
+    alloc.free(torch.tensor([p * G for p in tree]))  # what the hook's eviction does
+    assert alloc.take_frames(1) == [3]
+    req_to_token[1].zero_()
+    pooled.frames.release(1)
+    alloc.give_back_frames(running + [3])
+    # nothing running: the pages it held are the tree's now, evictable; frame 0 is never handed out
+    assert alloc.frames_obtainable(7) and not alloc.frames_obtainable(8)
+
+
 class Life:
     """Requests through SGLang's real paged allocator (FramePageAllocator): a request slot takes `ring` frames,
     pages are allocated one at a time as requests grow, finished requests leave their complete pages to a 'tree'
@@ -131,6 +158,7 @@ class Life:
         if frames is None:
             return None
         slot = self.free_slots.pop(self.rng.randrange(len(self.free_slots)))
+        self.req_to_token[slot].zero_()  # as alloc_req_slots does: the row names only this request's pages
         self.frames[slot] = frames
         for s in stores:
             s.frames.assign(slot, frames, s.ov_tag)
@@ -195,6 +223,12 @@ class Life:
         used = {p for pages, _ in self.active.values() for p in pages} | {p for t in self.tree for p in t}
         free = set(self.alloc.get_all_free_pages().tolist())
         assert not held & used and not held & free and not used & free
+        # Admission's question: how many frames can be made whole, evicting tree pages no active request holds
+        k = self.alloc.k
+        busy = held | {p for pages, _ in self.active.values() for p in pages} | {0}
+        can = sum(1 for f in range(self.alloc.num_frames) if not busy & set(range(f * k, (f + 1) * k)))
+        for n in (1, self.ring, can, can + 1):
+            assert self.alloc.frames_obtainable(n) == (can >= n), (n, can)
 
 
 @pytest.mark.parametrize("G,bits,residual,method", [(16, 2, 16, "kivi"), (16, 4, 32, "kivi"), (16, 2, 0, "kivi"),
@@ -203,6 +237,7 @@ def test_pooled_frames_serve_what_static_frames_serve(G, bits, residual, method,
     static, pooled, dev = make_pair(G, bits, residual, method, num_pages=127)
     alloc = make_allocator(pooled)
     life = Life(G, seed=7 * G + bits + residual, alloc=alloc, ring=static.ring)
+    alloc.req_to_token_pool = types.SimpleNamespace(req_to_token=life.req_to_token)
     bufs = DecodeBuffers(SLOTS, MAX_CTX // G, dev.ring, torch.device("cpu"))
     torch.manual_seed(bits + residual)
     steps = decodes = 0
