@@ -118,10 +118,11 @@ class KVQConfig:
     cpu_kernel: int = 1
     # "pooled": running requests' fp16 frames are pages of the pool, taken from the KV budget while they run
     # (sgl_kvq/frames.py); "static": `ring` frames per request slot in a region of their own, sized by
-    # overlay_share (what prefill/decode disaggregation and HiCache always use). Static by default until a
-    # request can start where no whole frame is free: the soak (4 clients, retraction test mode, a 4,096-token
-    # pool) stopped a pooled server with 15 free pages spread over 5 frames and none whole.
-    frames: str = "static"
+    # overlay_share (what prefill/decode disaggregation and HiCache always use). Pooled by default: at SGLang's
+    # default flags a pooled server runs as many requests as its memory holds (SmolLM2, 0.12 GiB, the shared-prefix
+    # load: kivi2 16 running and 1.92x bf16's output tok/s, bench/results/serving-concurrency-smollm2.json), where
+    # static frames' 6% share allowed 1.
+    frames: str = "pooled"
 
     def __post_init__(self):
         if self.method not in METHODS:
