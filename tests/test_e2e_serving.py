@@ -68,13 +68,13 @@ def test_kvq_triton_gives_the_same_tokens_as_kvq_torch(tiny, prompts, prefill, c
     from sgl_kvq.kernels.cpu_decode_attention import compiler
 
     batch = prompts[:3] if contexts == "equal" else [" ".join(p.split()[:n]) for p, n in zip(prompts, (120, 40, 6))]
-    triton_out, _ = run_engine(tiny, "kivi2", batch, attention_backend="kvq_triton", max_total_tokens=4096,
+    triton_out, _ = run_engine(tiny, "kivi2", batch, attention_backend="kvq_triton", max_total_tokens=16384,
                                env={"KVQ_PREFILL": prefill, "TRITON_INTERPRET": "1"})
     for path in torch_paths:
         if path == "cpu_kernel" and compiler() is None:
             continue  # no C compiler: kvq_torch keeps its torch paths (tests/test_kernels_cpu_decode.py skips too)
         env = {"KVQ_PREFILL": prefill, "KVQ_CPU_KERNEL": "1" if path == "cpu_kernel" else "0"}
-        torch_out, stats = run_engine(tiny, "kivi2", batch, attention_backend="kvq_torch", max_total_tokens=4096,
+        torch_out, stats = run_engine(tiny, "kivi2", batch, attention_backend="kvq_torch", max_total_tokens=16384,
                                       env=env)
         assert stats["pool_class"] == "KVQTokenToKVPool" and stats["kv_cache_dtype"] == "kivi2"
         assert set(stats["decode_batches"]) == {path}, stats["decode_batches"]
@@ -82,9 +82,10 @@ def test_kvq_triton_gives_the_same_tokens_as_kvq_torch(tiny, prompts, prefill, c
 
 
 def test_pool_too_small_completes_every_request_like_an_uncontended_run(capfd):
-    """12 requests x 160 tokens against a 16-page pool with SGLang's retraction test mode on: requests are retracted
-    (their complete pages checkpointed into the tree, patches/retraction.py), pages evicted and reused, requests
-    resumed. Every request must complete; outputs are compared with an uncontended run of the same requests, and
+    """12 requests x 160 tokens against a pool that holds a few (tests/contended.py) with SGLang's retraction test
+    mode on: requests are retracted (their complete pages checkpointed into the tree, patches/retraction.py), pages
+    evicted and reused, requests resumed. Every request must complete; outputs are compared with an uncontended run
+    of the same requests, and
     bf16's own contended/uncontended agreement is the baseline.
 
     kivi2 with KVQ_PREFILL=paged and KVQ_RESIDUAL=0 must agree exactly as well as bf16: every token's KV is then a

@@ -1,0 +1,13 @@
+"""Which parameters of a matrix test CI runs. The engine tests that compare kvq_triton (the Triton interpreter on a
+CPU: 1-3 minutes an engine) with kvq_torch, or repeat one check per dtype, run one representative case per format
+in CI, chosen to cover the most code; KVQ_TEST_MATRIX=all runs every case (the matrix a format change should run)."""
+
+from __future__ import annotations
+
+import os
+
+
+def ci_slice(every: list, ci: list) -> list:
+    """`ci` (a sublist of `every`) unless KVQ_TEST_MATRIX=all."""
+    assert all(case in every for case in ci), (ci, every)
+    return list(every) if os.environ.get("KVQ_TEST_MATRIX") == "all" else list(ci)
