@@ -1,9 +1,11 @@
 """Shared by the conformance test modules: which dtypes run, one SmolLM2 server per dtype at the same pinned KV
 budget, and the rule that a kvq dtype passes every check its bf16 baseline passes.
 
-CI runs bf16, kivi2 and specache2 (the KIVI pool; SpeCache's host tier and two decode lanes).
-KVQ_TEST_CONFORMANCE_DTYPES=all runs every name in sgl_kvq.config.DTYPE_NAMES, so a dtype added there is covered
-without edits (or give a comma list); bf16 always runs first, as the baseline."""
+CI runs kivi2 and specache2 (the KIVI pool; SpeCache's host tier and two decode lanes).
+KVQ_TEST_CONFORMANCE_DTYPES=all runs every kvq name in sgl_kvq.config.DTYPE_NAMES, so a dtype added there is covered
+without edits (or give a comma list). bf16 is the baseline of whichever dtypes run, measured where it is needed:
+a check a kvq dtype passes needs no baseline, so bf16's server starts at the first check a kvq dtype misses and runs
+only those (LazyBaseline), and selecting one dtype alone still compares."""
 
 from __future__ import annotations
 
@@ -45,12 +47,36 @@ def kit_tests() -> list[str]:
 
 
 def dtypes() -> list[str]:
+    """The kvq dtypes whose servers run (bf16 is the baseline, LazyBaseline)."""
     chosen = os.environ.get("KVQ_TEST_CONFORMANCE_DTYPES", "")
     if chosen == "all":
         picked = list(DTYPE_NAMES)
     else:
         picked = [d for d in chosen.split(",") if d] or CI_DTYPES
-    return ["bf16"] + [d for d in picked if d != "bf16"]
+    return [d for d in picked if d not in ("bf16", "auto")]
+
+
+class LazyBaseline:
+    """bf16's row per check, measured on first need: `start()` (a context manager yielding what `run` takes) opens
+    bf16's server at the first row asked for, `run(handle, key)` measures a check on it, and the server stays up for
+    the module's later misses (close() stops it). Each measured row is recorded like the kvq dtypes' rows."""
+
+    def __init__(self, group: str, start, run):
+        self.group, self._start, self._run = group, start, run
+        self._rows: dict[str, dict] = {}
+        self._stack = contextlib.ExitStack()
+        self._handle = None
+
+    def row(self, key: str) -> dict:
+        if key not in self._rows:
+            if self._handle is None:
+                self._handle = self._stack.enter_context(self._start())
+            self._rows[key] = self._run(self._handle, key)
+            record(self.group, "bf16", key, self._rows[key])
+        return self._rows[key]
+
+    def close(self) -> None:
+        self._stack.close()
 
 
 @contextlib.contextmanager
@@ -82,21 +108,14 @@ def record(group: str, dtype: str, key: str, row: dict) -> None:
     p.write_text(json.dumps(doc, indent=1) + "\n")
 
 
-def against_baseline(baseline: dict, dtype: str, key: str, row: dict) -> None:
-    """Record bf16's row, or hold a kvq dtype's row to it: pass where bf16 passes (an expected failure, with both
-    messages, where bf16 fails too). A KL row over the kit's threshold is an expected failure only when
-    bench_conformance.KL_OVER_KIT_THRESHOLD documents it, and then must stay under its stated bound; another failure
-    only when bench_conformance.GREEDY_TEXT_FAILURES names it."""
-    if dtype == "bf16":
-        baseline[key] = row
-        if row["outcome"] != "pass":
-            pytest.xfail(f"bf16 (the baseline) {row['outcome']}s it: {row.get('message', '')}")
-        return
-    base = baseline.get(key)
-    if base is None:
-        pytest.skip("bf16's run of this check is not in this session (it is the baseline): select bf16 too")
+def against_baseline(baseline, dtype: str, key: str, row: dict) -> None:
+    """Hold a kvq dtype's row to bf16's (`baseline(key)`, asked only when the dtype misses the check): pass where bf16
+    passes (an expected failure, with both messages, where bf16 fails too). A KL row over the kit's threshold is an
+    expected failure only when bench_conformance.KL_OVER_KIT_THRESHOLD documents it, and then must stay under its
+    stated bound; another failure only when bench_conformance.GREEDY_TEXT_FAILURES names it."""
     if row["outcome"] == "pass":
         return
+    base = baseline(key)
     if base["outcome"] != "pass":
         pytest.xfail(f"bf16 fails it too ({base.get('message', '')}); {dtype}: {row.get('message', '')}")
     name = key.split(".", 1)[-1]

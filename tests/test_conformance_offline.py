@@ -60,12 +60,16 @@ def test_the_baseline_rule_fails_a_regression_and_reports_a_documented_kl_excess
     from conformance import against_baseline
 
     monkeypatch.setattr(bc, "KL_OVER_KIT_THRESHOLD", {"kivi2": {"t_kl": {"measured": 0.15, "bound": 0.25}}})
-    base: dict = {}
-    against_baseline(base, "bf16", "k.t", {"outcome": "pass"})
-    with pytest.raises(pytest.xfail.Exception):  # bf16 itself fails: expected failure for every dtype
-        against_baseline(base, "bf16", "k.hard", {"outcome": "fail", "message": "no 391"})
-    against_baseline(base, "bf16", "k.t_kl", {"outcome": "pass", "kl": 0.0009})
+    bf16 = {"k.t": {"outcome": "pass"}, "k.hard": {"outcome": "fail", "message": "no 391"},
+            "k.t_kl": {"outcome": "pass", "kl": 0.0009}}
+    asked: list[str] = []
+
+    def base(key):
+        asked.append(key)
+        return bf16[key]
+
     against_baseline(base, "kivi2", "k.t", {"outcome": "pass"})
+    assert asked == []  # a pass needs no baseline: bf16's server never starts for it
     with pytest.raises(pytest.fail.Exception, match="which bf16 passes"):
         against_baseline(base, "kivi4", "k.t", {"outcome": "error", "message": "500"})
     with pytest.raises(pytest.xfail.Exception):
@@ -81,6 +85,29 @@ def test_the_baseline_rule_fails_a_regression_and_reports_a_documented_kl_excess
         against_baseline(base, "kivi1", "k.t", {"outcome": "fail"})
     with pytest.raises(pytest.fail.Exception, match="which bf16 passes"):  # documented for kivi1 only
         against_baseline(base, "kivi4", "k.t", {"outcome": "fail"})
+
+
+def test_the_lazy_baseline_starts_bf16_once_at_the_first_miss_and_stops_it(tmp_path, monkeypatch):
+    import contextlib
+
+    from conformance import LazyBaseline
+
+    monkeypatch.setenv("KVQ_CONFORMANCE_JSON", str(tmp_path / "rows.json"))
+    events: list[str] = []
+
+    @contextlib.contextmanager
+    def start():
+        events.append("start")
+        yield "server"
+        events.append("stop")
+
+    baseline = LazyBaseline("kits", start, lambda server, key: {"outcome": "pass", "on": server, "key": key})
+    assert events == []  # nothing asked: no server
+    assert baseline.row("k.a")["key"] == "k.a" and baseline.row("k.b")["on"] == "server"
+    assert baseline.row("k.a")["key"] == "k.a" and events == ["start"]  # one server, each row measured once
+    baseline.close()
+    assert events == ["start", "stop"]
+    assert json.loads((tmp_path / "rows.json").read_text())["kits"]["bf16"].keys() == {"k.a", "k.b"}
 
 
 ROOT = Path(__file__).resolve().parent.parent
