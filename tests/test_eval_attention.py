@@ -12,7 +12,10 @@ from sgl_kvq.commands import eval_attention
 from sgl_kvq.eval import attention
 
 EXPECTED = {"fp16", "per-token-2", "kivi4", "kivi2", "kivi1", "kivi1-plain", "gear-l-2", "gear-2", "zipcache",
-            "zipcache-0.6", "logquant-2", "logquant-2-w21"}
+            "zipcache-0.6", "logquant-2", "logquant-2-w21",
+            "kivi3", "kivi2-had", "kivi3-had",  # KIVI at 3 bits, KIVI in a Hadamard basis
+            "fp8_e4m3", "fp4_mx_block16", "nvfp4", "nvfp4-gs1",  # SGLang's KV formats (sgl_kvq.quant.peers)
+            "int4-pth-asym", "int4-pth-sym", "tq3", "tq4", "tq-3bit-nc", "tq-4bit-nc", "tq-k8v4"}  # vLLM's
 
 
 def _args(tmp_path, model, *extra):
@@ -58,6 +61,20 @@ def test_capture_is_the_tensors_the_model_attends_with():
     k = layer.k.clone()
     k[3] += 1.0
     assert attention.rel_err(attention.causal_attention(layer.q, k, layer.v, layer.sm_scale), layer.out) > 1e-3
+
+
+def test_method_subset_keeps_the_reference_and_table_order(tmp_path):
+    table = attention.methods()
+    assert list(eval_attention.select_methods(table, "tq3, kivi3", "fp16")) == ["fp16", "kivi3", "tq3"]
+    assert eval_attention.select_methods(table, None, "fp16") is table
+    with pytest.raises(SystemExit, match="unknown methods"):
+        eval_attention.select_methods(table, "kivi5", "fp16")
+    args = _args(tmp_path, "tiny", "--tokens", "64", "--group-size", "16", "--residual", "16", "--tail", "16",
+                 "--methods", "kivi3,fp4_mx_block16")
+    assert eval_attention.run(args) == 0
+    res = json.loads((tmp_path / "out.json").read_text())
+    assert list(res["methods"]) == ["fp16", "kivi3", "fp4_mx_block16"] and res["model_layers"] == 2
+    assert "| bytes/token |" in (tmp_path / "out.md").read_text()
 
 
 def test_layer_spec():

@@ -1,6 +1,7 @@
 """`sgl-kvq eval attention`: attention fidelity of every KV format on real Q/K/V (sgl_kvq.eval.attention).
 
-Standalone: python -m sgl_kvq.commands.eval_attention [--tokens N] [--layers 0,5,10-12] [--json [PATH]] ...
+Standalone: python -m sgl_kvq.commands.eval_attention [--tokens N] [--layers 0,5,10-12] [--methods fp16,kivi3,...]
+[--json [PATH]] ...
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ def add_arguments(p) -> None:
     p.add_argument("--text", type=Path, help="text file to run on (default: the Paul Graham essays)")
     p.add_argument("--tokens", type=int, default=1536, help="sequence length T (default 1536)")
     p.add_argument("--layers", help="layer subset, e.g. 0,5,10-12 (default: all)")
+    p.add_argument("--methods", help="comma-separated subset of the methods (default: all); fp16, the reference, "
+                   "is always run")
     p.add_argument("--group-size", type=int, default=_DEFAULTS["group_size"], help="G: page / key group")
     p.add_argument("--value-group", type=int, default=_DEFAULTS["value_group"], help="VG: value channel group")
     p.add_argument("--residual", type=int, default=_DEFAULTS["residual"], help="R: fp16 window, multiple of G")
@@ -45,6 +48,17 @@ def parse_layers(spec: str | None, n: int) -> list[int]:
     return out
 
 
+def select_methods(table: dict, spec: str | None, reference: str) -> dict:
+    """The methods named in `spec` (comma-separated, table order kept), always with the reference first."""
+    if not spec:
+        return table
+    wanted = {name.strip() for name in spec.split(",") if name.strip()}
+    unknown = sorted(wanted - set(table))
+    if unknown:
+        raise SystemExit(f"sgl-kvq eval attention: unknown methods {unknown}; known: {', '.join(table)}")
+    return {name: fn for name, fn in table.items() if name == reference or name in wanted}
+
+
 def _text(path: Path | None, tokens: int) -> str:
     if path is not None:
         return path.read_text(encoding="utf-8", errors="replace")
@@ -65,15 +79,17 @@ def run(args) -> int:
     if ids.shape[1] < args.tokens:
         log(f"note: the text has only {ids.shape[1]} tokens")
     layers = parse_layers(args.layers, model.config.num_hidden_layers)
+    model_layers = model.config.num_hidden_layers
+    table = select_methods(attention.methods(args.group_size, args.value_group, args.residual, args.window),
+                           args.methods, attention.REFERENCE)
     torch.manual_seed(args.seed)
     captured = attention.capture(model, ids, layers)
     del model
-    table = attention.methods(args.group_size, args.value_group, args.residual, args.window)
     result = attention.evaluate(captured, table, tail=args.tail, log=log)
     first = captured[layers[0]]
     result.update({
         "command": "python -m sgl_kvq.commands.eval_attention " + shlex.join(getattr(args, "_argv", [])),
-        "model": path, "tokens": int(ids.shape[1]), "layers": layers,
+        "model": path, "tokens": int(ids.shape[1]), "layers": layers, "model_layers": model_layers,
         "shape": {"q_heads": first.q.shape[1], "kv_heads": first.k.shape[1], "head_dim": first.k.shape[2]},
         "settings": {"group_size": args.group_size, "value_group": args.value_group, "residual": args.residual,
                      "window": KVQConfig.logquant_window if args.window is None else args.window, "tail": args.tail,

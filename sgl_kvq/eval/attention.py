@@ -7,6 +7,8 @@ the captured tensors are the ones the model attends with.
 
 Metrics per method, averaged over layers (per-layer values are in the JSON):
     bits          bits per element actually stored (sgl_kvq.quant.accounting), keys / values / both
+    bytes/token   (table only, when the run records the model's layer count) K+V bytes per token over all layers
+                  at those bits: bits * 2 * kv_heads * head_dim * layers / 8
     k_err, v_err  ||X_hat - X|| / ||X|| over the whole [T, H, D] tensor
     attn_err      ||O_hat - O_fp16|| / ||O_fp16||, causal attention of ALL real queries over the compressed cache
                   as it stands at length T (the state a shared prefix is reused in: the window sits at the end,
@@ -15,6 +17,11 @@ Metrics per method, averaged over layers (per-layer values are in the JSON):
     kept_mass     share of the fp16 attention mass of the last `tail` queries that lands on the tokens the method
                   holds above base precision (fp16 window/selection, or ZipCache's 4-bit salient tokens)
     kept_share    share of (token, head) pairs held above base precision
+
+Methods: ours (KIVI at 1-4 bits, kivi3 through kivi_bits, GEAR, ZipCache, LogQuant; the KIVI-style ones keep the
+fp16 window), KIVI 2/3 in a Hadamard basis (sgl_kvq.quant.rotation.rotated: q/k/v rotated alike, output rotated
+back), and the formats the engines ship (sgl_kvq.quant.peers: SGLang fp8_e4m3 / fp4_mx_block16 / nvfp4, vLLM
+int4_per_token_head and TurboQuant), which quantize every token and keep no window.
 """
 
 from __future__ import annotations
@@ -30,7 +37,10 @@ from sgl_kvq.quant.accounting import bits_per_element
 from sgl_kvq.quant.gear import gear, gear_l
 from sgl_kvq.quant.kivi import fp16_baseline, kivi
 from sgl_kvq.quant.logquant import logquant
+from sgl_kvq.quant.kivi_bits import kivi_bits
+from sgl_kvq.quant.peers import fp4_mx_block16, fp8_e4m3, int4_per_token_head, nvfp4, turboquant, turboquant_preset
 from sgl_kvq.quant.per_token import per_token
+from sgl_kvq.quant.rotation import hadamard, rotated
 from sgl_kvq.quant.zipcache import zipcache
 
 REFERENCE = "fp16"
@@ -64,6 +74,22 @@ def methods(group_size: int = 64, value_group: int = 64, residual: int = 64, win
         "logquant-2": lambda k, v, q, s: logquant(k, v, bits=2, window=w, **kv),  # the served logquant2's pages
         # the same at W = 21 (3W ~ R = 64: the paper's fp16 budget), 8 rows per page at G = R = 64
         "logquant-2-w21": lambda k, v, q, s: logquant(k, v, bits=2, window=21, **kv),
+        # KIVI at 3 bits (bit-stream packed), and KIVI 2/3 in an orthogonal Hadamard basis along head_dim
+        "kivi3": lambda k, v, q, s: kivi_bits(k, v, bits=3, **kv),
+        "kivi2-had": rotated(lambda k, v, q, s: kivi(k, v, bits=2, **kv), hadamard),
+        "kivi3-had": rotated(lambda k, v, q, s: kivi_bits(k, v, bits=3, **kv), hadamard),
+        # what the engines ship (sgl_kvq.quant.peers): every token quantized, no fp16 window
+        "fp8_e4m3": lambda k, v, q, s: fp8_e4m3(k, v),  # SGLang fp8_e4m3, scale 1
+        "fp4_mx_block16": lambda k, v, q, s: fp4_mx_block16(k, v),  # SGLang fp4_mx_block16
+        "nvfp4": lambda k, v, q, s: nvfp4(k, v),  # SGLang nvfp4, global scale amax / (6 * 448) per layer
+        "nvfp4-gs1": lambda k, v, q, s: nvfp4(k, v, global_scale=1.0),  # ... its fallback without calibrated scales
+        "int4-pth-asym": lambda k, v, q, s: int4_per_token_head(k, v),  # vLLM int4_per_token_head (RHT + asym)
+        "int4-pth-sym": lambda k, v, q, s: int4_per_token_head(k, v, symmetric=True),
+        "tq3": lambda k, v, q, s: turboquant(k, v, key_bits=3, value_bits=3, value_mode="mse"),  # TurboQuant_mse
+        "tq4": lambda k, v, q, s: turboquant(k, v, key_bits=4, value_bits=4, value_mode="mse"),
+        "tq-3bit-nc": lambda k, v, q, s: turboquant_preset(k, v, "turboquant_3bit_nc"),  # vLLM's presets
+        "tq-4bit-nc": lambda k, v, q, s: turboquant_preset(k, v, "turboquant_4bit_nc"),
+        "tq-k8v4": lambda k, v, q, s: turboquant_preset(k, v, "turboquant_k8v4"),
     }
 
 
@@ -185,9 +211,20 @@ COLUMNS = [("bits_k", "bits K", "{:.2f}"), ("bits_v", "bits V", "{:.2f}"), ("bit
            ("kept_mass", "mass on kept (tail q)", "{:.3f}"), ("kept_share", "kept share", "{:.3f}")]
 
 
+def bytes_per_token(bits: float, kv_heads: int, head_dim: int, layers: int) -> float:
+    """K+V bytes one token costs over all layers at `bits` per element (the mean over K and V)."""
+    return bits * 2 * kv_heads * head_dim * layers / 8
+
+
 def markdown(result: dict) -> str:
-    head = "| method | " + " | ".join(c[1] for c in COLUMNS) + " |"
-    lines = [head, "|" + "---|" * (len(COLUMNS) + 1)]
+    """The table; with the model's layer count and KV shape in `result`, also bytes per token over all its layers."""
+    shape, layers = result.get("shape"), result.get("model_layers")
+    per_token = shape is not None and layers is not None
+    names = [c[1] for c in COLUMNS[:3]] + ["bytes/token"] * per_token + [c[1] for c in COLUMNS[3:]]
+    lines = ["| method | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 1)]
     for name, m in result["methods"].items():
-        lines.append(f"| {name} | " + " | ".join(fmt.format(m[key]) for key, _, fmt in COLUMNS) + " |")
+        cells = [fmt.format(m[key]) for key, _, fmt in COLUMNS]
+        if per_token:
+            cells.insert(3, f"{bytes_per_token(m['bits'], shape['kv_heads'], shape['head_dim'], layers):.0f}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
