@@ -185,25 +185,16 @@ def bench_config(model, Hq, Hkv, D, B, ctx, bits_list, dtype, device, copy_bw, c
 
 def plot(rows, path: Path) -> str:
     try:
-        import matplotlib
+        import matplotlib  # noqa: F401
     except ImportError:
         return "matplotlib is not installed: no plot (the JSON has every number)"
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    models = sorted({r["model"] for r in rows})
-    batches = sorted({r["batch"] for r in rows})
-    fig, axes = plt.subplots(len(models), len(batches), figsize=(4 * len(batches), 3.2 * len(models)), squeeze=False)
-    for i, m in enumerate(models):
-        for j, b in enumerate(batches):
-            ax = axes[i][j]
-            for v in sorted({r["variant"] for r in rows}):
-                pts = sorted((r["context"], r["us"]) for r in rows if (r["model"], r["batch"], r["variant"]) == (m, b, v))
-                if pts:
-                    ax.plot(*zip(*pts), marker="o", label=v)
-            ax.set(title=f"{m} B={b}", xscale="log", yscale="log", xlabel="context", ylabel="us")
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
+    if not rows:
+        return "no rows: no plot"
+    from sgl_kvq.plots import kernel_times, pyplot
+
+    fig = kernel_times(rows)
     fig.savefig(path, dpi=110)
+    pyplot().close(fig)
     return f"plot: {path}"
 
 

@@ -101,35 +101,48 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: str) -> None:
-    import matplotlib
+def plot(rows: list[dict], path: str):
+    """Capacity per GiB of budget against bf16's, one axes per way of sizing the pool that has rows (SGLang's
+    default, a pinned budget), one line per dtype; writes `path` and returns the Figure (None, and nothing written,
+    where no server reported a capacity)."""
     import matplotlib.ticker
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from sgl_kvq.plots import finite, pyplot
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    for ax, kind, title in ((axes[0], "mem_fraction_static", "SGLang's default sizing (--mem-fraction-static)"),
-                            (axes[1], "kv_cache_gb", "pinned KV budget (KVQ_KV_CACHE_GB)")):
-        for dtype in dict.fromkeys(r["kv_cache_dtype"] for r in rows):
-            # Tokens per byte of each server's own budget: a profiled budget moves with other processes' memory.
-            pts = sorted((r["kv_budget_bytes"] / 2**30, r["x_bf16_per_budget"]) for r in rows
-                         if r["kv_cache_dtype"] == dtype and kind in r["budget"] and "x_bf16_per_budget" in r)
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label="bf16" if dtype == "auto" else dtype)
+    plt = pyplot()
+    panels = []
+    for kind, title in (("mem_fraction_static", "SGLang's default sizing (--mem-fraction-static)"),
+                        ("kv_cache_gb", "pinned KV budget (KVQ_KV_CACHE_GB)")):
+        # Tokens per byte of each server's own budget: a profiled budget moves with other processes' memory.
+        lines = {dtype: finite((r["kv_budget_bytes"] / 2**30, r["x_bf16_per_budget"]) for r in rows
+                               if r["kv_cache_dtype"] == dtype and kind in r["budget"] and "x_bf16_per_budget" in r)
+                 for dtype in dict.fromkeys(r["kv_cache_dtype"] for r in rows)}
+        lines = {dtype: pts for dtype, pts in lines.items() if pts}
+        if lines:
+            panels.append((title, lines))
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels), 4.5), sharey=True, squeeze=False)
+    for ax, (title, lines) in zip(axes[0], panels):
+        for dtype, pts in lines.items():
+            ax.plot(*zip(*pts), marker="o", label="bf16" if dtype == "auto" else dtype)
         ax.set_xscale("log")
+        ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))  # 0.2, 0.5, 1, 2, 5 GiB
         ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("KV budget of the server (GiB)")
+        ax.set_ylabel("tokens per GiB of budget (x bf16's)")
+        ax.tick_params(labelleft=True)  # shared y, but each panel reads on its own
         ax.set_title(title, fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].set_ylabel("tokens per GiB of budget / bf16's")
-    axes[1].legend()
+        ax.legend(title="kv dtype", fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # the lines span x
     refused = {r["kv_cache_dtype"]: r["refused"] for r in rows if "refused" in r}
     if refused:
         fig.text(0.01, 0.01, "did not start: " + "; ".join(f"{d}: {why}" for d, why in refused.items()), fontsize=8)
     fig.tight_layout(rect=(0, 0.04 if refused else 0, 1, 1))
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return fig
 
 
 def run(args) -> int:
@@ -158,6 +171,6 @@ def run(args) -> int:
     if args.json:
         command = "sgl-kvq " + shlex.join(getattr(args, "_argv", None) or sys.argv[1:])
         Path(args.json).write_text(json.dumps({"model": args.model, "command": command, "runs": rows}, indent=1) + "\n")
-    if args.plot:
-        plot(rows, args.plot)
+    if args.plot and plot(rows, args.plot) is None:
+        print(f"no plot at {args.plot}: no server reported a capacity")
     return 0

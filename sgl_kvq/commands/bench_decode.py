@@ -241,33 +241,47 @@ def table(rows: list[dict]) -> str:
     return "\n".join([head, rule] + ["| " + " | ".join(str(cell(r)) for _, cell in COLUMNS) + " |" for r in rows])
 
 
-def plot(rows: list[dict], path: str) -> None:
-    import matplotlib
+PLOT_METRICS = (  # (row key, y label, title after "batch B: ")
+    ("ms_per_step", "decode step (ms)", "decode ms/step"),
+    ("x_bf16_tok_per_s", "output tok/s (x bf16's)", "output tok/s / bf16's (same run)"),
+)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
+def plot(rows: list[dict], path: str):
+    """Decode ms/step (top) and output tok/s against bf16's in the same run (bottom) against context, one column per
+    batch, one line per dtype; writes `path` and returns the Figure (None, and nothing written, where no row has a step time)."""
+    from sgl_kvq.plots import finite, pyplot
+
+    plt = pyplot()
     batches = sorted({r["batch"] for r in rows})
-    fig, axes = plt.subplots(2, len(batches), figsize=(6 * len(batches), 8), squeeze=False)
-    for j, batch in enumerate(batches):
-        for label in dict.fromkeys(r["kv_cache_dtype"] for r in rows):
-            pts = sorted((r["context"], r["ms_per_step"], r.get("x_bf16_tok_per_s")) for r in rows
-                         if r["kv_cache_dtype"] == label and r["batch"] == batch)
-            if not pts:
+    names = list(dict.fromkeys(r["kv_cache_dtype"] for r in rows))
+    metrics = [m for m in PLOT_METRICS if finite((r.get(m[0]),) for r in rows)]
+    if not metrics:
+        return None
+    fig, axes = plt.subplots(len(metrics), len(batches), figsize=(6 * len(batches), 4 * len(metrics)), squeeze=False)
+    for i, (key, ylabel, title) in enumerate(metrics):
+        for j, batch in enumerate(batches):
+            ax = axes[i][j]
+            for label in names:
+                pts = finite((r["context"], r.get(key)) for r in rows
+                             if r["kv_cache_dtype"] == label and r["batch"] == batch)
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label="bf16" if label == "auto" else label)
+            if not ax.get_lines():  # no dtype has this number at this batch
+                fig.delaxes(ax)
                 continue
-            name = "bf16" if label == "auto" else label
-            axes[0][j].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
-            axes[1][j].plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=name)
-        axes[0][j].set_title(f"batch {batch}: decode ms/step", fontsize=10)
-        axes[1][j].set_title(f"batch {batch}: output tok/s / bf16's (same run)", fontsize=10)
-        axes[1][j].axhline(0.9, color="gray", lw=0.8, ls="--")
-        for ax in (axes[0][j], axes[1][j]):
+            if key == "x_bf16_tok_per_s":
+                ax.axhline(0.9, color="gray", lw=0.8, ls="--", label="0.9x bf16")
+            ax.set_title(f"batch {batch}: {title}", fontsize=10)
             ax.set_xscale("log", base=2)
-            ax.set_xlabel("context tokens")
+            ax.set_xlabel("context (tokens)")
+            ax.set_ylabel(ylabel)
             ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend()
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return fig
 
 
 def equal_budget(model: Path, dtypes: list[str], points, steps: int) -> int:

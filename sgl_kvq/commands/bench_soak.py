@@ -138,22 +138,28 @@ def verdict(row: dict) -> list[str]:
     return bad
 
 
-def plot(rows: list[dict], path: str) -> None:
-    import matplotlib
+def plot(rows: list[dict], path: str):
+    """The server processes' resident memory against time under load, one line per dtype x mode; writes `path` and
+    returns the Figure (None, and nothing written, where no run has a memory curve)."""
+    from sgl_kvq.plots import finite, pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    curves = [(f"{'bf16' if row['dtype'] == 'auto' else row['dtype']} {row['mode']}",
+               finite((t, rss / 2**20) for t, rss in row.get("rss_curve") or [])) for row in rows]
+    curves = [(label, pts) for label, pts in curves if pts]
+    if not curves:
+        return None
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for row in rows:
-        t = [p[0] for p in row["rss_curve"]]
-        ax.plot(t, [p[1] / 2 ** 20 for p in row["rss_curve"]], label=f"{row['dtype']} {row['mode']}")
-    ax.set_xlabel("seconds of load")
+    for label, pts in curves:
+        ax.plot(*zip(*pts), label=label)
+    ax.set_xlabel("time under load (s)")
     ax.set_ylabel("server processes' RSS (MiB)")
     ax.set_title("sgl-kvq bench soak: resident memory under load")
-    ax.legend()
+    ax.legend(title="kv dtype, mode")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return fig
 
 
 def run(args) -> int:

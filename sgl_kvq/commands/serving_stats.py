@@ -84,33 +84,44 @@ def server_summary(info: dict) -> dict:
     return out
 
 
-def plot(runs: list[dict], workload: str, regime: str, title: str, path: Path) -> None:
-    """Output throughput, p99 TTFT and p99 ITL against concurrency, one line per dtype."""
-    import matplotlib
+PLOT_PANELS = (("output_throughput", "output throughput (tok/s)"), ("p99_ttft_ms", "p99 TTFT (ms)"),
+               ("p99_itl_ms", "p99 ITL (ms)"))
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    panels = (("output_throughput", "output tokens/s"), ("p99_ttft_ms", "p99 TTFT (ms)"),
-              ("p99_itl_ms", "p99 ITL (ms)"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(15, 4.2))
+def plot(runs: list[dict], workload: str, regime: str, title: str, path: Path):
+    """Output throughput, p99 TTFT and p99 ITL against concurrency, one line per server (dtype, flags), one axes per
+    number the load generator reported; writes `path` and returns the Figure (None, and nothing written, where no run
+    of this workload and regime has a load generator result)."""
+    from sgl_kvq.plots import finite, pyplot
+
     mine = [r for r in runs if r["workload"] == workload and r["regime"] == regime and r.get("loadgen")]
-    for name in dict.fromkeys(series(r) for r in mine):
-        pts = sorted(((r["concurrency"], r["loadgen"]) for r in mine if series(r) == name), key=lambda p: p[0])
-        for ax, (key, _) in zip(axes, panels):
-            ax.plot([c for c, _ in pts], [m.get(key) for _, m in pts], marker="o", label=name)
+    names = list(dict.fromkeys(series(r) for r in mine))
+    panels = []
+    for key, ylabel in PLOT_PANELS:
+        lines = {name: finite((r["concurrency"], r["loadgen"].get(key)) for r in mine if series(r) == name)
+                 for name in names}
+        lines = {name: pts for name, pts in lines.items() if pts}
+        if lines:
+            panels.append((ylabel, lines))
+    if not panels:
+        return None
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2), squeeze=False)
     concurrencies = sorted({r["concurrency"] for r in mine})
-    for ax, (_, label) in zip(axes, panels):
+    for ax, (ylabel, lines) in zip(axes[0], panels):
+        for name, pts in lines.items():
+            ax.plot(*zip(*pts), marker="o", label=name.replace("auto", "bf16", 1) if name.startswith("auto") else name)
         ax.set_xscale("log", base=2)
         ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
-        ax.set_xlabel("max concurrency (load generator)")
-        ax.set_ylabel(label)
+        ax.set_xlabel("load generator's max concurrency (requests)")
+        ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].legend()
+        ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return fig
 
 
 def series(r: dict) -> str:
