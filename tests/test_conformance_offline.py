@@ -206,7 +206,9 @@ def test_a_client_row_is_a_pass_a_failure_an_error_or_a_timeout():
         raise AssertionError("streamed 'a' vs not 'b'")
 
     assert cc.timed_row(lambda: None)["outcome"] == "pass"
-    assert cc.timed_row(fail) == {"outcome": "fail", "message": "streamed 'a' vs not 'b'", "seconds": 0.0}
+    row = cc.timed_row(fail)
+    assert row.pop("seconds") < 1  # rounded to 0.1 s: 0.0 on a quiet machine, 0.1 on a loaded one
+    assert row == {"outcome": "fail", "message": "streamed 'a' vs not 'b'"}
     assert cc.timed_row(lambda: {}["x"])["message"] == "KeyError: 'x'"
 
     def bare():  # test_programs.py's bare asserts carry no message (pytest's rewriting would add one here)
