@@ -3,8 +3,9 @@
 A kvq pool costs `per_token` bytes for every token it can hold (the packed base), and every running request keeps
 its open page and R/G window pages in fp16 frames (sgl_kvq/frames.py).
 
-Pooled frames (KVQ_FRAMES=pooled, the default; config.py): a frame is k of the pool's own pages (k = pages_per_frame: 8 at 2 bit in bf16), handed
-to a request when SGLang gives it a request slot and taken back when the slot is freed; SGLang's admission charges
+Pooled frames (KVQ_FRAMES=pooled, the default; config.py): a frame is k of the pool's own pages (k =
+pages_per_frame: 8 at 2 bit in bf16), handed to a request when SGLang gives it a request slot and taken back when the
+slot is freed; SGLang's admission charges
 them like tokens (the allocator's request_slot_reserve, patches/frames.py). So nothing is set aside per request
 slot: an idle server holds budget / per_token tokens, a running request costs ring * k pages of them while it runs,
 and max_running_requests is SGLang's own default (memory limits concurrency the way it limits bf16's). The pool's
