@@ -33,7 +33,10 @@ def _by_dtype(result: dict) -> dict:
 def _check_pool(rows: dict) -> None:
     for dt, r in rows.items():
         p = r["kv_pool"]
-        assert p["capacity_tokens"] == 4096 and p["kv_bytes"] > 0 and p["kv_bytes_per_token"] > 0, dt
+        # a pooled kvq pool is rounded to whole frames (the fp32 tiny Llama's kivi2: 4,032 of 4,096, a frame being at
+        # most 16 of its 64-token pages)
+        assert 4096 - 16 * 64 < p["capacity_tokens"] <= 4096, (dt, p)
+        assert p["kv_bytes"] > 0 and p["kv_bytes_per_token"] > 0, dt
         assert r["wall_s"] > 0 and r["startup_s"] > 0
     auto, kivi2 = rows["auto"]["kv_pool"], rows["kivi2"]["kv_pool"]
     assert "base_bytes_per_token" not in auto
