@@ -22,12 +22,13 @@ from __future__ import annotations
 import torch
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 
-# id(ReqToTokenPool) -> (the pooled kvq pool whose frames its request slots own, the ReqToTokenPool): pool_build.py
-_slot_pools: dict[int, tuple] = {}
+# id(ReqToTokenPool) -> the pooled kvq pool whose frames its request slots own (patches/pool_build.py)
+_slot_pools: dict[int, object] = {}
 
 
 def register_slot_pool(req_to_token_pool, pool) -> None:
-    _slot_pools[id(req_to_token_pool)] = (pool, req_to_token_pool)
+    _slot_pools[id(req_to_token_pool)] = pool
+    pool.req_to_token_pool = req_to_token_pool  # read by its FramePageAllocator, built after the pool
 
 
 class FramePageAllocator(PagedTokenToKVPoolAllocator):
@@ -38,8 +39,7 @@ class FramePageAllocator(PagedTokenToKVPoolAllocator):
         self.frame_tokens = self.store.ring * self.k * page_size
         super().__init__(size, page_size, dtype, device, kvcache, need_sort)
         kvcache.frame_allocator = self
-        # the request slots whose frames this pool holds (registered when the pool was built, before this)
-        self.req_to_token_pool = next((rtp for pool, rtp in _slot_pools.values() if pool is kvcache), None)
+        self.req_to_token_pool = getattr(kvcache, "req_to_token_pool", None)  # whose slots own the frames
 
     def clear(self):
         super().clear()
@@ -92,28 +92,30 @@ class FramePageAllocator(PagedTokenToKVPoolAllocator):
         self.free_pages = self.free_pages[~torch.isin(self.free_pages // self.k, chosen)]
         return chosen.tolist()
 
-    def held_pages(self) -> torch.Tensor:
-        """Per page, whether a request holding a request slot holds it: a page its req_to_token row names (its radix
-        prefix, locked while it runs, and its own tokens; the row is zeroed when the slot gets frames, so nothing
-        stale), a page of a frame it owns, or page 0. A page neither free nor held is a radix-tree page no running
-        request locks: evictable."""
+    def held_pages(self, prefixes: list[torch.Tensor] = ()) -> torch.Tensor:
+        """Per page, whether a request holds it: a page a slot's req_to_token row names (its radix prefix, locked
+        while it runs, and its own tokens; the row is zeroed when the slot gets frames, so nothing stale), a page of a
+        frame it owns, page 0, or a token index in `prefixes` (the radix prefixes admission locked for requests that
+        have no slot yet). A page neither free nor held is a radix-tree page nothing locks: evictable."""
         frames = self.store.frames
         held = torch.zeros(self.num_frames * self.k, dtype=torch.bool, device=self.device)
         held[0] = True
+        for tokens in prefixes:
+            held[tokens.to(self.device).long() // self.page_size] = True
         slots = list(frames.owned)
         if slots:
             rows = self.req_to_token_pool.req_to_token[torch.tensor(slots, device=self.device)]
-            held[(rows.reshape(-1).long() // self.page_size).to(self.device)] = True
+            held[rows.reshape(-1).long() // self.page_size] = True
             owned = torch.tensor([f for fs in frames.owned.values() for f in fs], dtype=torch.int64,
                                  device=self.device)
             held[(owned[:, None] * self.k + torch.arange(self.k, device=self.device)).reshape(-1)] = True
         return held
 
-    def frames_obtainable(self, n: int) -> bool:
+    def frames_obtainable(self, n: int, prefixes: list[torch.Tensor] = ()) -> bool:
         """Whether n whole frames are free, or can be made free by evicting radix-tree pages no request holds."""
         if self.free_frames().numel() >= n:
             return True
-        unheld = (~self.held_pages()).reshape(self.num_frames, self.k).all(dim=1)
+        unheld = (~self.held_pages(prefixes)).reshape(self.num_frames, self.k).all(dim=1)
         return int(unheld.sum()) >= n
 
     def give_back_frames(self, frames: list[int]) -> None:
@@ -147,13 +149,26 @@ def _make_whole_frames(allocator: FramePageAllocator, tree_cache, needed: int) -
             return
 
 
+def _radix_path_values(node) -> list[torch.Tensor]:
+    """The token indices of a radix-tree node and its ancestors (a matched prefix's pages); none off a radix tree."""
+    values = []
+    while node is not None:
+        value = getattr(node, "value", None)
+        if value is not None and value.numel():
+            values.append(value)
+        node = getattr(node, "parent", None)
+    return values
+
+
 def add_one_req(orig, self, req, *args, **kwargs):
     """PrefillAdder.add_one_req: a request that would need a new request slot waits while its frames cannot be made
     whole (see the module docstring)."""
     allocator = self.token_to_kv_pool_allocator
     if isinstance(allocator, FramePageAllocator) and not req.kv.holds_kv:
-        new_slots = 1 + sum(1 for r in self.can_run_list if not r.kv.holds_kv)
-        if not allocator.frames_obtainable(new_slots * allocator.store.frames.ring):
+        new = [r for r in self.can_run_list if not r.kv.holds_kv] + [req]
+        # their matched prefixes are locked (admission pins them) but in no request slot's row yet
+        prefixes = [v for r in new for v in _radix_path_values(r.last_node)]
+        if not allocator.frames_obtainable(len(new) * allocator.store.frames.ring, prefixes):
             from sglang.srt.managers.schedule_policy import AddReqResult
 
             return AddReqResult.NO_TOKEN
@@ -161,7 +176,7 @@ def add_one_req(orig, self, req, *args, **kwargs):
 
 
 def alloc_req_slots(orig, req_to_token_pool, reqs, tree_cache):
-    pool, _ = _slot_pools.get(id(req_to_token_pool), (None, None))
+    pool = _slot_pools.get(id(req_to_token_pool))
     if pool is None:
         return orig(req_to_token_pool, reqs, tree_cache)
     allocator, frames = pool.frame_allocator, pool.store.frames
@@ -185,7 +200,7 @@ def alloc_req_slots(orig, req_to_token_pool, reqs, tree_cache):
 
 def free_rows(orig, self, indices):
     result = orig(self, indices)
-    pool, _ = _slot_pools.get(id(self), (None, None))
+    pool = _slot_pools.get(id(self))
     if pool is not None:
         for slot in indices:
             pool.frame_allocator.give_back_frames(pool.store.frames.release(int(slot)))

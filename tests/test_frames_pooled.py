@@ -126,6 +126,8 @@ def test_admission_counts_frames_eviction_can_make_whole_not_scattered_free_page
     alloc.free(torch.tensor([p * G for p in pages.tolist() if p not in held and p not in tree]))
     assert alloc.free_frames().numel() == 0 and alloc.available_size() == (6 * k - 1 - 6) * G
     assert alloc.frames_obtainable(1) and not alloc.frames_obtainable(2)
+    # the same tree pages as the matched prefix of a request being admitted: locked, so frame 3 is not obtainable
+    assert not alloc.frames_obtainable(1, [torch.tensor([p * G + 5 for p in tree])])
     alloc.free(torch.tensor([p * G for p in tree]))  # what the hook's eviction does
     assert alloc.take_frames(1) == [3]
     req_to_token[1].zero_()
