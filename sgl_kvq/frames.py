@@ -34,7 +34,7 @@ def can_pool(shape: PoolShape, model_dtype: torch.dtype) -> bool:
 
 
 def pooled_frames(shape: PoolShape, model_dtype: torch.dtype, disaggregation_mode: str, hicache: bool) -> bool:
-    """Frames are pooled (KVQ_FRAMES=pooled, the default) unless SGLang's prefill/decode disaggregation sends them
+    """Frames are pooled where KVQ_FRAMES=pooled asks for it, unless SGLang's prefill/decode disaggregation sends them
     as one row of its per-request state (indexed by request slot: sgl_kvq/pd_transfer.py), HiCache is on (its
     load-back places a request's prefix pages before the request gets its frames, and those pages, locked, can leave
     no whole frame free: measured on the tiny Llama's 3-frame pool), or a frame spans more pages than a page has
