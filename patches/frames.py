@@ -149,15 +149,13 @@ def _make_whole_frames(allocator: FramePageAllocator, tree_cache, needed: int) -
             return
 
 
-def _radix_path_values(node) -> list[torch.Tensor]:
-    """The token indices of a radix-tree node and its ancestors (a matched prefix's pages); none off a radix tree."""
-    values = []
-    while node is not None:
-        value = getattr(node, "value", None)
-        if value is not None and value.numel():
-            values.append(value)
-        node = getattr(node, "parent", None)
-    return values
+def _locked_prefix_indices(tree_cache, reqs) -> list[torch.Tensor]:
+    """The token indices of the radix paths admission locked for `reqs` (their matched prefixes), read through
+    SGLang's own path_device_indices: the server's tree is the Rust-core UnifiedRadixCache, whose nodes are ids, not
+    Python nodes with values (walking node.parent there saw no prefix at all: the soak's stop)."""
+    if tree_cache is None or not tree_cache.supports_prefix_sharing():
+        return []
+    return [tree_cache.path_device_indices(r.last_node) for r in reqs if r.last_node is not None]
 
 
 def add_one_req(orig, self, req, *args, **kwargs):
@@ -167,7 +165,7 @@ def add_one_req(orig, self, req, *args, **kwargs):
     if isinstance(allocator, FramePageAllocator) and not req.kv.holds_kv:
         new = [r for r in self.can_run_list if not r.kv.holds_kv] + [req]
         # their matched prefixes are locked (admission pins them) but in no request slot's row yet
-        prefixes = [v for r in new for v in _radix_path_values(r.last_node)]
+        prefixes = _locked_prefix_indices(self.tree_cache, new)
         if not allocator.frames_obtainable(len(new) * allocator.store.frames.ring, prefixes):
             from sglang.srt.managers.schedule_policy import AddReqResult
 
@@ -190,12 +188,36 @@ def alloc_req_slots(orig, req_to_token_pool, reqs, tree_cache):
         if got is None:
             raise RuntimeError(
                 f"sgl_kvq: no {frames.ring} whole free frames of {allocator.k} pages for request slot {slot} "
-                f"({allocator.available_size()} tokens free, free pages per frame "
-                f"{allocator._free_counts(allocator.free_pages).tolist()}): admission charged them, eviction could "
-                "not free them")
+                f"({allocator.available_size()} tokens free): admission charged them, eviction could not free them. "
+                f"Who holds each frame's pages: {frame_census(allocator, req_to_token_pool, tree_cache)}")
         frames.assign(slot, got, pool.store.ov_tag)
         req_to_token_pool.req_to_token[slot].zero_()
     return indices
+
+
+def frame_census(allocator: FramePageAllocator, req_to_token_pool, tree_cache) -> list[str]:
+    """Per frame, who holds each page: free (.), page 0 (0), a frame owned by slot s (Fs), the req_to_token row of
+    slot s (Rs; rs for a slot without frames, whose row is stale), the radix tree (T), or nothing known (?)."""
+    n = allocator.num_frames * allocator.k
+    who = ["?"] * n
+    who[0] = "0"
+    ps = allocator.page_size
+    if tree_cache is not None and tree_cache.supports_prefix_sharing():
+        for page in (tree_cache.all_values_flatten().long() // ps).unique().tolist():
+            who[page] = "T"
+    rows, owned = req_to_token_pool.req_to_token, allocator.store.frames.owned
+    for slot in range(rows.shape[0]):
+        for page in (rows[slot].long() // ps).unique().tolist():
+            if page and who[page] == "?":
+                who[page] = f"R{slot}" if slot in owned else f"r{slot}"
+    for slot, fs in owned.items():
+        for f in fs:
+            for page in range(f * allocator.k, (f + 1) * allocator.k):
+                who[page] = f"F{slot}"
+    allocator.merge_and_sort_free()
+    for page in allocator.free_pages.tolist():
+        who[page] = "."
+    return [" ".join(who[f * allocator.k:(f + 1) * allocator.k]) for f in range(allocator.num_frames)]
 
 
 def free_rows(orig, self, indices):

@@ -137,6 +137,43 @@ def test_admission_counts_frames_eviction_can_make_whole_not_scattered_free_page
     assert alloc.frames_obtainable(7) and not alloc.frames_obtainable(8)
 
 
+def test_admission_reads_locked_prefixes_off_the_servers_rust_tree():
+    """A server's radix tree is SGLang's UnifiedRadixCache on its Rust core, whose match nodes are ids: admission reads
+    a matched prefix's pages through the tree's own API (walking Python nodes there found none, so a request's locked
+    prefix pages counted as evictable and the soak stopped the scheduler with no whole frame free)."""
+    from array import array
+
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    from sgl_kvq.patches.frames import _locked_prefix_indices
+
+    G = 16
+    _, pooled, _ = make_pair(G, 2, 16, "kivi", 63)  # 8 frames of k = 8 pages
+    alloc = make_allocator(pooled)
+    r2t = ReqToTokenPool(size=SLOTS, max_context_len=MAX_CTX, device="cpu", enable_memory_saver=False)
+    alloc.req_to_token_pool = r2t
+    tree = UnifiedRadixCache(CacheInitParams(disable=False, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc,
+                                             page_size=G, tree_components=(ComponentType.FULL,)))
+    # every page but one page in each frame is the tree's: one frame can be made whole only by evicting its pages
+    pages = alloc.alloc(alloc.available_size()).reshape(-1, G)
+    keep = torch.tensor([p for p in range(pages.shape[0]) if (int(pages[p, 0]) // G) % alloc.k != 5])
+    alloc.free(pages[~torch.isin(torch.arange(pages.shape[0]), keep)].reshape(-1))
+    values = pages[keep].reshape(-1)
+    tree.insert(InsertParams(key=RadixKey(array("q", range(values.numel()))), value=values))
+    assert alloc.free_frames().numel() == 0 and alloc.frames_obtainable(7)
+    match = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", range(values.numel())))))
+    tree.inc_lock_ref(match.last_device_node)
+    req = types.SimpleNamespace(last_node=match.last_device_node)
+    prefixes = _locked_prefix_indices(tree, [req])
+    assert torch.equal(torch.cat(prefixes).sort().values, values.sort().values)
+    assert not alloc.frames_obtainable(1, prefixes)  # the locked prefix touches every frame
+
+
 class Life:
     """Requests through SGLang's real paged allocator (FramePageAllocator): a request slot takes `ring` frames,
     pages are allocated one at a time as requests grow, finished requests leave their complete pages to a 'tree'
