@@ -3,7 +3,7 @@
 A kvq pool costs `per_token` bytes for every token it can hold (the packed base), and every running request keeps
 its open page and R/G window pages in fp16 frames (sgl_kvq/frames.py).
 
-Pooled frames (KVQ_FRAMES=pooled, opt-in: config.py says why): a frame is k of the pool's own pages (k =
+Pooled frames (KVQ_FRAMES=pooled, the default): a frame is k of the pool's own pages (k =
 pages_per_frame: 8 at 2 bit in bf16), handed to a request when SGLang gives it a request slot and taken back when the
 slot is freed; SGLang's admission charges
 them like tokens (the allocator's request_slot_reserve, patches/frames.py). So nothing is set aside per request

