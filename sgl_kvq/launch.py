@@ -9,12 +9,14 @@ checked: cpu_engine.apply_threads_bind).
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -110,8 +112,47 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Process groups this process started and has not stopped. They are stopped when it exits, and when it is sent
+# SIGTERM (Python's default there runs no cleanup): a server group outlives its client otherwise, and an idle
+# SGLang scheduler polls a core (seen: one at 80% of a core for half an hour after its soak client was killed).
+_LIVE_GROUPS: set[int] = set()
+_CLEANUP_INSTALLED = False
+
+
+def _stop_live_groups() -> None:
+    for pgid in list(_LIVE_GROUPS):
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+    _LIVE_GROUPS.clear()
+
+
+def _stop_live_groups_and_die(signum, frame) -> None:
+    _stop_live_groups()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def start_process_group(argv: list[str], **popen_kwargs) -> subprocess.Popen:
+    """Popen `argv` as the leader of a new process group (stop_process_group stops it and its children), stopped
+    too if this process exits or is sent SIGTERM first."""
+    global _CLEANUP_INSTALLED
+    if not _CLEANUP_INSTALLED:
+        atexit.register(_stop_live_groups)
+        _CLEANUP_INSTALLED = True
+    # signal handlers can only be set from the main thread (PD starts its two servers from worker threads) and a
+    # handler the program set itself is kept
+    if threading.current_thread() is threading.main_thread() \
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _stop_live_groups_and_die)
+    proc = subprocess.Popen(argv, start_new_session=True, **popen_kwargs)
+    _LIVE_GROUPS.add(proc.pid)
+    return proc
+
+
 def stop_process_group(proc: subprocess.Popen | None, grace: float) -> None:
-    """SIGTERM a process started with start_new_session=True and its children; SIGKILL after `grace` seconds."""
+    """SIGTERM a process started by start_process_group and its children; SIGKILL after `grace` seconds."""
     if proc and proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -119,6 +160,8 @@ def stop_process_group(proc: subprocess.Popen | None, grace: float) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+    if proc:
+        _LIVE_GROUPS.discard(proc.pid)
 
 
 def post_json(url: str, payload: dict, timeout: float = 1800):
@@ -159,8 +202,8 @@ class ServerProcess:
     def _start(self) -> "ServerProcess":
         log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
         argv = self.args + ["--host", "127.0.0.1", "--port", str(self.port)]
-        self.proc = subprocess.Popen([sys.executable, "-m", "sgl_kvq.cli", "serve", *argv], stdout=log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = start_process_group([sys.executable, "-m", "sgl_kvq.cli", "serve", *argv], stdout=log,
+                                        stderr=subprocess.STDOUT)
         deadline = time.time() + self.startup_timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
-from sgl_kvq.launch import ServerProcess, free_port, post_json, stop_process_group
+from sgl_kvq.launch import ServerProcess, free_port, post_json, start_process_group, stop_process_group
 
 INSTALL_HINT = ("mooncake's transfer engine is missing: apt-get install -y libibverbs1 && pip install "
                 "mooncake-transfer-engine-non-cuda==0.3.13.post1 msgpack (`make setup` installs both)")
@@ -124,11 +124,10 @@ class Router:
 
     def __enter__(self) -> "Router":
         log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(
+        self.proc = start_process_group(
             [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill",
              self.pair.prefill.base, str(self.pair.bootstrap_port), "--decode", self.pair.decode.base,
-             "--host", "127.0.0.1", "--port", str(self.port)], stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True)
+             "--host", "127.0.0.1", "--port", str(self.port)], stdout=log, stderr=subprocess.STDOUT)
         # /health answers as soon as the router listens, before it has activated its workers (a /generate then
         # gets 503 "No prefill workers available", seen in its log); /readiness waits for them.
         deadline = time.time() + self.startup_timeout
