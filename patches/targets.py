@@ -61,6 +61,7 @@ IMPORTED = (
     "sglang.srt.model_executor.cuda_graph_config.with_phase",
     "sglang.srt.disaggregation.utils.append_state_component",
     "sglang.srt.disaggregation.utils.is_aborted",
+    "sglang.srt.disaggregation.utils.FAKE_BOOTSTRAP_HOST",
     "sglang.srt.disaggregation.base.conn.StateType.REQUEST_ROW",
 )
 RESOLUTION_STEP = "handle_attention_backend_compatibility"
