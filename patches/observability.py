@@ -6,22 +6,28 @@ from __future__ import annotations
 
 
 def add_kv_pool_stats(result, self, state, *args, **kwargs):
+    state["kv_pool"] = kv_pool_stats(self.scheduler)
+    return result
+
+
+def kv_pool_stats(scheduler) -> dict:
+    """The scheduler's pool stats: what /get_server_info reports and kvq's Prometheus metrics read
+    (patches/metrics.py)."""
     # imported here: load() imports this module in every SGLang process, only the scheduler's calls it
     from sgl_kvq.patches.sizing import profiled_budget_bytes
     from sgl_kvq.pool import KVQTokenToKVPool, kv_cache_stats
 
-    scheduler = self.scheduler
     pool, capacity = scheduler.token_to_kv_pool_allocator.get_kvcache(), scheduler.max_total_num_tokens
     stats = pool.stats(capacity) if isinstance(pool, KVQTokenToKVPool) else kv_cache_stats(pool, capacity)
     # What the pool was sized from and how many requests run at once: capacity comparisons need both.
     stats.update(kv_budget_bytes=profiled_budget_bytes(), max_running_requests=scheduler.max_running_requests)
     stats["live"] = live_counts(scheduler, pool)
-    from sgl_kvq.patches.pd import SENT
+    from sgl_kvq.patches.pd import sent_stats
 
-    if SENT["batches"]:  # a PD prefill server: what its mooncake engine sent (patches/pd.py)
-        stats["pd_sent"] = dict(SENT)
-    state["kv_pool"] = stats
-    return result
+    pd_sent = sent_stats()
+    if pd_sent is not None:
+        stats["pd_sent"] = pd_sent
+    return stats
 
 
 def live_counts(scheduler, pool) -> dict:

@@ -15,9 +15,10 @@ from __future__ import annotations
 import threading
 
 # Bytes this process's mooncake engine wrote to a peer, KV (pages and request state) and aux (the first token,
-# logprobs: SGLang's metadata buffers) apart: the prefill server reports them in its pool stats
-# (patches/observability.py) so a PD run measures what went over the wire, not what the descriptions promise.
-SENT = {"kv_bytes": 0, "aux_bytes": 0, "batches": 0}
+# logprobs: SGLang's metadata buffers) apart, and the requests whose last KV chunk it was handed: the prefill
+# server reports them in its pool stats (patches/observability.py) so a PD run measures what went over the wire,
+# not what the descriptions promise.
+SENT = {"kv_bytes": 0, "aux_bytes": 0, "batches": 0, "requests": 0}
 _lock = threading.Lock()
 _in_aux = threading.local()
 
@@ -62,9 +63,26 @@ def _request_pages(req_to_token, req_slot: int, seq_len: int, G: int):
     return req_to_token[req_slot, :seq_len:G].cpu() // G
 
 
+def sent_stats() -> dict | None:
+    """SENT with the bytes per request, or None where nothing was sent (not a PD prefill server)."""
+    with _lock:
+        sent = dict(SENT)
+    if not sent["batches"]:
+        return None
+    sent["bytes_per_request"] = (sent["kv_bytes"] + sent["aux_bytes"]) / sent["requests"] if sent["requests"] else None
+    return sent
+
+
 def prefill_send_kv_chunk(scheduler, req, last_chunk: bool = False, end_idx=None):
-    """Prefill side, before the last chunk (the one that carries the request state) is sent: count the frames that
-    hold the request (pd_transfer.mark_window)."""
+    """Prefill side, before the last chunk (the one that carries the request state) is sent: count the request
+    (SENT) and the frames that hold it (pd_transfer.mark_window)."""
+    from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+
+    # warmup and health-check requests go to a fake sender that sends nothing (SGLang skips them in its own
+    # KV transfer metrics too)
+    if last_chunk and req.bootstrap_host != FAKE_BOOTSTRAP_HOST:
+        with _lock:
+            SENT["requests"] += 1
     pool = _kvq_pool(scheduler.token_to_kv_pool_allocator.get_kvcache())
     if pool is None or not last_chunk or req.kv.req_pool_idx is None:
         return

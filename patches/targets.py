@@ -31,6 +31,8 @@ HOOKS = (
     ("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.free_rows", "frames", "free_rows", "AROUND"),
     ("sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController._add_memory_usage",
      "observability", "add_kv_pool_stats", "AFTER"),
+    ("sglang.srt.managers.scheduler_components.metrics_reporter.SchedulerMetricsReporter._log_hicache_stats",
+     "metrics", "publish_kvq_metrics", "AFTER"),
     ("sglang.srt.model_executor.runner.eager_runner.EagerRunner._execute_decode", "specache_lanes", "execute_decode",
      "AROUND"),
     ("sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler.build_kv_host_pool", "hicache", "build_kv_host_pool",
@@ -61,6 +63,9 @@ IMPORTED = (
     "sglang.srt.model_executor.cuda_graph_config.with_phase",
     "sglang.srt.disaggregation.utils.append_state_component",
     "sglang.srt.disaggregation.utils.is_aborted",
+    "sglang.srt.disaggregation.utils.FAKE_BOOTSTRAP_HOST",
+    "sglang.srt.observability.metrics_collector.SchedulerMetricsCollector._gauge_cls",
+    "sglang.srt.observability.metrics_collector.SchedulerMetricsCollector._counter_cls",
     "sglang.srt.disaggregation.base.conn.StateType.REQUEST_ROW",
 )
 RESOLUTION_STEP = "handle_attention_backend_compatibility"

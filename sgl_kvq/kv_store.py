@@ -60,6 +60,9 @@ class QuantizedKVStore:
         self.ov_tag = torch.full((F,), -1, dtype=torch.int64, device=self.device)
         self.ov_gen = torch.zeros(F, dtype=torch.int64, device=self.device)
         self.page_gen = torch.zeros(shape.P, dtype=torch.int64, device=self.device)
+        # Pages this store quantized into the base (each once, when a batch writes its last slot), exported with
+        # the pool's stats. A device scalar: the decode builder adds to it inside CUDA graphs, without a host sync.
+        self.pages_quantized = torch.zeros((), dtype=torch.int64, device=self.device)
         # PD only: how many of a slot's frames hold its request (sgl_kvq/pd_transfer.py), sent with the frames
         self.pd_window = torch.zeros(num_req_slots, dtype=torch.int64, device=self.device)
         if cfg.is_zipcache:

@@ -120,6 +120,7 @@ class KVQTokenToKVPool(KVCache):
             frame_tokens=self.cfg.ring_pages * self.shape.pages_per_frame(self.store.model_dtype) * self.shape.G
             if self.store.frames_pooled else 0,
             base_bytes_per_token=self.shape.base_bytes_per_token(),
+            pages_quantized=int(self.store.pages_quantized),
             config={"group_size": self.cfg.group_size, "value_group": self.shape.VG, "residual": self.cfg.residual,
                     "bits": self.cfg.bits, "prefill": self.cfg.prefill,
                     **({"gear_rank": self.cfg.lowrank_rank, "outliers_per_key_channel": self.shape.NK,

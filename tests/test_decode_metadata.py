@@ -115,7 +115,7 @@ def assert_same_pool(a: QuantizedKVStore, b: QuantizedKVStore):
     for name, (shape, _) in a.shape.base_shapes().items():
         skip = G if shape[1] == a.shape.S else 1
         assert torch.equal(getattr(a, name)[:, skip:], getattr(b, name)[:, skip:]), name
-    for name in ("ov_tag", "ov_gen"):
+    for name in ("ov_tag", "ov_gen", "pages_quantized"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     if a.cfg.is_zipcache:  # the saliency accumulated so far, on every frame holding a page
         live = (a.ov_tag >= 0).nonzero().squeeze(1)
@@ -216,6 +216,8 @@ def test_one_set_of_buffers_serves_every_padded_replay(triton_interpret):
         real = torch.arange(frame_of(1, 0, graph.ring), graph.ov_tag.numel(), device=DEVICE)  # frames of slots 1..
         assert torch.equal(eager.ov_tag[real], graph.ov_tag[real])
         assert torch.equal(eager.ov_gen[real], graph.ov_gen[real])
+        assert int(eager.pages_quantized) == int(graph.pages_quantized)  # padding rows quantize no page
+    assert int(graph.pages_quantized) > 0
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graph capture needs a GPU")

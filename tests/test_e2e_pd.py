@@ -38,7 +38,7 @@ def prompts() -> list[list[int]]:
 
 def server_args(dtype: str) -> list[str]:
     args = ["--model-path", str(tiny_llama()), "--dtype", "float32", "--max-total-tokens", "4096",
-            "--log-level", "warning"]
+            "--log-level", "warning", "--enable-metrics"]
     if is_kvq_dtype(dtype):
         return args + ["--kv-cache-dtype", dtype]
     return args + ["--kv-cache-dtype", dtype, "--page-size", str(baseline_page_size())]
@@ -71,6 +71,19 @@ def page_bytes(dtype: str, prompt_tokens: int) -> int:
     return round(shape.base_bytes_per_token() * G * pages)
 
 
+def assert_prefill_metrics_follow_its_pool_stats(prefill, requests: int):
+    """kvq's PD metrics on the prefill server's /metrics (--enable-metrics, docs/metrics.md) are its pd_sent stats."""
+    from scrape import by_label, kvq_families, only, scrape_when
+
+    stats, text = scrape_when(prefill, lambda got, stats: by_label(got.get("sglang:kvq_pd_sent_bytes", []), "kind")
+                              == {"kv": stats["pd_sent"]["kv_bytes"], "aux": stats["pd_sent"]["aux_bytes"]})
+    got, sent = kvq_families(text), stats["pd_sent"]
+    assert by_label(got["sglang:kvq_pd_sent_bytes"], "kind") == {"kv": sent["kv_bytes"], "aux": sent["aux_bytes"]}
+    assert only(got["sglang:kvq_pd_sent_requests"]) == sent["requests"] == requests  # warmup excluded
+    assert only(got["sglang:kvq_pd_sent_bytes_per_request"]) == pytest.approx(sent["bytes_per_request"])
+    assert {labels["engine_type"] for labels, _ in got["sglang:kvq_pd_sent_bytes"]} == {"prefill"}
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_pd_continues_exactly_as_one_server(dtype, tmp_path, monkeypatch):
     # PD servers keep static frames; so does the single server compared with them (a request slot's static frames
@@ -97,9 +110,11 @@ def test_pd_continues_exactly_as_one_server(dtype, tmp_path, monkeypatch):
         with PDPair(server_args(dtype), log_dir=tmp_path) as pd:
             def measured(route):
                 def generate(payload):
-                    before = pd.prefill.kv_pool_stats().get("pd_sent", {}).get("kv_bytes", 0)
+                    before = pd.prefill.kv_pool_stats().get("pd_sent", {})
                     out = route(payload)
-                    sent.append(pd.prefill.kv_pool_stats()["pd_sent"]["kv_bytes"] - before)
+                    after = pd.prefill.kv_pool_stats()["pd_sent"]
+                    sent.append(after["kv_bytes"] - before.get("kv_bytes", 0))
+                    assert after["requests"] - before.get("requests", 0) == 1
                     return out
                 return generate
 
@@ -111,6 +126,8 @@ def test_pd_continues_exactly_as_one_server(dtype, tmp_path, monkeypatch):
             else:
                 print("sglang-router is not installed: the second pass is routed by sgl_kvq.pd_launch too")
                 got += answers(measured(pd.generate))
+            if is_kvq_dtype(dtype):
+                assert_prefill_metrics_follow_its_pool_stats(pd.prefill, requests=len(got))
     finally:
         t.join()
     if "error" in single:

@@ -77,6 +77,7 @@ def build_decode(store, req_to_token: torch.Tensor, req_pool_indices: torch.Tens
     write.frame_ids.copy_(frames)
     write.frame_offs.copy_(offs)
     write.done_pages.copy_(torch.where(offs == G - 1, pages, torch.zeros_like(pages)))
+    store.pages_quantized += (write.done_pages != 0).sum()  # padded rows complete no page (page 0)
     write.done_lpages.copy_(torch.where(offs == G - 1, lpage, torch.zeros_like(lpage)))
 
     # plan: page table [B, max_pages] of pool page ids (SGLang's allocator: position p sits in slot page * G + p % G)

@@ -48,6 +48,7 @@ def begin_batch(store: QuantizedKVStore, slots: torch.Tensor, req_slots: torch.T
     # Pages completed by this batch: the batch wrote their last slot.
     done_rows = (offs == G - 1).nonzero().squeeze(1)
     done_pages = pages[done_rows]
+    store.pages_quantized += done_pages.numel()
     done_frames = frames[done_rows]
     tok_in_done = torch.isin(pages, done_pages)
     done_tok_rows = tok_in_done.nonzero().squeeze(1)

@@ -102,7 +102,7 @@ class SpeCacheState:
     def stats(self) -> dict:
         row_bytes = 2 * self.topk_k.shape[-1] * self.topk_k.element_size()
         rows = int(self.prefetched_rows)
-        guesses = int(self.spec_guesses)
+        guesses, hits = int(self.spec_guesses), int(self.spec_hits)
         return {
             "top_k": self.top_k,
             "host_bytes": self.host.nbytes(),
@@ -114,8 +114,9 @@ class SpeCacheState:
             "prefetched_bytes": rows * row_bytes,
             "prefetched_bytes_per_step": rows * row_bytes / max(self.decode_steps, 1),
             "copy_seconds": self.host.copy_seconds,
-            "spec_token_hit_rate": self.spec_hits.item() / guesses if guesses else None,
+            "spec_token_hit_rate": hits / guesses if guesses else None,
             "spec_token_guesses": guesses,
+            "spec_token_hits": hits,
             "recall": self.recall_hits / self.recall_wanted if self.recall_wanted else None,
             "recall_wanted": self.recall_wanted,
         }
