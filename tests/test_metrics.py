@@ -136,9 +136,11 @@ def test_a_kivi2_server_exports_its_pool_stats_on_metrics(tmp_path):
                                                                       "path") == stats["decode_batches"])
         got = kvq_families(text)
 
+    # pooled frames (the default): the frames running requests hold from the pool is a gauge too
+    assert stats["frames_pooled"]
     assert set(got) == {"sglang:kvq_capacity_tokens", "sglang:kvq_bytes_per_token",
                         "sglang:kvq_packed_bytes_per_token", "sglang:kvq_request_state_bytes",
-                        "sglang:kvq_overlay_frames_live", "sglang:kvq_free_request_slots",
+                        "sglang:kvq_overlay_frames_live", "sglang:kvq_frames_held", "sglang:kvq_free_request_slots",
                         "sglang:kvq_pages_quantized", "sglang:kvq_decode_batches"}, sorted(got)
     for samples in got.values():
         for labels, _ in samples:
@@ -148,7 +150,9 @@ def test_a_kivi2_server_exports_its_pool_stats_on_metrics(tmp_path):
     assert sglang_values(text, "sglang:max_total_num_tokens") == [stats["capacity_tokens"]]  # SGLang's own, beside
     assert only(got["sglang:kvq_bytes_per_token"]) == pytest.approx(stats["kv_bytes_per_token"])
     assert only(got["sglang:kvq_packed_bytes_per_token"]) == pytest.approx(stats["base_bytes_per_token"])
-    assert only(got["sglang:kvq_bytes_per_token"]) > only(got["sglang:kvq_packed_bytes_per_token"])
+    # pooled frames set nothing aside per request slot but frame tags: the two differ by that alone
+    assert only(got["sglang:kvq_bytes_per_token"]) >= only(got["sglang:kvq_packed_bytes_per_token"])
+    assert only(got["sglang:kvq_frames_held"]) == stats["live"]["frames_held"]
     assert only(got["sglang:kvq_request_state_bytes"]) == stats["request_state_bytes"]
     assert only(got["sglang:kvq_overlay_frames_live"]) == stats["live"]["overlay_frames_live"]
     assert only(got["sglang:kvq_free_request_slots"]) == stats["live"]["free_req_slots"]
