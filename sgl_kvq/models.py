@@ -28,9 +28,17 @@ def _materialize(name: str, build) -> Path:
     try:
         build(tmp)
         (tmp / _MARK).write_text("ok\n")
-        if out.exists():
+        # Another process (a parallel test worker) may have finished the same model meanwhile, and may be serving
+        # it: keep its copy rather than delete a folder in use.
+        if (out / _MARK).exists():
+            return out
+        if out.exists():  # a half-written folder without the mark
             shutil.rmtree(out)
-        os.replace(tmp, out)
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            if not (out / _MARK).exists():
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -59,3 +59,32 @@ def _frontend_fork(base_url: str, text: str) -> list[tuple[str, dict]]:
 
     return two_branches.run(text=text, backend=sgl.RuntimeEndpoint(base_url))["branches"]
 
+
+
+@pytest.fixture(scope="session")
+def conformance_server(request, tmp_path_factory):
+    """(dtype, server): SmolLM2 served in a kvq dtype (indirect parameter) at the conformance budget, one server per
+    dtype for the session, shared by the kit and client conformance tests (a SmolLM2 start takes 45-60 s on CI)."""
+    from conformance import pinned_server
+    from sgl_kvq.models import smollm2
+
+    dtype = request.param
+    with pinned_server(smollm2(), dtype, tmp_path_factory.mktemp(f"conformance-{dtype}") / "server.log") as server:
+        yield dtype, server
+
+
+def pytest_collection_modifyitems(config, items):
+    """Deselect the kit tests a dtype leaves out in CI (tests/conformance.py: kit_tests(dtype)). Parametrizing over
+    (dtype, kit test) pairs instead would give each pair its own server key, and pytest would stop grouping the
+    kit and client tests of one dtype around its one server."""
+    from conformance import kit_tests
+
+    drop = []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if "kit_test" in params and "conformance_server" in params \
+                and params["kit_test"] not in kit_tests(params["conformance_server"]):
+            drop.append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = [item for item in items if item not in set(drop)]

@@ -23,15 +23,6 @@ CI_PROGRAMS = ["test_regex", "test_decode_json", "test_tool_use", "test_dtype_ge
 RUN_PROGRAMS = list(cc.PROGRAMS) if os.environ.get("KVQ_TEST_CONFORMANCE_PROGRAMS") == "all" else CI_PROGRAMS
 
 
-@pytest.fixture(scope="module", params=dtypes())
-def served(request, tmp_path_factory):
-    from sgl_kvq.models import smollm2
-
-    log = tmp_path_factory.mktemp(f"clients-{request.param}") / "server.log"
-    with pinned_server(smollm2(), request.param, log) as server:
-        yield request.param, server
-
-
 @pytest.fixture(scope="module")
 def bf16_program_rows(tmp_path_factory):
     """bf16's program rows, its server started at the first program a kvq dtype misses."""
@@ -46,18 +37,20 @@ def bf16_program_rows(tmp_path_factory):
 
 
 @pytest.mark.parametrize("check", list(cc.CLIENT_CHECKS))
-def test_openai_client_streaming_and_not_give_the_same_answer(served, check):
+@pytest.mark.parametrize("conformance_server", dtypes(), indirect=True)
+def test_openai_client_streaming_and_not_give_the_same_answer(conformance_server, check):
     """Each call on a flushed cache, so both read the same cold prefill: the streamed deltas must join to the
     non-streamed text, with the same finish reason and completion token count (no baseline excuse)."""
-    dtype, server = served
+    dtype, server = conformance_server
     row = cc.client_rows(server.base, [check])[check]
     record("clients", dtype, check, row)
     assert row["outcome"] == "pass", f"{dtype} {check}: {row.get('message')}"
 
 
 @pytest.mark.parametrize("program", RUN_PROGRAMS)
-def test_frontend_program_passes_where_bf16_passes(served, bf16_program_rows, program):
-    dtype, server = served
+@pytest.mark.parametrize("conformance_server", dtypes(), indirect=True)
+def test_frontend_program_passes_where_bf16_passes(conformance_server, bf16_program_rows, program):
+    dtype, server = conformance_server
     row = cc.run_program(server.base, program)
     record("programs", dtype, program, row)
     against_baseline(bf16_program_rows, dtype, program, row)

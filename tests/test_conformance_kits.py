@@ -29,12 +29,17 @@ def kit_files(smollm2_model, tmp_path_factory):
     return bc.prepare_offline_data(smollm2_model, tmp_path_factory.mktemp("kit-data"))
 
 
-@pytest.fixture(scope="module", params=dtypes())
-def kit_server(request, smollm2_model, kit_files, tmp_path_factory):
-    """One server per dtype, started once for all its kit tests."""
-    log = tmp_path_factory.mktemp(f"kits-{request.param}") / "server.log"
-    with pinned_server(smollm2_model, request.param, log) as server, bc.offline_kits(kit_files):
-        yield request.param, bc.kit_classes(server, smollm2_model, kit_files)
+@pytest.fixture(scope="module", autouse=True)
+def offline_kit_data(kit_files):
+    """The kits read their offline data (the KL kit's prompts) while any kit test of this module runs."""
+    with bc.offline_kits(kit_files):
+        yield
+
+
+@pytest.fixture
+def kit_classes(conformance_server, smollm2_model, kit_files):
+    dtype, server = conformance_server
+    return dtype, bc.kit_classes(server, smollm2_model, kit_files)
 
 
 def run_kit_test(classes: dict, kit_test: str) -> dict:
@@ -58,8 +63,9 @@ def bf16_kit_rows(smollm2_model, kit_files, tmp_path_factory):
 
 
 @pytest.mark.parametrize("kit_test", kit_tests())
-def test_kvq_dtype_passes_every_kit_test_bf16_passes(kit_server, bf16_kit_rows, kit_test):
-    dtype, classes = kit_server
+@pytest.mark.parametrize("conformance_server", dtypes(), indirect=True)
+def test_kvq_dtype_passes_every_kit_test_bf16_passes(conformance_server, kit_classes, bf16_kit_rows, kit_test):
+    dtype, classes = kit_classes
     row = run_kit_test(classes, kit_test)
     record("kits", dtype, kit_test, row)
     against_baseline(bf16_kit_rows, dtype, kit_test, row)
