@@ -1,7 +1,7 @@
 """Every served dtype's greedy tokens on the tiny fp32 Llama, through kvq_torch and kvq_triton, equal the ones
 recorded in tests/data/greedy_tokens.json (scripts/greedy_tokens.py: two turns, the second a radix hit whose extend
 reads packed pages with their extras). The record was taken before the kernels' format interface changed; a change
-meant to keep every dtype's output runs this with KVQ_TEST_MATRIX=all. 18 engine runs (about 40 minutes on 2 cores)
+meant to keep every dtype's output runs this with KVQ_TEST_MATRIX=all. 18 engine runs (over an hour on 2 cores)
 are too slow for CI, where tests/test_e2e_{serving,gear,logquant,zipcache,specache}.py compare kvq_triton with
 kvq_torch per format."""
 
