@@ -16,9 +16,10 @@ import triton
 
 from sgl_kvq.plan import DecodePlan, LayerKV, PagedPlan
 
-from .checks import (MODEL_DTYPES, check_layer, check_paged, correction_args, dot_in_fp32, require, rows_args,
-                     salient_args)
+from .arg_groups import page_lists, pool_args, split_parts
+from .checks import MODEL_DTYPES, check_layer, check_paged, dot_in_fp32, layer_geometry, require
 from .decode_attention_kernel import _decode_attention_kernel
+from .format_extras import format_extras
 from .merge_state import merge_state
 
 LOG2E = 1.4426950408889634
@@ -94,27 +95,16 @@ def decode_attention(q: torch.Tensor, kv: LayerKV, p: DecodePlan, sm_scale: floa
     require(q.device == kv.ov_k.device == p.num_splits.device, "q, the pool and the plan are on different devices")
     require((H, D, G) == (p.num_kv_heads, p.head_dim, p.page_size),
             f"plan was made for (H, D, G) = {(p.num_kv_heads, p.head_dim, p.page_size)}, pool has {(H, D, G)}")
-    corr, corr_consts = correction_args(kv)
-    rows, rows_consts = rows_args(kv)
-    sal, sal_consts = salient_args(kv)
+    extras, extras_consts = format_extras(kv, layer_geometry(kv))
     if out is None:
         out = torch.empty_like(q)
     group = p.num_qo_heads // H
-    pg = p.paged
     if p.batch_size:
         _decode_attention_kernel[(p.batch_size, H, p.max_splits)](
-            q, kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes, kv.v_scale, kv.v_zero, kv.ov_k, kv.ov_v, *corr, *rows,
-            *sal, H,
-            pg.kv_indptr, pg.kv_indices, pg.kv_last_page_len, pg.ov_indptr, pg.ov_indices, pg.ov_last_page_len,
-            p.num_splits, p.o_partial, p.lse_partial, sm_scale * LOG2E,
-            q.stride(0), q.stride(1),
-            kv.k_codes.stride(0), kv.k_codes.stride(1), kv.k_scale.stride(0), kv.k_scale.stride(1),
-            kv.v_scale.stride(0), kv.v_scale.stride(1),
-            kv.ov_k.stride(0), kv.ov_k.stride(1), kv.ov_k.stride(2),
-            p.o_partial.stride(0), p.o_partial.stride(1), p.o_partial.stride(2),
-            p.lse_partial.stride(0), p.lse_partial.stride(1),
+            q, pool_args(kv), extras, page_lists(p.paged), p.num_splits, split_parts(p.o_partial, p.lse_partial), H,
+            sm_scale * LOG2E, q.stride(0), q.stride(1),
             GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=D, G=G, BITS=kv.bits, VG=VG,
-            DOT_FP32=dot_in_fp32(q.dtype), **corr_consts, **rows_consts, **sal_consts,
+            DOT_FP32=dot_in_fp32(q.dtype), **extras_consts,
         )
     return merge_state(p.o_partial, p.lse_partial, p.num_splits, out=out, lse_out=lse_out)
 

@@ -3,7 +3,8 @@
 Program (b, kv_head, split): the query heads of one KV head ([BLOCK_H, D], GQA group padded to a tl.dot tile)
 walk a contiguous run of the request's logical pages (base pages, then overlay frames), one page of G tokens per
 iteration, so each packed page is read once per KV head. It writes a normalized partial output and its
-log-sum-exp; merge_state_kernel.py combines the splits.
+log-sum-exp; merge_state_kernel.py combines the splits. POOL, PAGES and PARTS are argument groups
+(arg_groups.py), EXTRAS / FORMAT / SIZES the format's extras (format_extras.py).
 """
 
 import triton
@@ -14,32 +15,24 @@ from .paged_kv_kernel import _base_page_step, _frame_step
 
 @triton.jit
 def _decode_attention_kernel(
-    Q, KC, KS, KZ, VC, VS, VZ, OVK, OVV, KU, KW, VU, VW, KOV, KOI, VOV, VOI, KR, VR, RO,
-    VCH, SI, SKC, SKS, SKZ, SVC, SVS, SVZ, n_heads,
-    kv_indptr, kv_indices, kv_last_page_len, ov_indptr, ov_indices, ov_last_page_len, num_splits,
-    O_part, LSE_part, sm_scale_log2,
-    stride_qb, stride_qh,
-    stride_kc_slot, stride_kc_head, stride_ks_page, stride_ks_head, stride_vs_slot, stride_vs_head,
-    stride_ov_frame, stride_ov_tok, stride_ov_head,
-    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    Q, POOL, EXTRAS, PAGES, num_splits, PARTS, n_heads, sm_scale_log2, stride_qb, stride_qh,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
-    VG: tl.constexpr, RANK: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr, NROWS: tl.constexpr,
-    NSAL: tl.constexpr, DOT_FP32: tl.constexpr,
+    VG: tl.constexpr, FORMAT: tl.constexpr, SIZES: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ns = tl.load(num_splits + b)
     if split < ns:
-        kv_lo = tl.load(kv_indptr + b)
-        n_base = tl.load(kv_indptr + b + 1) - kv_lo
-        ov_lo = tl.load(ov_indptr + b)
-        n_pages = n_base + tl.load(ov_indptr + b + 1) - ov_lo
+        kv_lo = tl.load(PAGES.kv_indptr + b)
+        n_base = tl.load(PAGES.kv_indptr + b + 1) - kv_lo
+        ov_lo = tl.load(PAGES.ov_indptr + b)
+        n_pages = n_base + tl.load(PAGES.ov_indptr + b + 1) - ov_lo
         per_split = tl.cdiv(n_pages, ns)
         p_start = split * per_split
         p_end = tl.minimum(p_start + per_split, n_pages)
-        last_base = tl.load(kv_last_page_len + b)
-        last_ov = tl.load(ov_last_page_len + b)
+        last_base = tl.load(PAGES.kv_last_page_len + b)
+        last_ov = tl.load(PAGES.ov_last_page_len + b)
 
         offs_h = tl.arange(0, BLOCK_H)
         heads = kvh * GROUP + offs_h
@@ -54,26 +47,21 @@ def _decode_attention_kernel(
         acc = tl.zeros([BLOCK_H, D], tl.float32)
 
         for j in range(p_start, tl.minimum(p_end, n_base)):
-            page = tl.load(kv_indices + kv_lo + j).to(tl.int64)
+            page = tl.load(PAGES.kv_indices + kv_lo + j).to(tl.int64)
             n_valid = tl.where(j == n_base - 1, last_base, G)
-            m, l, acc = _base_page_step(q, m, l, acc, KC, KS, KZ, VC, VS, VZ, KU, KW, VU, VW, KOV, KOI, VOV, VOI,
-                                        KR, VR, RO, VCH, SI, SKC, SKS, SKZ, SVC, SVS, SVZ, page, n_valid, kvh,
-                                        n_heads, offs_t, offs_d, stride_kc_slot, stride_kc_head, stride_ks_page,
-                                        stride_ks_head, stride_vs_slot, stride_vs_head, sm_scale_log2, G, D, BITS,
-                                        VG, RANK, NK, NV, NROWS, NSAL,
-                                        DOT_FP32)
+            m, l, acc = _base_page_step(q, m, l, acc, POOL, EXTRAS, page, n_valid, kvh, n_heads, offs_t, offs_d,
+                                        sm_scale_log2, G, D, BITS, VG, FORMAT, SIZES, DOT_FP32)
 
         for j in range(tl.maximum(p_start, n_base), p_end):
-            frame = tl.load(ov_indices + ov_lo + j - n_base).to(tl.int64)
+            frame = tl.load(PAGES.ov_indices + ov_lo + j - n_base).to(tl.int64)
             n_valid = tl.where(j == n_pages - 1, last_ov, G)
-            m, l, acc = _frame_step(q, m, l, acc, OVK, OVV, frame, n_valid, kvh, offs_t, offs_d, stride_ov_frame,
-                                    stride_ov_head, stride_ov_tok, sm_scale_log2, DOT_FP32)
+            m, l, acc = _frame_step(q, m, l, acc, POOL, frame, n_valid, kvh, offs_t, offs_d, sm_scale_log2, DOT_FP32)
 
         # An empty split (possible when pages do not divide evenly) leaves l == 0: it stores o = 0, lse = -inf,
         # which the merge weighs by exp(-inf) = 0.
         has = l > 0.0
         o = acc / tl.where(has, l, 1.0)[:, None]
         lse = tl.where(has, (m + tl.log2(tl.where(has, l, 1.0))) * 0.6931471805599453, float("-inf"))
-        o_off = b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
-        tl.store(O_part + o_off, o, mask=mask_h[:, None])
-        tl.store(LSE_part + b * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
+        o_off = b * PARTS.stride_ob + heads[:, None] * PARTS.stride_oh + split * PARTS.stride_os + offs_d[None, :]
+        tl.store(PARTS.o + o_off, o, mask=mask_h[:, None])
+        tl.store(PARTS.lse + b * PARTS.stride_lb + heads * PARTS.stride_lh + split, lse, mask=mask_h)

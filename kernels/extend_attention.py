@@ -8,9 +8,10 @@ import triton
 
 from sgl_kvq.plan import LayerKV, PagedPlan
 
-from .checks import (MODEL_DTYPES, check_layer, check_paged, correction_args, dot_in_fp32, require, rows_args,
-                     salient_args)
+from .arg_groups import page_lists, pool_args
+from .checks import MODEL_DTYPES, check_layer, check_paged, dot_in_fp32, layer_geometry, require
 from .extend_attention_kernel import _extend_attention_kernel
+from .format_extras import format_extras
 
 LOG2E = 1.4426950408889634
 _ROWS = 64  # query rows (tokens x GQA heads) per program: one 64-row tl.dot tile
@@ -24,9 +25,7 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     -> out [N, Hq, D] in q's dtype. max_qo_len (the longest request's new tokens) sizes the grid; when None it is
     read from qo_indptr, which syncs with the device."""
     H, D, G, VG = check_layer(kv)
-    corr, corr_consts = correction_args(kv)
-    rows, rows_consts = rows_args(kv)
-    sal, sal_consts = salient_args(kv)
+    extras, extras_consts = format_extras(kv, layer_geometry(kv))
     dev = kv.ov_k.device
     check_paged(paged, dev)
     N, Hq = q.shape[0], q.shape[1]
@@ -49,18 +48,10 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     gp = triton.next_power_of_2(group)
     block_m = max(1, _ROWS // gp)
     _extend_attention_kernel[(B, triton.cdiv(max_qo_len, block_m), H)](
-        q, k_new, v_new, out, qo_indptr,
-        kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes, kv.v_scale, kv.v_zero, kv.ov_k, kv.ov_v, *corr, *rows, *sal,
-        H,
-        paged.kv_indptr, paged.kv_indices, paged.kv_last_page_len,
-        paged.ov_indptr, paged.ov_indices, paged.ov_last_page_len,
-        sm_scale * LOG2E,
+        q, k_new, v_new, out, qo_indptr, pool_args(kv), extras, page_lists(paged), H, sm_scale * LOG2E,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         out.stride(0), out.stride(1),
-        kv.k_codes.stride(0), kv.k_codes.stride(1), kv.k_scale.stride(0), kv.k_scale.stride(1),
-        kv.v_scale.stride(0), kv.v_scale.stride(1),
-        kv.ov_k.stride(0), kv.ov_k.stride(1), kv.ov_k.stride(2),
         GROUP=group, GP=gp, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, D=D, G=G, BITS=kv.bits, VG=VG,
-        DOT_FP32=dot_in_fp32(q.dtype), **corr_consts, **rows_consts, **sal_consts,
+        DOT_FP32=dot_in_fp32(q.dtype), **extras_consts,
     )
     return out

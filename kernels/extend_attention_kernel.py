@@ -3,7 +3,8 @@
 Program (b, m_block, kv_head): BLOCK_M new tokens of request b times the GQA group of kv_head, flattened to
 ROWS = BLOCK_M * GP query rows (row r = token r // GP, head r % GP), so every packed page is read once per KV head
 and token block. It attends to all of b's cached prefix (base pages dequantized in registers, then overlay frames)
-and causally to b's fresh k/v, in one online softmax.
+and causally to b's fresh k/v, in one online softmax. POOL and PAGES are argument groups (arg_groups.py),
+EXTRAS / FORMAT / SIZES the format's extras (format_extras.py).
 """
 
 import triton
@@ -14,18 +15,10 @@ from .paged_kv_kernel import _base_page_step, _dot, _frame_step, _softmax_step
 
 @triton.jit
 def _extend_attention_kernel(
-    Q, K_new, V_new, O, qo_indptr,
-    KC, KS, KZ, VC, VS, VZ, OVK, OVV, KU, KW, VU, VW, KOV, KOI, VOV, VOI, KR, VR, RO,
-    VCH, SI, SKC, SKS, SKZ, SVC, SVS, SVZ, n_heads,
-    kv_indptr, kv_indices, kv_last_page_len, ov_indptr, ov_indices, ov_last_page_len,
-    sm_scale_log2,
+    Q, K_new, V_new, O, qo_indptr, POOL, EXTRAS, PAGES, n_heads, sm_scale_log2,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    stride_kc_slot, stride_kc_head, stride_ks_page, stride_ks_head, stride_vs_slot, stride_vs_head,
-    stride_ov_frame, stride_ov_tok, stride_ov_head,
-    GROUP: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
-    RANK: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr, VG: tl.constexpr, NROWS: tl.constexpr,
-    NSAL: tl.constexpr,
+    GROUP: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+    G: tl.constexpr, BITS: tl.constexpr, VG: tl.constexpr, FORMAT: tl.constexpr, SIZES: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
@@ -49,27 +42,22 @@ def _extend_attention_kernel(
         l = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, D], tl.float32)
 
-        kv_lo = tl.load(kv_indptr + b)
-        n_base = tl.load(kv_indptr + b + 1) - kv_lo
-        last_base = tl.load(kv_last_page_len + b)
+        kv_lo = tl.load(PAGES.kv_indptr + b)
+        n_base = tl.load(PAGES.kv_indptr + b + 1) - kv_lo
+        last_base = tl.load(PAGES.kv_last_page_len + b)
         for j in range(0, n_base):
-            page = tl.load(kv_indices + kv_lo + j).to(tl.int64)
+            page = tl.load(PAGES.kv_indices + kv_lo + j).to(tl.int64)
             n_valid = tl.where(j == n_base - 1, last_base, G)
-            m, l, acc = _base_page_step(q, m, l, acc, KC, KS, KZ, VC, VS, VZ, KU, KW, VU, VW, KOV, KOI, VOV, VOI,
-                                        KR, VR, RO, VCH, SI, SKC, SKS, SKZ, SVC, SVS, SVZ, page, n_valid, kvh,
-                                        n_heads, offs_t, offs_d, stride_kc_slot, stride_kc_head, stride_ks_page,
-                                        stride_ks_head, stride_vs_slot, stride_vs_head, sm_scale_log2, G, D, BITS,
-                                        VG, RANK, NK, NV, NROWS, NSAL,
-                                        DOT_FP32)
+            m, l, acc = _base_page_step(q, m, l, acc, POOL, EXTRAS, page, n_valid, kvh, n_heads, offs_t, offs_d,
+                                        sm_scale_log2, G, D, BITS, VG, FORMAT, SIZES, DOT_FP32)
 
-        ov_lo = tl.load(ov_indptr + b)
-        n_ov = tl.load(ov_indptr + b + 1) - ov_lo
-        last_ov = tl.load(ov_last_page_len + b)
+        ov_lo = tl.load(PAGES.ov_indptr + b)
+        n_ov = tl.load(PAGES.ov_indptr + b + 1) - ov_lo
+        last_ov = tl.load(PAGES.ov_last_page_len + b)
         for j in range(0, n_ov):
-            frame = tl.load(ov_indices + ov_lo + j).to(tl.int64)
+            frame = tl.load(PAGES.ov_indices + ov_lo + j).to(tl.int64)
             n_valid = tl.where(j == n_ov - 1, last_ov, G)
-            m, l, acc = _frame_step(q, m, l, acc, OVK, OVV, frame, n_valid, kvh, offs_t, offs_d, stride_ov_frame,
-                                    stride_ov_head, stride_ov_tok, sm_scale_log2, DOT_FP32)
+            m, l, acc = _frame_step(q, m, l, acc, POOL, frame, n_valid, kvh, offs_t, offs_d, sm_scale_log2, DOT_FP32)
 
         # the new tokens, causally; keys past this block's last token are invisible to all of its rows
         offs_n = tl.arange(0, BLOCK_N)

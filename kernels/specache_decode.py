@@ -25,14 +25,17 @@ lane-major in scores [2n, Hq, T], and select_topk adds their mass one position l
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 
 from sgl_kvq.plan import LayerKV, PagedPlan
 
-from .checks import MODEL_DTYPES, check_layer, check_paged, dot_in_fp32, require
+from .arg_groups import page_lists, pool_args, split_parts
+from .checks import MODEL_DTYPES, check_layer, check_paged, dot_in_fp32, layer_geometry, require
 from .decode_attention import _MIN_TOKENS_PER_SPLIT, LOG2E, default_max_splits
+from .format_extras import format_extras
 from .merge_state import merge_state
 from .specache_decode_kernel import _specache_decode_kernel
 from .specache_mass_kernel import _head_mass_kernel
@@ -66,6 +69,19 @@ class TopK:
     v: torch.Tensor
     pos: torch.Tensor
     req: torch.Tensor
+
+
+class TopKArgs(NamedTuple):
+    """The kernel's argument group of TopK: k, v, pos, req and the strides it indexes them by."""
+    k: torch.Tensor
+    v: torch.Tensor
+    pos: torch.Tensor
+    req: torch.Tensor
+    stride_tr: int
+    stride_th: int
+    stride_tk: int
+    stride_pr: int
+    stride_ph: int
 
 
 def plan(paged: PagedPlan, *, n_lanes: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
@@ -102,7 +118,10 @@ def specache_decode(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, k
     each request's base tokens: the speculative rows' [n, Hq, T], or with follow both lanes' [2n, Hq, T].
     topk None: no prefetched rows (the pre-decode reads the context as stored)."""
     H, D, G, VG = check_layer(kv)
-    require(kv.corr is None and kv.rows is None and kv.sal is None, "SpeCache pages are plain KIVI pages")
+    extras, extras_consts = format_extras(kv, layer_geometry(kv))
+    # the kernel applies extras as decode does, but no format with extras serves SpeCache: its reference
+    # (sgl_kvq/specache/attention.py) reads plain KIVI pages
+    require(extras_consts["FORMAT"] == "", "SpeCache pages are plain KIVI pages")
     n, L = p.batch_size, p.n_lanes
     require(q.dim() == 3 and tuple(q.shape) == (L * n, p.num_qo_heads, D),
             f"q must be [{L} x {n}, Hq={p.num_qo_heads}, D={D}], got {tuple(q.shape)}")
@@ -119,8 +138,8 @@ def specache_decode(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, k
     require(q.device == kv.ov_k.device == p.num_splits.device == scores.device,
             "q, the pool, the plan and the scores are on different devices")
     if topk is None:
-        K, tk, tv, tpos, req = 1, kv.ov_k, kv.ov_v, p.base_tokens, p.base_tokens  # never read
-        t_strides = (0, 0, 0, 0, 0)
+        K = 1
+        topk_args = TopKArgs(kv.ov_k, kv.ov_v, p.base_tokens, p.base_tokens, 0, 0, 0, 0, 0)  # never read
     else:
         R, Ht, K, Dt = topk.k.shape
         require((Ht, Dt) == (H, D) and topk.v.shape == topk.k.shape and topk.v.stride() == topk.k.stride(),
@@ -128,31 +147,23 @@ def specache_decode(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, k
         require(tuple(topk.pos.shape) == (R, H, K) and topk.pos.dtype == torch.int64, "top-k pos must be [R, H, K]")
         require(topk.k.stride(-1) == 1 and topk.pos.stride(-1) == 1, "top-k buffers need a contiguous last dim")
         require(tuple(topk.req.shape) == (n,), f"top-k req must be [{n}]")
-        tk, tv, tpos, req = topk.k, topk.v, topk.pos, topk.req
-        t_strides = (tk.stride(0), tk.stride(1), tk.stride(2), tpos.stride(0), tpos.stride(1))
+        topk_args = TopKArgs(topk.k, topk.v, topk.pos, topk.req, topk.k.stride(0), topk.k.stride(1),
+                             topk.k.stride(2), topk.pos.stride(0), topk.pos.stride(1))
     require(scores.shape[2] >= 1, "scores need at least one position")
     if out is None:
         out = torch.empty_like(q)
     lse = torch.empty(L * n, p.num_qo_heads, dtype=torch.float32, device=q.device)
     group = p.num_qo_heads // H
-    pg = p.paged
     if n:
         _specache_decode_kernel[(n, H, p.max_splits + 1)](
-            q, kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes, kv.v_scale, kv.v_zero, kv.ov_k, kv.ov_v, k_own, v_own,
-            tk, tv, tpos, req,
-            pg.kv_indptr, pg.kv_indices, pg.kv_last_page_len, pg.ov_indptr, pg.ov_indices, pg.ov_last_page_len,
-            p.num_splits, p.o_partial, p.lse_partial, scores, sm_scale * LOG2E, n,
+            q, pool_args(kv), extras, k_own, v_own, topk_args, page_lists(p.paged), p.num_splits,
+            split_parts(p.o_partial, p.lse_partial), scores, sm_scale * LOG2E, n, H,
             q.stride(0), q.stride(1), k_own.stride(0), k_own.stride(1), v_own.stride(0), v_own.stride(1),
-            kv.k_codes.stride(0), kv.k_codes.stride(1), kv.k_scale.stride(0), kv.k_scale.stride(1),
-            kv.v_scale.stride(0), kv.v_scale.stride(1),
-            kv.ov_k.stride(0), kv.ov_k.stride(1), kv.ov_k.stride(2),
-            *t_strides,
-            p.o_partial.stride(0), p.o_partial.stride(1), p.o_partial.stride(2),
-            p.lse_partial.stride(0), p.lse_partial.stride(1), scores.stride(0), scores.stride(1),
+            scores.stride(0), scores.stride(1),
             GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(L * group)), D=D, G=G, BITS=kv.bits, VG=VG,
             K=K, BLOCK_K=max(16, triton.next_power_of_2(K + 1)), BLOCK_P=triton.next_power_of_2(K), NLANES=L,
-            SPEC_LANE=L - 1,
-            USE_TOPK=topk is not None, FOLLOW=follow, MAX_SPLITS=p.max_splits, DOT_FP32=dot_in_fp32(q.dtype),
+            SPEC_LANE=L - 1, USE_TOPK=topk is not None, FOLLOW=follow, MAX_SPLITS=p.max_splits,
+            DOT_FP32=dot_in_fp32(q.dtype), **extras_consts,
         )
     merge_state(p.o_partial, p.lse_partial, p.merge_splits, out=out, lse_out=lse)
     return out, lse

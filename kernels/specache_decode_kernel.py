@@ -11,55 +11,38 @@ The speculative lane's scores over the packed base (log2 units, top-k positions 
 SCORES [n_req, Hq, T] so the next top-k is selected on the device; with FOLLOW both lanes' do, lane-major
 ([NLANES * n_req, Hq, T]: the real rows' mass one position later joins the ranking, specache_mass_kernel.py).
 
-Masking can leave a base page (or a whole split) without a valid key: _masked_step keeps m = -inf instead of
-subtracting -inf from -inf, and an empty split stores lse = -inf, which merge_state weighs by 0.
+Masking can leave a base page (or a whole split) without a valid key: _softmax_step keeps m = -inf there, and an
+empty split stores lse = -inf, which merge_state weighs by 0. POOL, TOPK, PAGES and PARTS are argument groups
+(arg_groups.py, specache_decode.TopKArgs), EXTRAS / FORMAT / SIZES the format's extras (format_extras.py; the
+launcher takes plain KIVI pages, FORMAT "").
 """
 
 import triton
 import triton.language as tl
 
-from .paged_kv_kernel import _base_page_kt, _base_page_v, _dot, _frame_step
-
-
-@triton.jit
-def _masked_step(qk, valid, m, l, acc, v, DOT_FP32: tl.constexpr):
-    # _softmax_step for tiles that may have no valid key in some row: the running max stays -inf there.
-    qk = tl.where(valid, qk, float("-inf"))
-    m_new = tl.maximum(m, tl.max(qk, axis=1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m - m_use)
-    p = tl.exp2(qk - m_use[:, None])
-    l = l * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_FP32)
-    return m_new, l, acc
+from .paged_kv_kernel import _dot, _frame_step, _page_kt, _page_v, _softmax_step
 
 
 @triton.jit
 def _specache_decode_kernel(
-    Q, KC, KS, KZ, VC, VS, VZ, OVK, OVV, KOWN, VOWN, TK, TV, TPOS, REQ,
-    kv_indptr, kv_indices, kv_last_page_len, ov_indptr, ov_indices, ov_last_page_len, num_splits,
-    O_part, LSE_part, SCORES, sm_scale_log2, n_req,
-    stride_qb, stride_qh, stride_kob, stride_koh, stride_vob, stride_voh,
-    stride_kc_slot, stride_kc_head, stride_ks_page, stride_ks_head, stride_vs_slot, stride_vs_head,
-    stride_ov_frame, stride_ov_tok, stride_ov_head,
-    stride_tr, stride_th, stride_tk, stride_pr, stride_ph,
-    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_sb, stride_sh,
+    Q, POOL, EXTRAS, KOWN, VOWN, TOPK, PAGES, num_splits, PARTS, SCORES, sm_scale_log2, n_req, n_heads,
+    stride_qb, stride_qh, stride_kob, stride_koh, stride_vob, stride_voh, stride_sb, stride_sh,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
     VG: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, NLANES: tl.constexpr,
-    SPEC_LANE: tl.constexpr,
-    USE_TOPK: tl.constexpr, FOLLOW: tl.constexpr, MAX_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
+    SPEC_LANE: tl.constexpr, USE_TOPK: tl.constexpr, FOLLOW: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    FORMAT: tl.constexpr, SIZES: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ns = tl.load(num_splits + b)
     if (split < ns) | (split == MAX_SPLITS):
-        kv_lo = tl.load(kv_indptr + b)
-        n_base = tl.load(kv_indptr + b + 1) - kv_lo
-        ov_lo = tl.load(ov_indptr + b)
-        n_pages = n_base + tl.load(ov_indptr + b + 1) - ov_lo
-        last_base = tl.load(kv_last_page_len + b)
-        last_ov = tl.load(ov_last_page_len + b)
+        kv_lo = tl.load(PAGES.kv_indptr + b)
+        n_base = tl.load(PAGES.kv_indptr + b + 1) - kv_lo
+        ov_lo = tl.load(PAGES.ov_indptr + b)
+        n_pages = n_base + tl.load(PAGES.ov_indptr + b + 1) - ov_lo
+        last_base = tl.load(PAGES.kv_last_page_len + b)
+        last_ov = tl.load(PAGES.ov_last_page_len + b)
         base_tokens = tl.where(n_base > 0, (n_base - 1) * G + last_base, 0)
 
         offs_m = tl.arange(0, BLOCK_M)
@@ -79,9 +62,9 @@ def _specache_decode_kernel(
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
-        r = tl.load(REQ + b).to(tl.int64)
+        r = tl.load(TOPK.req + b).to(tl.int64)
         if USE_TOPK:
-            tpos = tl.load(TPOS + r * stride_pr + kvh * stride_ph + offs_k, mask=offs_k < K, other=-1)
+            tpos = tl.load(TOPK.pos + r * TOPK.stride_pr + kvh * TOPK.stride_ph + offs_k, mask=offs_k < K, other=-1)
             usable = (tpos >= 0) & (tpos < base_tokens)
         else:
             tpos = tl.full([BLOCK_K], -1, tl.int64)
@@ -90,9 +73,9 @@ def _specache_decode_kernel(
 
         if split == MAX_SPLITS:
             # 16-bit split: the prefetched rows (both lanes), then the speculative row's own K/V at index K
-            tk_off = r * stride_tr + kvh * stride_th + offs_k * stride_tk
-            kt = tl.load(TK + tk_off[None, :] + offs_d[:, None], mask=usable[None, :], other=0.0).to(tl.float32)
-            v = tl.load(TV + tk_off[:, None] + offs_d[None, :], mask=usable[:, None], other=0.0).to(tl.float32)
+            tk_off = r * TOPK.stride_tr + kvh * TOPK.stride_th + offs_k * TOPK.stride_tk
+            kt = tl.load(TOPK.k + tk_off[None, :] + offs_d[:, None], mask=usable[None, :], other=0.0).to(tl.float32)
+            v = tl.load(TOPK.v + tk_off[:, None] + offs_d[None, :], mask=usable[:, None], other=0.0).to(tl.float32)
             own_k = tl.load(KOWN + b * stride_kob + kvh * stride_koh + offs_d).to(tl.float32)
             own_v = tl.load(VOWN + b * stride_vob + kvh * stride_voh + offs_d).to(tl.float32)
             is_own = offs_k == K
@@ -101,7 +84,7 @@ def _specache_decode_kernel(
             qk = _dot(q, kt.to(q.dtype), DOT_FP32) * sm_scale_log2
             valid = usable[None, :] | (is_own[None, :] & spec[:, None])
             tl.store(score_row[:, None] + tpos[None, :], qk, mask=scored[:, None] & usable[None, :])
-            m, l, acc = _masked_step(qk, valid, m, l, acc, v.to(q.dtype), DOT_FP32)
+            m, l, acc = _softmax_step(qk, valid, m, l, acc, v.to(q.dtype), DOT_FP32)
             slot = 0
         else:
             per_split = tl.cdiv(n_pages, ns)
@@ -111,33 +94,32 @@ def _specache_decode_kernel(
                 # the membership test runs on every base page: over the K slots only (BLOCK_P = K padded), not the
                 # 16-bit split's K + 1 (own row), which would double it at K = 64
                 offs_p = tl.arange(0, BLOCK_P)
-                mpos = tl.load(TPOS + r * stride_pr + kvh * stride_ph + offs_p, mask=offs_p < K, other=-1)
+                mpos = tl.load(TOPK.pos + r * TOPK.stride_pr + kvh * TOPK.stride_ph + offs_p, mask=offs_p < K, other=-1)
                 mpos = tl.where((mpos >= 0) & (mpos < base_tokens), mpos, -1)
             for j in range(p_start, tl.minimum(p_end, n_base)):
-                page = tl.load(kv_indices + kv_lo + j).to(tl.int64)
+                page = tl.load(PAGES.kv_indices + kv_lo + j).to(tl.int64)
                 n_valid = tl.where(j == n_base - 1, last_base, G)
                 pos = j * G + offs_t
                 valid = offs_t < n_valid
                 if USE_TOPK:
                     replaced = tl.sum((pos[:, None] == mpos[None, :]).to(tl.int32), axis=1)
                     valid = valid & (replaced == 0)
-                kt = _base_page_kt(KC, KS, KZ, page, kvh, offs_t, offs_d, stride_kc_slot, stride_kc_head,
-                                   stride_ks_page, stride_ks_head, G, BITS)
+                kt = _page_kt(POOL, EXTRAS, page, kvh, n_heads, offs_t, offs_d, G, D, BITS, VG, FORMAT, SIZES)
                 qk = _dot(q, kt.to(q.dtype), DOT_FP32) * sm_scale_log2
                 tl.store(score_row[:, None] + pos[None, :], qk, mask=scored[:, None] & valid[None, :])
-                v = _base_page_v(VC, VS, VZ, page, kvh, offs_t, offs_d, n_valid, stride_kc_slot, stride_kc_head,
-                                 stride_vs_slot, stride_vs_head, G, BITS, VG)
-                m, l, acc = _masked_step(qk, valid[None, :], m, l, acc, v.to(q.dtype), DOT_FP32)
+                v = _page_v(POOL, EXTRAS, page, kvh, n_heads, offs_t, offs_d, n_valid, G, D, BITS, VG, FORMAT, SIZES)
+                m, l, acc = _softmax_step(qk, valid[None, :], m, l, acc, v.to(q.dtype), DOT_FP32)
             for j in range(tl.maximum(p_start, n_base), p_end):
-                frame = tl.load(ov_indices + ov_lo + j - n_base).to(tl.int64)
+                frame = tl.load(PAGES.ov_indices + ov_lo + j - n_base).to(tl.int64)
                 n_valid = tl.where(j == n_pages - 1, last_ov, G)
-                m, l, acc = _frame_step(q, m, l, acc, OVK, OVV, frame, n_valid, kvh, offs_t, offs_d, stride_ov_frame,
-                                        stride_ov_head, stride_ov_tok, sm_scale_log2, DOT_FP32)
+                m, l, acc = _frame_step(q, m, l, acc, POOL, frame, n_valid, kvh, offs_t, offs_d, sm_scale_log2,
+                                        DOT_FP32)
             slot = split + 1
 
         has = l > 0.0
         o = acc / tl.where(has, l, 1.0)[:, None]
         lse = tl.where(has, (m + tl.log2(tl.where(has, l, 1.0))) * 0.6931471805599453, float("-inf"))
-        o_off = rows[:, None] * stride_ob + heads[:, None] * stride_oh + slot * stride_os + offs_d[None, :]
-        tl.store(O_part + o_off, o, mask=mask_m[:, None])
-        tl.store(LSE_part + rows * stride_lb + heads * stride_lh + slot, lse, mask=mask_m)
+        o_off = (rows[:, None] * PARTS.stride_ob + heads[:, None] * PARTS.stride_oh + slot * PARTS.stride_os
+                 + offs_d[None, :])
+        tl.store(PARTS.o + o_off, o, mask=mask_m[:, None])
+        tl.store(PARTS.lse + rows * PARTS.stride_lb + heads * PARTS.stride_lh + slot, lse, mask=mask_m)

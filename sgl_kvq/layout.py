@@ -73,6 +73,73 @@ def frame_of(req_slot, logical_page, ring: int):
     return req_slot * ring + logical_page % ring
 
 
+Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+@dataclass(frozen=True)
+class PageGeometry:
+    """One layer's page dims: P pages of G token slots (S = P * G), H KV heads, head dim D, NG value groups."""
+    P: int
+    G: int
+    H: int
+    D: int
+    NG: int
+
+    @property
+    def S(self) -> int:
+        return self.P * self.G
+
+
+def kivi_shapes(g: PageGeometry, bits: int) -> Shapes:
+    """KIVI's base tensors of one layer (the layer dim removed), which every served format stores."""
+    Dp = packed_dim(g.D, bits)
+    return {
+        "k_codes": ((g.S, g.H, Dp), torch.uint8),
+        "k_scale": ((g.P, g.H, g.D), SCALE_DTYPE),
+        "k_zero": ((g.P, g.H, g.D), SCALE_DTYPE),
+        "v_codes": ((g.S, g.H, Dp), torch.uint8),
+        "v_scale": ((g.S, g.H, g.NG), SCALE_DTYPE),
+        "v_zero": ((g.S, g.H, g.NG), SCALE_DTYPE),
+    }
+
+
+def gear_shapes(g: PageGeometry, rank: int, nk: int, nv: int) -> Shapes:
+    """gear2 / gearl2's correction (PageCorrection's fields, in its order)."""
+    P, S, H, D, G = g.P, g.S, g.H, g.D, g.G
+    return {
+        "k_u": ((P, H, rank, G), SCALE_DTYPE), "k_w": ((P, H, rank, D), SCALE_DTYPE),
+        "v_u": ((P, H, rank, G), SCALE_DTYPE), "v_w": ((P, H, rank, D), SCALE_DTYPE),
+        "k_out_val": ((P, H, nk, D), SCALE_DTYPE), "k_out_idx": ((P, H, nk, D), torch.uint8),
+        "v_out_val": ((S, H, nv), SCALE_DTYPE), "v_out_idx": ((S, H, nv), torch.uint8),
+    }
+
+
+def logquant_shapes(g: PageGeometry, rows: int) -> Shapes:
+    """logquant2's row slots (PageRows' fields, in its order)."""
+    return {
+        "k_rows": ((g.P, rows, g.H, g.D), SCALE_DTYPE), "v_rows": ((g.P, rows, g.H, g.D), SCALE_DTYPE),
+        "row_off": ((g.P, rows), torch.uint8),
+    }
+
+
+def zipcache_shapes(g: PageGeometry, salient: int, salient_bits: int) -> Shapes:
+    """zipcache2's salient plane (SalientPlane's fields, in its order)."""
+    P, H, D, Ds = g.P, g.H, g.D, packed_dim(g.D, salient_bits)
+    return {
+        "v_chan": ((P, H, D), SCALE_DTYPE), "s_idx": ((P, H, salient), torch.uint8),
+        "s_k_codes": ((P, H, salient, Ds), torch.uint8),
+        "s_k_scale": ((P, H, D), SCALE_DTYPE), "s_k_zero": ((P, H, D), SCALE_DTYPE),
+        "s_v_codes": ((P, H, salient, Ds), torch.uint8),
+        "s_v_scale": ((P, H, salient, g.NG), SCALE_DTYPE), "s_v_zero": ((P, H, salient, g.NG), SCALE_DTYPE),
+    }
+
+
+# The tensors a format adds to each page, one layer's, from the geometry and the format's sizes: the pool allocates
+# them with the layer dim in front (PoolShape.base_shapes, sizes from the config), the kernels check a layer view
+# against them (kernels/format_extras.py, sizes read off the view) and take the sizes as constexprs.
+EXTRA_SHAPES = {"gear": gear_shapes, "logquant": logquant_shapes, "zipcache": zipcache_shapes}
+
+
 @dataclass(frozen=True)
 class PoolShape:
     layers: int
@@ -109,40 +176,28 @@ class PoolShape:
     def NV(self) -> int:
         return self.cfg.outliers_per_row(self.head_dim)
 
+    @property
+    def geometry(self) -> PageGeometry:
+        return PageGeometry(P=self.P, G=self.G, H=self.heads, D=self.head_dim, NG=self.head_dim // self.VG)
+
+    def format_sizes(self) -> tuple[str, dict[str, int]]:
+        """The format whose tensors each page carries beside KIVI's (an EXTRA_SHAPES key, "" for none) and its
+        sizes from the config."""
+        cfg = self.cfg
+        if cfg.has_correction:
+            return "gear", dict(rank=cfg.lowrank_rank, nk=self.NK, nv=self.NV)
+        if cfg.has_rows:
+            return "logquant", dict(rows=cfg.logquant_rows)
+        if cfg.is_zipcache:
+            return "zipcache", dict(salient=cfg.salient_per_page, salient_bits=cfg.salient_bits)
+        return "", {}
+
     def base_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        L, H, D, P, S, G = self.layers, self.heads, self.head_dim, self.P, self.S, self.G
-        shapes = {
-            "k_codes": ((L, S, H, self.Dp), torch.uint8),
-            "k_scale": ((L, P, H, D), SCALE_DTYPE),
-            "k_zero": ((L, P, H, D), SCALE_DTYPE),
-            "v_codes": ((L, S, H, self.Dp), torch.uint8),
-            "v_scale": ((L, S, H, D // self.VG), SCALE_DTYPE),
-            "v_zero": ((L, S, H, D // self.VG), SCALE_DTYPE),
-        }
-        if self.cfg.has_correction:
-            r = self.cfg.lowrank_rank
-            shapes.update({
-                "k_u": ((L, P, H, r, G), SCALE_DTYPE), "k_w": ((L, P, H, r, D), SCALE_DTYPE),
-                "v_u": ((L, P, H, r, G), SCALE_DTYPE), "v_w": ((L, P, H, r, D), SCALE_DTYPE),
-                "k_out_val": ((L, P, H, self.NK, D), SCALE_DTYPE), "k_out_idx": ((L, P, H, self.NK, D), torch.uint8),
-                "v_out_val": ((L, S, H, self.NV), SCALE_DTYPE), "v_out_idx": ((L, S, H, self.NV), torch.uint8),
-            })
-        if self.cfg.has_rows:
-            M = self.cfg.logquant_rows
-            shapes.update({
-                "k_rows": ((L, P, M, H, D), SCALE_DTYPE), "v_rows": ((L, P, M, H, D), SCALE_DTYPE),
-                "row_off": ((L, P, M), torch.uint8),
-            })
-        if self.cfg.is_zipcache:
-            NS, Ds, NG = self.cfg.salient_per_page, packed_dim(D, self.cfg.salient_bits), D // self.VG
-            shapes.update({
-                "v_chan": ((L, P, H, D), SCALE_DTYPE), "s_idx": ((L, P, H, NS), torch.uint8),
-                "s_k_codes": ((L, P, H, NS, Ds), torch.uint8),
-                "s_k_scale": ((L, P, H, D), SCALE_DTYPE), "s_k_zero": ((L, P, H, D), SCALE_DTYPE),
-                "s_v_codes": ((L, P, H, NS, Ds), torch.uint8),
-                "s_v_scale": ((L, P, H, NS, NG), SCALE_DTYPE), "s_v_zero": ((L, P, H, NS, NG), SCALE_DTYPE),
-            })
-        return shapes
+        shapes = kivi_shapes(self.geometry, self.cfg.bits)
+        kind, sizes = self.format_sizes()
+        if kind:
+            shapes.update(EXTRA_SHAPES[kind](self.geometry, **sizes))
+        return {name: ((self.layers, *shape), dtype) for name, (shape, dtype) in shapes.items()}
 
     def base_bytes_per_token(self) -> float:
         """Bytes the base stores per token over all layers (codes + scales/zeros), page 0 not counted."""

@@ -34,46 +34,48 @@ SCRIPT = textwrap.dedent('''
                for n in names}
         return ASTSource(fn=fn, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()})
 
-    pool = dict(KC="*u8", KS="*fp16", KZ="*fp16", VC="*u8", VS="*fp16", VZ="*fp16", OVK="*bf16", OVV="*bf16")
-    corr = dict(KU="*fp16", KW="*fp16", VU="*fp16", VW="*fp16", KOV="*fp16", KOI="*u8", VOV="*fp16", VOI="*u8")
-    rows = dict(KR="*fp16", VR="*fp16", RO="*u8")
-    sal = dict(VCH="*fp16", SI="*u8", SKC="*u8", SKS="*fp16", SKZ="*fp16", SVC="*u8", SVS="*fp16", SVZ="*fp16")
-    plan = {n: "*i32" for n in ("kv_indptr", "kv_indices", "kv_last_page_len", "ov_indptr", "ov_indices",
-                                "ov_last_page_len", "num_splits", "qo_indptr")}
+    from sgl_kvq.kernels.arg_groups import PageLists, PoolArgs, SplitParts
+    from sgl_kvq.quant.gear_page import PageCorrection
+    from sgl_kvq.quant.logquant_page import PageRows
+    from sgl_kvq.quant.zipcache_page import SalientPlane
+
+    # tuple arguments are typed by a tuple of the same kind
+    groups = dict(POOL=PoolArgs("*u8", "*fp16", "*fp16", "*u8", "*fp16", "*fp16", "*bf16", "*bf16", *["i32"] * 9),
+                  PAGES=PageLists(*["*i32"] * 6))
+    parts = dict(PARTS=SplitParts("*fp32", "*fp32", *["i32"] * 5))
+    extras = {"": (), "gear": PageCorrection(*"*fp16 *fp16 *fp16 *fp16 *fp16 *u8 *fp16 *u8".split()),
+              "logquant": PageRows("*fp16", "*fp16", "*u8"),
+              "zipcache": SalientPlane(*"*fp16 *u8 *u8 *fp16 *fp16 *u8 *fp16 *fp16".split())}
+
+    def fmt(name, sizes=()):
+        return dict(EXTRAS=extras[name]), dict(FORMAT=name, SIZES=sizes)
+
+    plan = {n: "*i32" for n in ("num_splits", "qo_indptr")}
     target = GPUTarget("cuda", 90, 32)
-    jobs = [
-        (_decode_attention_kernel, dict(Q="*bf16", O_part="*fp32", LSE_part="*fp32", **pool, **corr, **rows, **sal,
-                                        **plan),
-         dict(GROUP=4, BLOCK_H=16, D=128, G=64, BITS=1, VG=64, RANK=0, NK=0, NV=0, NROWS=0, NSAL=0, DOT_FP32=False),
-         {}),
+    jobs = []
+    decode = dict(Q="*bf16", **groups, **parts, **plan)
+    extend = dict(Q="*bf16", K_new="*bf16", V_new="*bf16", O="*bf16", **groups, **plan)
+    for kernel, ptrs, consts, (x, fc) in [
+        (_decode_attention_kernel, decode, dict(GROUP=4, BLOCK_H=16, D=128, G=64, BITS=1, VG=64), fmt("")),
         # gear2 (rank 2, one outlier per key channel and value token)
-        (_decode_attention_kernel, dict(Q="*bf16", O_part="*fp32", LSE_part="*fp32", **pool, **corr, **rows, **sal,
-                                        **plan),
-         dict(GROUP=3, BLOCK_H=16, D=64, G=64, BITS=2, VG=64, RANK=2, NK=1, NV=1, NROWS=0, NSAL=0, DOT_FP32=False),
-         {}),
-        # zipcache2 (26 salient rows of 64, SmolLM2's geometry)
-        (_decode_attention_kernel, dict(Q="*bf16", O_part="*fp32", LSE_part="*fp32", **pool, **corr, **rows, **sal,
-                                        **plan),
-         dict(GROUP=3, BLOCK_H=16, D=64, G=64, BITS=2, VG=64, RANK=0, NK=0, NV=0, NROWS=0, NSAL=26, DOT_FP32=False),
-         {}),
-        (_extend_attention_kernel, dict(Q="*bf16", K_new="*bf16", V_new="*bf16", O="*bf16", **pool, **corr,
-                                        **rows, **sal, **plan),
-         dict(GROUP=3, GP=4, BLOCK_M=16, BLOCK_N=64, D=64, G=64, BITS=2, VG=64, RANK=0, NK=0, NV=0, NROWS=0,
-              NSAL=26, DOT_FP32=False), {}),
-        (_extend_attention_kernel, dict(Q="*fp16", K_new="*fp16", V_new="*fp16", O="*fp16", **pool, **corr,
-                                        **rows, **sal, **plan),
-         dict(GROUP=3, GP=4, BLOCK_M=16, BLOCK_N=64, D=64, G=16, BITS=2, VG=32, RANK=3, NK=2, NV=3,
-              NROWS=0, NSAL=0, DOT_FP32=False),
-         {}),
+        (_decode_attention_kernel, decode, dict(GROUP=3, BLOCK_H=16, D=64, G=64, BITS=2, VG=64),
+         fmt("gear", (2, 1, 1))),
+        # zipcache2 (26 salient rows of 64 at 4 bits, SmolLM2's geometry)
+        (_decode_attention_kernel, decode, dict(GROUP=3, BLOCK_H=16, D=64, G=64, BITS=2, VG=64),
+         fmt("zipcache", (26, 4))),
+        (_extend_attention_kernel, extend, dict(GROUP=3, GP=4, BLOCK_M=16, BLOCK_N=64, D=64, G=64, BITS=2, VG=64),
+         fmt("zipcache", (26, 4))),
+        (_extend_attention_kernel, {**extend, **{n: "*fp16" for n in ("Q", "K_new", "V_new", "O")}},
+         dict(GROUP=3, GP=4, BLOCK_M=16, BLOCK_N=64, D=64, G=16, BITS=2, VG=32), fmt("gear", (3, 2, 3))),
         # logquant2 at W = 21 (8 row slots per page) and at the default W (1 slot)
-        (_decode_attention_kernel, dict(Q="*bf16", O_part="*fp32", LSE_part="*fp32", **pool, **corr, **rows, **sal,
-                                        **plan),
-         dict(GROUP=3, BLOCK_H=16, D=64, G=64, BITS=2, VG=64, RANK=0, NK=0, NV=0, NROWS=8, NSAL=0, DOT_FP32=False),
-         {}),
-        (_extend_attention_kernel, dict(Q="*bf16", K_new="*bf16", V_new="*bf16", O="*bf16", **pool, **corr,
-                                        **rows, **sal, **plan),
-         dict(GROUP=3, GP=4, BLOCK_M=16, BLOCK_N=64, D=64, G=64, BITS=2, VG=64, RANK=0, NK=0, NV=0, NROWS=1,
-              NSAL=0, DOT_FP32=False), {}),
+        (_decode_attention_kernel, decode, dict(GROUP=3, BLOCK_H=16, D=64, G=64, BITS=2, VG=64),
+         fmt("logquant", (8,))),
+        (_extend_attention_kernel, extend, dict(GROUP=3, GP=4, BLOCK_M=16, BLOCK_N=64, D=64, G=64, BITS=2, VG=64),
+         fmt("logquant", (1,))),
+    ]:
+        jobs.append((kernel, {**ptrs, **x}, {**consts, **fc, "DOT_FP32": False}, {}))
+    pool = dict(KC="*u8", KS="*fp16", KZ="*fp16", VC="*u8", VS="*fp16", VZ="*fp16", OVK="*bf16", OVV="*bf16")
+    jobs += [
         (_quantize_pages_kernel, dict(K="*bf16", V="*bf16", src_ids="*i32", dst_pages="*i32", **pool),
          dict(G=32, D=128, VG=32, BITS=4, SPECACHE_ONE_BIT=True), dict(enable_fp_fusion=False)),
         (_merge_state_kernel, dict(O_part="*fp32", LSE_part="*fp32", num_splits="*i32", O="*bf16", LSE="*fp32"),
