@@ -122,7 +122,7 @@ def test_a_kivi2_server_exports_its_pool_stats_on_metrics(tmp_path):
     from sgl_kvq.models import tiny_llama
 
     args = ["--model-path", str(tiny_llama()), "--kv-cache-dtype", "kivi2", "--dtype", "float32",
-            "--max-total-tokens", "2048", "--mem-fraction-static", "0.3", "--enable-metrics",
+            "--max-total-tokens", "4096", "--mem-fraction-static", "0.3", "--enable-metrics",
             "--decode-log-interval", "1"]
     new_tokens = 8
     with ServerProcess(args, log_path=tmp_path / "server.log") as server:
