@@ -87,4 +87,5 @@ def pytest_collection_modifyitems(config, items):
             drop.append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
-        items[:] = [item for item in items if item not in set(drop)]
+        dropped = set(drop)
+        items[:] = [item for item in items if item not in dropped]

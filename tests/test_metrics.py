@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("sglang")
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest  # noqa: E402
+from fake_scheduler import fake_scheduler  # noqa: E402
 from scrape import by_label, kvq_families, only, scrape_when, sglang_values  # noqa: E402
 
 from sgl_kvq.config import KVQConfig  # noqa: E402
@@ -28,12 +29,7 @@ SGLANG_LABELS = {"model_name": "tiny", "engine_type": "unified", "tp_rank": 0, "
 # ---- the scheduler hook, without an engine ----
 
 def fake_reporter(pool, registry, capacity: int, enabled: bool = True):
-    allocator = SimpleNamespace(get_kvcache=lambda: pool, available_size=lambda: capacity - 3)
-    scheduler = SimpleNamespace(token_to_kv_pool_allocator=allocator, max_total_num_tokens=capacity,
-                                max_running_requests=3,
-                                tree_cache=SimpleNamespace(evictable_size=lambda: 2, protected_size=lambda: 1),
-                                req_to_token_pool=SimpleNamespace(available_size=lambda: 2),
-                                running_batch=SimpleNamespace(reqs=[None]), waiting_queue=[])
+    scheduler = fake_scheduler(pool, capacity, max_running_requests=3, free_slots=2)
     collector = SimpleNamespace(labels=dict(SGLANG_LABELS), _gauge_cls=functools.partial(Gauge, registry=registry),
                                 _counter_cls=functools.partial(Counter, registry=registry))
     return SimpleNamespace(scheduler=scheduler, metrics_collector=collector if enabled else None)

@@ -249,15 +249,11 @@ def test_run_lanes_predecodes_new_requests_then_doubles_the_rows():
 def test_the_scheduler_hook_exports_the_pool_stats_of_a_specache_pool_and_a_bf16_pool():
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
+    from fake_scheduler import fake_scheduler
     from sgl_kvq.patches.observability import add_kv_pool_stats
 
     def exported(pool, capacity):
-        allocator = SimpleNamespace(get_kvcache=lambda: pool, available_size=lambda: capacity - 3)
-        scheduler = SimpleNamespace(token_to_kv_pool_allocator=allocator, max_total_num_tokens=capacity,
-                                    max_running_requests=7,
-                                    tree_cache=SimpleNamespace(evictable_size=lambda: 2, protected_size=lambda: 1),
-                                    req_to_token_pool=SimpleNamespace(available_size=lambda: 5),
-                                    running_batch=SimpleNamespace(reqs=[None]), waiting_queue=[])
+        scheduler = fake_scheduler(pool, capacity, max_running_requests=7, free_slots=5)
         state = {}
         assert add_kv_pool_stats("result", SimpleNamespace(scheduler=scheduler), state) == "result"
         live = state["kv_pool"].pop("live")
