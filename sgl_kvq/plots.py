@@ -24,6 +24,16 @@ def finite(pts):
     return sorted(p for p in pts if all(isinstance(v, (int, float)) and math.isfinite(v) for v in p))
 
 
+def ticks_at(ax, values) -> None:
+    """Major x ticks at the values the points were measured at, written plainly (1024, 0.25): on a log axis the
+    default ticks are powers (2^10) or miss the data (a 0.25-4 GiB sweep showed only 0.5, 1, 2)."""
+    import matplotlib.ticker
+
+    values = sorted(set(values))
+    ax.set_xticks(values, [f"{v:g}" for v in values])
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+
+
 def kernel_times(rows):
     """bench/kernels.py's figure: kernel time against context, one axes per model x batch, one line per variant."""
     plt = pyplot()

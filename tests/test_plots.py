@@ -4,12 +4,14 @@ the committed capacity-sweep-formats JSON, whose plot once had no legend and an 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import re
 from pathlib import Path
 
 import matplotlib
+import pytest
 
 matplotlib.use("Agg")
 
@@ -21,24 +23,58 @@ UNIT = re.compile(r"\(.+\)")  # "context (tokens)", "decode step (ms)", "tokens 
 
 
 def readable(fig, series: set[str], axes: int) -> None:
-    """`axes` axes, each with a finite data point, a legend holding every labelled line's label (and `series` among
-    them), and x and y labels that name a unit."""
+    """`axes` axes, each with a finite data point, a legend with one entry per line (every line labelled, `series`
+    among them), and x and y labels that name a unit."""
     assert fig is not None
     assert len(fig.axes) == axes, [ax.get_title() for ax in fig.axes]
     for ax in fig.axes:
         where = ax.get_title() or "axes"
         points = [(x, y) for line in ax.get_lines() for x, y in zip(line.get_xdata(), line.get_ydata())
                   if math.isfinite(float(x)) and math.isfinite(float(y))]
-        assert points or ax.patches or any(len(c.get_offsets()) for c in ax.collections), f"{where}: no data"
+        assert ax.has_data() and points, f"{where}: no data"
         legend = ax.get_legend()
         assert legend is not None, f"{where}: no legend"
-        texts = {t.get_text() for t in legend.get_texts()}
-        labels = {line.get_label() for line in ax.get_lines() if not line.get_label().startswith("_")}
-        assert labels and labels <= texts, f"{where}: legend {texts} misses {labels - texts}"
-        assert series <= texts, f"{where}: legend {texts} misses {series - texts}"
+        texts = [t.get_text() for t in legend.get_texts()]
+        labels = [line.get_label() for line in ax.get_lines()]
+        assert not [x for x in labels if x.startswith("_")], f"{where}: a line without a name in {labels}"
+        assert len(set(labels)) == len(labels), f"{where}: two lines named alike in {labels}"
+        assert sorted(texts) == sorted(labels), f"{where}: legend {texts}, lines {labels}"
+        assert series <= set(texts), f"{where}: legend {texts} misses {series - set(texts)}"
         for which, label in (("x", ax.get_xlabel()), ("y", ax.get_ylabel())):
             assert label.strip(), f"{where}: no {which} label"
             assert UNIT.search(label), f"{where}: {which} label {label!r} names no unit"
+
+
+def xticks(ax) -> list[str]:
+    fig = ax.figure
+    fig.canvas.draw()  # tick labels are laid out at draw time
+    lo, hi = sorted(ax.get_xlim())
+    return [t.get_text() for t, v in zip(ax.get_xticklabels(), ax.get_xticks()) if lo <= v <= hi]
+
+
+def test_readable_rejects_the_old_capacity_figure():
+    """The checker catches what capacity-sweep-formats-smollm2.png had: an axes without a legend, and an empty one."""
+    fig, axes = plots.pyplot().subplots(1, 2)
+    axes[0].plot([0.25, 1], [5, 5], label="kivi2")
+    for ax in axes:
+        ax.set(xlabel="KV budget (GiB)", ylabel="tokens (x bf16's)")
+    with pytest.raises(AssertionError, match="no legend"):
+        readable(fig, {"kivi2"}, axes=2)
+    axes[0].legend()
+    with pytest.raises(AssertionError, match="no data"):
+        readable(fig, {"kivi2"}, axes=2)
+    plots.pyplot().close(fig)
+
+
+def test_replot_script_draws_every_committed_png():
+    """scripts/replot_results.py knows how to redraw each PNG under bench/results/ from its JSON (and each JSON it
+    reads is committed), so a plot fix reaches every committed figure without rerunning a benchmark."""
+    script = RESULTS.parents[1] / "scripts" / "replot_results.py"
+    spec = importlib.util.spec_from_file_location("replot_results", script)
+    replot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(replot)
+    pngs = {str(p.relative_to(RESULTS)) for p in RESULTS.rglob("*.png")}
+    assert pngs == set(replot.PLOTS), f"no redraw for {pngs - set(replot.PLOTS)}; gone: {set(replot.PLOTS) - pngs}"
 
 
 # --- bench capacity ---------------------------------------------------------------------------------------------
@@ -64,6 +100,7 @@ def test_capacity_plot_both_budget_kinds(tmp_path):
     fig = bench_capacity.plot(capacity_rows(), tmp_path / "c.png")
     readable(fig, {"bf16", "kivi2", "kivi4"}, axes=2)
     assert (tmp_path / "c.png").stat().st_size > 0
+    assert xticks(fig.axes[1]) == ["0.5", "2"]  # the pinned budgets themselves
 
 
 def test_capacity_plot_draws_no_panel_for_a_kind_without_rows(tmp_path):
@@ -100,6 +137,7 @@ def test_decode_plot(tmp_path):
     fig = bench_decode.plot(decode_rows(), tmp_path / "d.png")
     readable(fig, {"bf16", "kivi2", "specache2"}, axes=4)
     assert (tmp_path / "d.png").stat().st_size > 0
+    assert all(xticks(ax) == ["1024", "2048", "4096"] for ax in fig.axes)  # the contexts run, not 2^10
 
 
 def test_decode_plot_merges_runs_and_drops_a_ratio_panel_without_ratios(tmp_path):

@@ -107,7 +107,7 @@ def plot(rows: list[dict], path: str):
     where no server reported a capacity)."""
     import matplotlib.ticker
 
-    from sgl_kvq.plots import finite, pyplot
+    from sgl_kvq.plots import finite, pyplot, ticks_at
 
     plt = pyplot()
     panels = []
@@ -127,9 +127,13 @@ def plot(rows: list[dict], path: str):
         for dtype, pts in lines.items():
             ax.plot(*zip(*pts), marker="o", label="bf16" if dtype == "auto" else dtype)
         ax.set_xscale("log")
-        ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))  # 0.2, 0.5, 1, 2, 5 GiB
-        ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
-        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        budgets = {x for pts in lines.values() for x, _ in pts}
+        if len(budgets) <= 6:  # pinned budgets: the same few values for every dtype
+            ticks_at(ax, budgets)
+        else:  # profiled budgets differ per server: round ticks
+            ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))  # 0.2, 0.5, 1, 2 GiB
+            ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("KV budget of the server (GiB)")
         ax.set_ylabel("tokens per GiB of budget (x bf16's)")
         ax.tick_params(labelleft=True)  # shared y, but each panel reads on its own

@@ -249,8 +249,9 @@ PLOT_METRICS = (  # (row key, y label, title after "batch B: ")
 
 def plot(rows: list[dict], path: str):
     """Decode ms/step (top) and output tok/s against bf16's in the same run (bottom) against context, one column per
-    batch, one line per dtype; writes `path` and returns the Figure (None, and nothing written, where no row has a step time)."""
-    from sgl_kvq.plots import finite, pyplot
+    batch, one line per dtype; writes `path` and returns the Figure (None, and nothing written, where no row has a
+    step time)."""
+    from sgl_kvq.plots import finite, pyplot, ticks_at
 
     plt = pyplot()
     batches = sorted({r["batch"] for r in rows})
@@ -262,11 +263,13 @@ def plot(rows: list[dict], path: str):
     for i, (key, ylabel, title) in enumerate(metrics):
         for j, batch in enumerate(batches):
             ax = axes[i][j]
+            contexts = set()
             for label in names:
                 pts = finite((r["context"], r.get(key)) for r in rows
                              if r["kv_cache_dtype"] == label and r["batch"] == batch)
                 if pts:
                     ax.plot(*zip(*pts), marker="o", label="bf16" if label == "auto" else label)
+                    contexts.update(c for c, _ in pts)
             if not ax.get_lines():  # no dtype has this number at this batch
                 fig.delaxes(ax)
                 continue
@@ -274,6 +277,7 @@ def plot(rows: list[dict], path: str):
                 ax.axhline(0.9, color="gray", lw=0.8, ls="--", label="0.9x bf16")
             ax.set_title(f"batch {batch}: {title}", fontsize=10)
             ax.set_xscale("log", base=2)
+            ticks_at(ax, contexts)
             ax.set_xlabel("context (tokens)")
             ax.set_ylabel(ylabel)
             ax.grid(True, which="both", alpha=0.3)
