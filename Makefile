@@ -14,7 +14,7 @@ setup:
 # --durations: the 25 slowest tests, so a CI log shows what to trim: the target is 45 minutes; run serially,
 # the suite took 68 min (1,293 tests) on the 2-core AVX2 dev machine of 2026-11-27 (its CI: 67).
 # -n: TEST_WORKERS pytest-xdist workers, each taking whole test files (--dist loadfile: a module's servers are
-# started once). Much of the suite waits on one core (the Triton interpreter, a server's scheduler, imports), so two
+# started once; tests/conftest.py keeps the conformance modules, which share their servers, on one worker). Much of the suite waits on one core (the Triton interpreter, a server's scheduler, imports), so two
 # workers on two cores overlap it; TEST_WORKERS=0 runs in this process. pytest exits 5 when it collected no tests:
 # say so, and fail.
 TEST_WORKERS ?= 2

@@ -73,11 +73,33 @@ def conformance_server(request, tmp_path_factory):
         yield dtype, server
 
 
+# The modules whose tests share session servers (conformance_server): one pytest-xdist worker runs them all, or each
+# worker would start its own SmolLM2 server per dtype.
+SHARED_SERVER_MODULES = {"test_conformance_kits.py", "test_conformance_clients.py"}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` (make test) with SHARED_SERVER_MODULES as one unit. (pytest-xdist 3.8's loadgroup marks do
+    not reach pytest 9's node ids, so the grouping is done here, in the scheduler.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "shared-servers" if Path(module).name in SHARED_SERVER_MODULES else module
+
+    return ModuleScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     """Deselect the kit tests a dtype leaves out in CI (tests/conformance.py: kit_tests(dtype)). Parametrizing over
     (dtype, kit test) pairs instead would give each pair its own server key, and pytest would stop grouping the
     kit and client tests of one dtype around its one server."""
     from conformance import kit_tests
+
 
     drop = []
     for item in items:

@@ -14,9 +14,10 @@ import urllib.request
 import pytest
 
 from sgl_kvq.launch import ServerProcess, engine_kwargs
+from multiturn import multiturn_cached_tokens
 from sgl_kvq.models import tiny_llama
 from sgl_kvq.workload import common_prefix_share
-from multiturn import multiturn_cached_tokens
+from slices import full_matrix
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -98,12 +99,15 @@ def test_pool_too_small_completes_every_request_like_an_uncontended_run(capfd):
     (another request's codes, a stale scale) derails a continuation far beyond that."""
     from contended import DETERMINISTIC, uncontended_and_contended
 
-    runs = {"auto": ("auto", {}), "kivi4": ("kivi4", {}), "kivi2": ("kivi2", {}),
-            "kivi2-paged-r0": ("kivi2", DETERMINISTIC)}
+    # CI: bf16, kivi2 and kivi2's deterministic mode (each run pair 2-5 minutes of CPU); kivi4 reads the same pages
+    # through the same code at another width (KVQ_TEST_MATRIX=all adds it)
+    runs = {"auto": ("auto", {}), "kivi2": ("kivi2", {}), "kivi2-paged-r0": ("kivi2", DETERMINISTIC)}
+    if full_matrix():
+        runs["kivi4"] = ("kivi4", {})
     free, contended = {}, {}
     for name, (dtype, env) in runs.items():
         free[name], contended[name] = uncontended_and_contended(dtype, env, capfd)
-    quantization = {name: agreement(free[name], free["auto"]) for name in ("kivi4", "kivi2")}
+    quantization = {name: agreement(free[name], free["auto"]) for name in runs if name in ("kivi4", "kivi2")}
     print("contended vs uncontended agreement:", contended, "uncontended kvq vs bf16:", quantization)
     assert contended["kivi2-paged-r0"] >= contended["auto"], contended
     for name, floor in quantization.items():
