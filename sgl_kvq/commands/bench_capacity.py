@@ -5,7 +5,12 @@ gets) or a budget pinned with KVQ_KV_CACHE_GB (equal memory for every dtype). No
 dtype picks its own max_running_requests from the budget (sgl_kvq/capacity.py). Capacity is what the server reports
 (max_total_num_tokens); the budget is what its pool was sized from, so `x bf16 per GiB` compares tokens per byte of
 budget even where a profiled budget moved between two servers. SGLang's fp8_e4m3 is tried too: where it does not
-start (the CPU engine without Intel AMX) the refusal is recorded."""
+start (the CPU engine without Intel AMX) the refusal is recorded.
+
+Capacity idle is half of it; the other half is how many requests a server runs at once when they arrive together.
+Each server also gets a burst (`--burst N`: N requests of `--burst-prompt-tokens` distinct tokens, sent at once, a
+few output tokens each), and the row records the peak of running requests its scheduler logged (every step logs:
+--decode-log-interval 1) beside max_running_requests, the limit it could have run."""
 
 from __future__ import annotations
 
@@ -27,6 +32,9 @@ def add_arguments(p) -> None:
     p.add_argument("--mem-fraction-static", default="0.03,0.05,0.1",
                    help="comma list of SGLang --mem-fraction-static values (SGLang's own sizing); '' for none")
     p.add_argument("--kv-cache-gb", default="0.25,1,4", help="comma list of pinned KV budgets in GiB; '' for none")
+    p.add_argument("--burst", type=int, default=32,
+                   help="requests sent at once to each server, whose peak of running requests is recorded; 0: none")
+    p.add_argument("--burst-prompt-tokens", type=int, default=512, help="distinct prompt tokens per burst request")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PATH", help="PNG: capacity ratio to bf16 vs KV budget, one line per dtype")
 
@@ -42,11 +50,31 @@ def label(budget: dict) -> str:
     return f"--mem-fraction-static {budget['mem_fraction_static']:g}"
 
 
-def measure(model, dtype: str, budget: dict, log_path: Path) -> dict:
-    """One server: its pool statistics, or the reason it did not start."""
+BURST_NEW_TOKENS = 4  # enough decode steps for every admitted request to show in a "Decode batch" line
+
+
+def burst(server, vocab_size: int, requests: int, prompt_tokens: int) -> None:
+    """`requests` prompts of `prompt_tokens` token ids each, all distinct (no radix hit between them), sent at once.
+    Ids are drawn above the first tenth of the vocabulary, past the special tokens."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(vocab_size // 10, vocab_size) for _ in range(prompt_tokens)] for _ in range(requests)]
+    greedy = {"temperature": 0, "max_new_tokens": BURST_NEW_TOKENS, "ignore_eos": True}
+    with ThreadPoolExecutor(requests) as pool:
+        outs = list(pool.map(lambda ids: server.post("/generate", {"input_ids": ids, "sampling_params": greedy}),
+                             prompts))
+    assert all(o["meta_info"]["completion_tokens"] == BURST_NEW_TOKENS for o in outs), "a burst request fell short"
+
+
+def measure(model, dtype: str, budget: dict, log_path: Path, burst_requests: int = 0,
+            burst_prompt_tokens: int = 512) -> dict:
+    """One server: its pool statistics (with the peak of running requests of a burst), or why it did not start."""
+    from sgl_kvq.commands.serving_stats import scheduler_log_stats
     from sgl_kvq.launch import ServerProcess, baseline_page_size
 
-    args = ["--model-path", str(model)]
+    args = ["--model-path", str(model), "--decode-log-interval", "1"]
     args += ["--page-size", str(baseline_page_size())] if not dtype.startswith(("kivi", "specache")) else []
     args += [] if dtype == "auto" else ["--kv-cache-dtype", dtype]
     env = dict(os.environ)
@@ -60,6 +88,14 @@ def measure(model, dtype: str, budget: dict, log_path: Path) -> dict:
             stats = server.kv_pool_stats()
             # The pool must really hold what it claims: a request round-trips.
             server.post("/generate", {"text": "capacity check", "sampling_params": {"max_new_tokens": 4}})
+            if burst_requests:
+                start = len(log_path.read_text(errors="replace"))
+                vocab_size = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+                burst(server, vocab_size, burst_requests, burst_prompt_tokens)
+        if burst_requests:
+            peak = scheduler_log_stats(log_path.read_text(errors="replace")[start:])["peak_running_requests"]
+            stats.update(burst_requests=burst_requests, burst_prompt_tokens=burst_prompt_tokens,
+                         peak_running_requests=peak)
         return stats
     except RuntimeError as e:
         return {"refused": startup_error(log_path) or str(e).splitlines()[0]}
@@ -88,15 +124,16 @@ def ratios(rows: list[dict]) -> None:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| budget | kv dtype | KV budget GiB | capacity tokens | max running | per-request state | x bf16 | "
-             "x bf16 per GiB |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| budget | kv dtype | KV budget GiB | capacity tokens | max running | peak running (burst) | "
+             "per-request state | x bf16 | x bf16 per GiB |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "refused" in r:
-            lines.append(f"| {r['budget_label']} | {r['kv_cache_dtype']} | - | refused: {r['refused']} | | | | |")
+            lines.append(f"| {r['budget_label']} | {r['kv_cache_dtype']} | - | refused: {r['refused']} | | | | | |")
             continue
         share = r.get("request_state_bytes", 0) / r["kv_budget_bytes"] if r.get("kv_budget_bytes") else 0
+        peak = f"{r['peak_running_requests']} of {r['burst_requests']}" if "burst_requests" in r else "-"
         lines.append(f"| {r['budget_label']} | {r['kv_cache_dtype']} | {r.get('kv_budget_bytes', 0) / 2**30:.3f} | "
-                     f"{r['capacity_tokens']:,} | {r.get('max_running_requests', '-')} | {share:.1%} | "
+                     f"{r['capacity_tokens']:,} | {r.get('max_running_requests', '-')} | {peak} | {share:.1%} | "
                      f"{r.get('x_bf16', float('nan')):.2f} | {r.get('x_bf16_per_budget', float('nan')):.2f} |")
     return "\n".join(lines)
 
@@ -163,12 +200,14 @@ def run(args) -> int:
         if dtype in refused:  # a dtype the engine refuses at one budget is refused at every budget
             row = {"refused": refused[dtype], "skipped": True}
         else:
-            row = measure(model, dtype, budget, log_dir / f"{dtype}-{i}.log")
+            row = measure(model, dtype, budget, log_dir / f"{dtype}-{i}.log", args.burst, args.burst_prompt_tokens)
             if "refused" in row:
                 refused[dtype] = row["refused"]
         row.update(kv_cache_dtype=dtype, budget=budget, budget_label=label(budget))
         rows.append(row)
-        what = row.get("refused") or f"{row['capacity_tokens']:,} tokens"
+        what = row.get("refused") or f"{row['capacity_tokens']:,} tokens" + (
+            f", {row['peak_running_requests']} of {row['burst_requests']} running at once" if "burst_requests" in row
+            else "")
         print(f"[{i}/{len(plan)}] {label(budget)} {dtype}: {what} ({time.time() - t0:.0f}s)", flush=True)
     ratios(rows)
     print(table(rows))
