@@ -302,12 +302,27 @@ def replay(base: str, turns: list[dict]) -> dict:
 
 
 def rss_growth(curve: list[tuple[float, int]], warmup_fraction: float = 0.25) -> dict:
-    """Resident memory after warm-up: the first sample past `warmup_fraction` of the run vs the last; MiB."""
+    """Resident memory after warm-up: the first sample past `warmup_fraction` of the run vs the last, and the
+    least-squares slope over every sample past it (MiB per hour): an end-minus-start difference cannot tell a slow
+    leak from allocator caches settling, a slope over three quarters of a long run can."""
     if len(curve) < 2:
-        return {"after_warmup_mib": None, "end_mib": None, "growth_mib": None}
+        return {"after_warmup_mib": None, "end_mib": None, "growth_mib": None, "slope_mib_per_hour": None}
     end_t = curve[-1][0]
-    start = next(b for t, b in curve if t >= warmup_fraction * end_t)
-    peak = max(b for t, b in curve if t >= warmup_fraction * end_t)
+    after = [(t, b) for t, b in curve if t >= warmup_fraction * end_t]
+    start, peak = after[0][1], max(b for _, b in after)
     mib = 2 ** 20
     return {"after_warmup_mib": round(start / mib, 1), "end_mib": round(curve[-1][1] / mib, 1),
-            "peak_after_warmup_mib": round(peak / mib, 1), "growth_mib": round((curve[-1][1] - start) / mib, 1)}
+            "peak_after_warmup_mib": round(peak / mib, 1), "growth_mib": round((curve[-1][1] - start) / mib, 1),
+            "slope_mib_per_hour": rss_slope_mib_per_hour(after)}
+
+
+def rss_slope_mib_per_hour(samples: list[tuple[float, int]]) -> float | None:
+    """Least-squares slope of (seconds, bytes) samples, in MiB per hour; None for fewer than two distinct times."""
+    n = len(samples)
+    mean_t = sum(t for t, _ in samples) / n
+    mean_b = sum(b for _, b in samples) / n
+    var_t = sum((t - mean_t) ** 2 for t, _ in samples)
+    if n < 2 or var_t == 0:
+        return None
+    slope = sum((t - mean_t) * (b - mean_b) for t, b in samples) / var_t  # bytes per second
+    return round(slope * 3600 / 2 ** 20, 1)
