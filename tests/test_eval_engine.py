@@ -9,11 +9,13 @@ import json
 import math
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 
 from sgl_kvq.commands import eval_agree, eval_niah
 from sgl_kvq.eval import engine_eval as ee
+from sgl_kvq.eval import needles
 
 TINY = ["--model", "tiny", "--max-total-tokens", "4096", "--max-running-requests", "4"]
 
@@ -76,21 +78,46 @@ def test_flush_tail_covers_the_overlay_ring():
 def _tiny_niah_prompts(length: int):
     from sgl_kvq import models
 
+    tok = ee.tokenizer(models.tiny_llama())
+    return tok, eval_niah.Prompts(tok, length)
+
+
+@pytest.mark.parametrize("needle", [needles.NEEDLES[0], needles.NEEDLES[4], needles.NEEDLES[8]])
+def test_niah_haystack_is_a_prefix_with_the_needle_near_depth(needle):
+    tok, prompts = _tiny_niah_prompts(512)
+    tail, sentence = prompts.tail(needle), prompts.needle(needle)
+    for depth in (0.0, 0.5, 1.0):
+        hay, at = prompts.haystack(512, depth, needle)
+        assert len(hay) + len(tail) == 512
+        assert hay[at:at + len(sentence)] == sentence
+        body = 512 - len(prompts.head) - len(tail) - len(sentence)
+        assert int(depth * body) - 200 <= at - len(prompts.head) <= int(depth * body)
+    assert needle.answer in tok.decode(sentence)
+    assert tok.decode(tail).rstrip().endswith(needle.answer_prefix)
+
+
+def test_needle_halves_split_every_kind_and_depth_evenly():
+    """Defaults are chosen on one half and reported on the other: the halves share no needle, each has two of every
+    kind, and each covers every depth over the default lengths."""
+    choose, report = needles.HALVES["choose"], needles.HALVES["report"]
+    assert not set(choose) & set(report) and set(choose) | set(report) == set(needles.NEEDLES)
+    for half in (choose, report):
+        assert Counter(n.kind for n in half) == {"digits": 2, "name": 2, "phrase": 2}
+        trials = needles.schedule(half, [1024, 2048, 4096])
+        assert len(trials) == 18 and {d for _, _, d in trials} == set(needles.DEPTHS)
+    for n in needles.NEEDLES:  # the answer is in the sentence, after the prefix the assistant turn starts with
+        assert n.sentence.startswith(n.answer_prefix) and n.answer in n.sentence[len(n.answer_prefix):]
+
+
+def test_niah_plan_single_runs_the_given_needle_at_every_depth():
     p = argparse.ArgumentParser()
     eval_niah.add_arguments(p)
-    tok = ee.tokenizer(models.tiny_llama())
-    return tok, eval_niah.Prompts(tok, p.parse_args(["--model", "tiny", "--lengths", str(length)]))
-
-
-def test_niah_haystack_is_a_prefix_with_the_needle_near_depth():
-    tok, prompts = _tiny_niah_prompts(512)
-    for depth in (0.0, 0.5, 1.0):
-        hay, at = prompts.haystack(512, depth)
-        assert len(hay) + len(prompts.tail) == 512
-        assert hay[at:at + len(prompts.needle)] == prompts.needle
-        body = 512 - len(prompts.head) - len(prompts.tail) - len(prompts.needle)
-        assert int(depth * body) - 200 <= at - len(prompts.head) <= int(depth * body)
-    assert "4817" in tok.decode(prompts.needle)
+    args = p.parse_args(["--needle-set", "single", "--lengths", "320,640", "--depths", "0.2,0.8", "--needle",
+                         "The cat is called Tibbles.", "--answer", "Tibbles", "--answer-prefix", "The cat is called"])
+    trials = eval_niah.plan(args)
+    assert [(length, depth) for _, length, depth in trials] == [(320, 0.2), (320, 0.8), (640, 0.2), (640, 0.8)]
+    assert {n.sentence for n, _, _ in trials} == {"The cat is called Tibbles."}
+    assert len(eval_niah.plan(p.parse_args(["--needle-set", "report"]))) == 18
 
 
 @pytest.mark.slow
@@ -115,18 +142,18 @@ def test_ppl_turns_read_the_cache(tmp_path):
 @pytest.mark.slow
 @pytest.mark.engine
 def test_niah_question_hits_the_cached_haystack(tmp_path):
-    res, proc = _eval(tmp_path, "niah", "--kv-cache-dtype", "kivi2", "--lengths", "320", "--depths", "0.2,0.8",
-                      "--max-new-tokens", "4")
+    res, proc = _eval(tmp_path, "niah", "--kv-cache-dtype", "kivi2", "--needle-set", "single", "--lengths", "320",
+                      "--depths", "0.2,0.8", "--max-new-tokens", "4")
     assert proc.returncode == 0, proc.stderr[-3000:]
     (r,) = res["results"]
     assert r["kv_cache_dtype"] == "kivi2" and r["kv_pool"]["base_bytes_per_token"] > 0
     assert len(r["trials"]) == 2 and 0 <= r["accuracy"] <= 1
-    prompts = _tiny_niah_prompts(320)[1]
+    prompts, needle = _tiny_niah_prompts(320)[1], needles.NEEDLES[0]  # the single set's default needle
     for t in r["trials"]:
-        assert t["prompt_tokens"] == 320
+        assert t["prompt_tokens"] == 320 and t["kind"] == "custom" and t["needle"] == needle.sentence
         # every complete page of request 1's haystack was cached: request 2 re-reads them from the pool
-        assert t["cached_tokens"] == (320 - len(prompts.tail)) // 64 * 64 > 0
-        assert t["needle_in_cache"] == (t["needle_token"] + len(prompts.needle) <= t["cached_tokens"])
+        assert t["cached_tokens"] == (320 - len(prompts.tail(needle))) // 64 * 64 > 0
+        assert t["needle_in_cache"] == (t["needle_token"] + len(prompts.needle(needle)) <= t["cached_tokens"])
         assert isinstance(t["hit"], bool) and isinstance(t["answer"], str)
 
 
