@@ -72,7 +72,7 @@ def validate(server_args, view, cfg) -> None:
     for field, what in unsupported.items():
         if getattr(view, field, None):
             raise KVQConfigError(f"sgl_kvq: {what} is not supported with --kv-cache-dtype {cfg.name} yet")
-    if getattr(view, "enable_hierarchical_cache", None) and cfg.is_specache:
+    if getattr(view, "enable_hierarchical_cache", None) and cfg.format.host_tier:
         # SpeCache keeps its own 16-bit host tier beside the pool (sgl_kvq/specache/); HiCache's host pool holds
         # the packed pages only, and evicting a page would leave its host rows behind.
         raise KVQConfigError(f"sgl_kvq: --enable-hierarchical-cache (HiCache) is not supported with {cfg.name} (it "
@@ -84,7 +84,7 @@ def validate(server_args, view, cfg) -> None:
         raise KVQConfigError(f"sgl_kvq: --hicache-mem-layout {layout} is not available for {cfg.name}'s packed host "
                              f"pool; use {' or '.join(LAYOUTS)}")
     mode = getattr(view, "disaggregation_mode", None) or "null"
-    if mode != "null" and cfg.is_specache:
+    if mode != "null" and cfg.format.host_tier:
         # SpeCache's 16-bit host tier (sgl_kvq/specache/) is not described to SGLang's KV transfer: the decode
         # side would get packed pages without the host rows its top-k lane reads.
         raise KVQConfigError(f"sgl_kvq: prefill/decode disaggregation is not supported with {cfg.name} (its "
@@ -139,7 +139,7 @@ def resolve(server_args, previous) -> None:
 
         graphs = resolving_view(server_args).cuda_graph_config
         # SpeCache's lanes hook SGLang's eager decode forward (patches/specache_lanes.py): its decode runs eagerly.
-        eager_decode = backend == "kvq_torch" or cfg.is_specache
+        eager_decode = backend == "kvq_torch" or cfg.format.host_tier
         for phase in (Phase.DECODE, Phase.PREFILL) if eager_decode else (Phase.PREFILL,):
             graphs = with_phase(graphs, phase, backend=Backend.DISABLED)
         declare_resolution(server_args, _SOURCE, cuda_graph_config=graphs)

@@ -68,7 +68,7 @@ def profile_available_bytes(orig, self, *args, **kwargs):
     if shape is not None:
         host_is_device = str(self.device).startswith("cpu")
         host_budget = None
-        if shape.cfg.is_specache and not host_is_device:
+        if shape.cfg.format.host_tier and not host_is_device:
             from sgl_kvq.specache.host_tier import available_host_bytes
 
             host_budget = int(available_host_bytes() * env.host_mem_fraction())

@@ -59,12 +59,15 @@ Overlay (fp16 tokens that override the base: the open page and the recent window
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from sgl_kvq.config import KVQConfig
 from sgl_kvq.quant.pack import packed_dim
 from sgl_kvq.quant.uniform import SCALE_DTYPE
+
+if TYPE_CHECKING:  # the config asks the format registry, whose formats declare their tensors with this module
+    from sgl_kvq.config import KVQConfig
 
 
 def frame_of(req_slot, logical_page, ring: int):
@@ -103,43 +106,6 @@ def kivi_shapes(g: PageGeometry, bits: int) -> Shapes:
     }
 
 
-def gear_shapes(g: PageGeometry, rank: int, nk: int, nv: int) -> Shapes:
-    """gear2 / gearl2's correction (PageCorrection's fields, in its order)."""
-    P, S, H, D, G = g.P, g.S, g.H, g.D, g.G
-    return {
-        "k_u": ((P, H, rank, G), SCALE_DTYPE), "k_w": ((P, H, rank, D), SCALE_DTYPE),
-        "v_u": ((P, H, rank, G), SCALE_DTYPE), "v_w": ((P, H, rank, D), SCALE_DTYPE),
-        "k_out_val": ((P, H, nk, D), SCALE_DTYPE), "k_out_idx": ((P, H, nk, D), torch.uint8),
-        "v_out_val": ((S, H, nv), SCALE_DTYPE), "v_out_idx": ((S, H, nv), torch.uint8),
-    }
-
-
-def logquant_shapes(g: PageGeometry, rows: int) -> Shapes:
-    """logquant2's row slots (PageRows' fields, in its order)."""
-    return {
-        "k_rows": ((g.P, rows, g.H, g.D), SCALE_DTYPE), "v_rows": ((g.P, rows, g.H, g.D), SCALE_DTYPE),
-        "row_off": ((g.P, rows), torch.uint8),
-    }
-
-
-def zipcache_shapes(g: PageGeometry, salient: int, salient_bits: int) -> Shapes:
-    """zipcache2's salient plane (SalientPlane's fields, in its order)."""
-    P, H, D, Ds = g.P, g.H, g.D, packed_dim(g.D, salient_bits)
-    return {
-        "v_chan": ((P, H, D), SCALE_DTYPE), "s_idx": ((P, H, salient), torch.uint8),
-        "s_k_codes": ((P, H, salient, Ds), torch.uint8),
-        "s_k_scale": ((P, H, D), SCALE_DTYPE), "s_k_zero": ((P, H, D), SCALE_DTYPE),
-        "s_v_codes": ((P, H, salient, Ds), torch.uint8),
-        "s_v_scale": ((P, H, salient, g.NG), SCALE_DTYPE), "s_v_zero": ((P, H, salient, g.NG), SCALE_DTYPE),
-    }
-
-
-# The tensors a format adds to each page, one layer's, from the geometry and the format's sizes: the pool allocates
-# them with the layer dim in front (PoolShape.base_shapes, sizes from the config), the kernels check a layer view
-# against them (kernels/format_extras.py, sizes read off the view) and take the sizes as constexprs.
-EXTRA_SHAPES = {"gear": gear_shapes, "logquant": logquant_shapes, "zipcache": zipcache_shapes}
-
-
 @dataclass(frozen=True)
 class PoolShape:
     layers: int
@@ -169,35 +135,27 @@ class PoolShape:
         return self.cfg.value_group_for(self.head_dim)
 
     @property
-    def NK(self) -> int:
-        return self.cfg.outliers_per_row(self.G)
-
-    @property
-    def NV(self) -> int:
-        return self.cfg.outliers_per_row(self.head_dim)
-
-    @property
     def geometry(self) -> PageGeometry:
         return PageGeometry(P=self.P, G=self.G, H=self.heads, D=self.head_dim, NG=self.head_dim // self.VG)
 
     def format_sizes(self) -> tuple[str, dict[str, int]]:
-        """The format whose tensors each page carries beside KIVI's (an EXTRA_SHAPES key, "" for none) and its
-        sizes from the config."""
-        cfg = self.cfg
-        if cfg.has_correction:
-            return "gear", dict(rank=cfg.lowrank_rank, nk=self.NK, nv=self.NV)
-        if cfg.has_rows:
-            return "logquant", dict(rows=cfg.logquant_rows)
-        if cfg.is_zipcache:
-            return "zipcache", dict(salient=cfg.salient_per_page, salient_bits=cfg.salient_bits)
-        return "", {}
+        """The kernels' name of the format whose tensors each page carries beside KIVI's ("" for none) and its
+        sizes from the config (sgl_kvq/formats/)."""
+        fmt = self.cfg.format
+        return fmt.kernel or "", fmt.sizes(self.cfg, self.geometry)
+
+    def extra_shapes(self) -> Shapes:
+        """The tensors the served format adds to each page, one layer's."""
+        fmt = self.cfg.format
+        return fmt.page_shapes(self.geometry, **fmt.sizes(self.cfg, self.geometry))
 
     def base_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        shapes = kivi_shapes(self.geometry, self.cfg.bits)
-        kind, sizes = self.format_sizes()
-        if kind:
-            shapes.update(EXTRA_SHAPES[kind](self.geometry, **sizes))
+        shapes = {**kivi_shapes(self.geometry, self.cfg.bits), **self.extra_shapes()}
         return {name: ((self.layers, *shape), dtype) for name, (shape, dtype) in shapes.items()}
+
+    def frame_state_shapes(self) -> Shapes:
+        """The per-request state the served format keeps with each overlay frame, allocated [L, F, ...]."""
+        return self.cfg.format.frame_shapes(self.geometry)
 
     def base_bytes_per_token(self) -> float:
         """Bytes the base stores per token over all layers (codes + scales/zeros), page 0 not counted."""
@@ -225,6 +183,19 @@ class PoolShape:
 
     def overlay_bytes_per_frame(self, model_dtype: torch.dtype) -> int:
         L, H, D = self.layers, self.heads, self.head_dim
-        score = L * self.G * H * 4 if self.cfg.is_zipcache else 0  # ov_score, fp32
-        return 2 * L * self.G * H * D * torch.empty((), dtype=model_dtype).element_size() + 16 + score
+        state = sum(L * _numel(shape) * dtype.itemsize for shape, dtype in self.frame_state_shapes().values())
+        return 2 * L * self.G * H * D * torch.empty((), dtype=model_dtype).element_size() + 16 + state
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def counts_as_value(name: str) -> bool:
+    """Whether a pool tensor is counted with the values in the pool's K/V byte split (the rest, offsets and
+    per-frame state included, count with the keys): v_*, s_v_* (a salient plane's), ov_v."""
+    return name.startswith(("v_", "s_v_", "ov_v"))
 

@@ -16,7 +16,7 @@ import torch
 from sglang.srt.mem_cache.memory_pool import KVCache
 
 from sgl_kvq.kv_store import QuantizedKVStore
-from sgl_kvq.layout import PoolShape
+from sgl_kvq.layout import PoolShape, counts_as_value
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class KVQTokenToKVPool(KVCache):
         # with the stats: which path served a workload
         self.decode_batches: collections.Counter[str] = collections.Counter()
         self.specache = None
-        if cfg.is_specache:
+        if cfg.format.host_tier:
             from sgl_kvq.specache.state import SpeCacheState
 
             self.specache = SpeCacheState(cfg, self.shape, num_req_slots, model_dtype, self.store.device)
@@ -84,18 +84,15 @@ class KVQTokenToKVPool(KVCache):
         """Device bytes of K and of V (SpeCache's host tier is not device memory: see host_bytes())."""
         s = self.store
 
-        def nbytes(prefix: str) -> int:
-            # zipcache2's salient plane: s_k_* / s_v_* with their side, the offsets (s_idx) and the saliency
-            # accumulator (ov_score, which reads keys) with K
-            extra = ["s_idx", "ov_score"] if prefix == "k_" and self.cfg.is_zipcache else []
-            frames = [] if s.frames_pooled else [f"ov_{prefix[0]}"]  # pooled frames are the codes' own bytes
-            names = [n for n in self.shape.base_shapes() if n.startswith(prefix) or n.startswith("s_" + prefix)] \
-                + frames + extra
-            return sum(getattr(s, n).numel() * getattr(s, n).element_size() for n in names)
-
-        k, v = nbytes("k_"), nbytes("v_")
-        if self.cfg.has_rows:  # LogQuant's row offsets serve K and V alike: counted with K
-            k += s.row_off.numel() * s.row_off.element_size()
+        # pooled frames are the codes' own bytes; offsets and per-frame state count with the keys
+        names = [*self.shape.base_shapes(), *([] if s.frames_pooled else ["ov_k", "ov_v"]), *s.frame_state]
+        k = v = 0
+        for n in names:
+            t = getattr(s, n)
+            if counts_as_value(n):
+                v += t.numel() * t.element_size()
+            else:
+                k += t.numel() * t.element_size()
         if self.specache is not None:
             k += self.specache.device_bytes() // 2
             v += self.specache.device_bytes() - self.specache.device_bytes() // 2
@@ -123,12 +120,7 @@ class KVQTokenToKVPool(KVCache):
             pages_quantized=int(self.store.pages_quantized),
             config={"group_size": self.cfg.group_size, "value_group": self.shape.VG, "residual": self.cfg.residual,
                     "bits": self.cfg.bits, "prefill": self.cfg.prefill,
-                    **({"gear_rank": self.cfg.lowrank_rank, "outliers_per_key_channel": self.shape.NK,
-                        "outliers_per_value_token": self.shape.NV} if self.cfg.has_correction else {}),
-                    **({"logquant_window": self.cfg.logquant_window, "logquant_rows_per_page": self.cfg.logquant_rows}
-                       if self.cfg.has_rows else {}),
-                    **({"salient_per_page": self.cfg.salient_per_page, "salient_bits": self.cfg.salient_bits}
-                       if self.cfg.is_zipcache else {})},
+                    **self.cfg.format.stats(self.cfg, self.shape.format_sizes()[1])},
         )
         if self.decode_batches:
             stats["decode_batches"] = dict(self.decode_batches)
