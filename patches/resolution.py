@@ -14,12 +14,21 @@ logger = logging.getLogger("sgl_kvq")
 _SOURCE = "sgl_kvq"
 
 
-def kvq_backend_for(device: str | None) -> str:
+def kvq_backend_for(device: str | None, cfg) -> str:
     # kvq_triton reads packed pages in fused Triton kernels on CUDA (SpeCache's two lanes included); kvq_torch is
-    # the reference and the CPU path.
+    # the reference, the CPU path and the path of a format with no kernel (Format.kernel None).
     from sgl_kvq.patches.backends import triton_backend_available
 
-    return "kvq_triton" if (device in (None, "cuda") and triton_backend_available()) else "kvq_torch"
+    triton = device in (None, "cuda") and triton_backend_available() and cfg.format.kernel is not None
+    return "kvq_triton" if triton else "kvq_torch"
+
+
+def check_backend_reads(cfg, chosen_backends: list[tuple[str, str | None]]) -> None:
+    """A format served only through the torch backend has no Triton kernel: kvq_triton refuses it now."""
+    for what, chosen in chosen_backends:
+        if chosen == "kvq_triton" and cfg.format.kernel is None:
+            raise KVQConfigError(f"sgl_kvq: {cfg.name} has no Triton kernel; --{what} kvq_triton cannot serve it, "
+                                 "use kvq_torch")
 
 
 def _check_triton_shapes(cfg, head_dim: int) -> None:
@@ -64,6 +73,8 @@ def validate(server_args, view, cfg) -> None:
         if chosen is not None and chosen not in BACKENDS:
             raise KVQConfigError(f"sgl_kvq: --{what.replace('_', '-')} {chosen} cannot read {cfg.name} KV; use "
                                  f"{' or '.join(BACKENDS)} (or leave it unset)")
+    check_backend_reads(cfg, [(what.replace("_", "-"), getattr(server_args, what, None)) for what in
+                              ("attention_backend", "prefill_attention_backend", "decode_attention_backend")])
     unsupported = {
         "speculative_algorithm": "speculative decoding",
         "enable_mixed_chunk": "--enable-mixed-chunk",
@@ -110,7 +121,7 @@ def validate(server_args, view, cfg) -> None:
     model_config = model_config_of(server_args)
     check_hf_config(model_config.hf_config, cfg)
     _check_pinned_budget(cfg, model_config, view, server_args.max_running_requests)
-    if (backend or kvq_backend_for(view.device)) == "kvq_triton":
+    if (backend or kvq_backend_for(view.device, cfg)) == "kvq_triton":
         _check_triton_shapes(cfg, model_config.head_dim)
 
 
@@ -127,7 +138,7 @@ def resolve(server_args, previous) -> None:
     if (view.disaggregation_mode or "null") == "decode" and view.disaggregation_decode_retraction_backup is None:
         decided["disaggregation_decode_retraction_backup"] = "none"  # see validate()
     if server_args.attention_backend is None:
-        decided["attention_backend"] = kvq_backend_for(view.device)
+        decided["attention_backend"] = kvq_backend_for(view.device, cfg)
     declare_resolution(server_args, _SOURCE, **decided)
     logger.info("sgl_kvq: %s with %s", cfg, decided)
     previous(server_args)
