@@ -83,11 +83,10 @@ def validate(server_args, view, cfg) -> None:
     for field, what in unsupported.items():
         if getattr(view, field, None):
             raise KVQConfigError(f"sgl_kvq: {what} is not supported with --kv-cache-dtype {cfg.name} yet")
-    if getattr(view, "enable_hierarchical_cache", None) and cfg.format.host_tier:
-        # SpeCache keeps its own 16-bit host tier beside the pool (sgl_kvq/specache/); HiCache's host pool holds
-        # the packed pages only, and evicting a page would leave its host rows behind.
-        raise KVQConfigError(f"sgl_kvq: --enable-hierarchical-cache (HiCache) is not supported with {cfg.name} (it "
-                             "keeps its own host tier); use kivi/gear/logquant/zipcache dtypes with HiCache")
+    strategy = cfg.format.strategy
+    refusal = strategy.refusal("hicache", cfg.name)
+    if getattr(view, "enable_hierarchical_cache", None) and refusal:
+        raise KVQConfigError(f"sgl_kvq: {refusal}")
     from sgl_kvq.host_pool import LAYOUTS
 
     layout = getattr(view, "hicache_mem_layout", None)
@@ -95,11 +94,9 @@ def validate(server_args, view, cfg) -> None:
         raise KVQConfigError(f"sgl_kvq: --hicache-mem-layout {layout} is not available for {cfg.name}'s packed host "
                              f"pool; use {' or '.join(LAYOUTS)}")
     mode = getattr(view, "disaggregation_mode", None) or "null"
-    if mode != "null" and cfg.format.host_tier:
-        # SpeCache's 16-bit host tier (sgl_kvq/specache/) is not described to SGLang's KV transfer: the decode
-        # side would get packed pages without the host rows its top-k lane reads.
-        raise KVQConfigError(f"sgl_kvq: prefill/decode disaggregation is not supported with {cfg.name} (its "
-                             "16-bit host tier is not sent); use a kivi/gear/logquant/zipcache dtype")
+    refusal = strategy.refusal("disaggregation", cfg.name)
+    if mode != "null" and refusal:
+        raise KVQConfigError(f"sgl_kvq: {refusal}")
     if mode == "decode" and getattr(view, "disaggregation_decode_enable_radix_cache", None):
         # The prefill side then sends only the pages past the decode side's cached prefix; the frames of window
         # pages inside that prefix are not handled (and not tested).
@@ -150,7 +147,7 @@ def resolve(server_args, previous) -> None:
 
         graphs = resolving_view(server_args).cuda_graph_config
         # SpeCache's lanes hook SGLang's eager decode forward (patches/specache_lanes.py): its decode runs eagerly.
-        eager_decode = backend == "kvq_torch" or cfg.format.host_tier
+        eager_decode = backend == "kvq_torch" or cfg.format.strategy.eager_decode
         for phase in (Phase.DECODE, Phase.PREFILL) if eager_decode else (Phase.PREFILL,):
             graphs = with_phase(graphs, phase, backend=Backend.DISABLED)
         declare_resolution(server_args, _SOURCE, cuda_graph_config=graphs)

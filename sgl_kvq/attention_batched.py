@@ -127,8 +127,21 @@ def unpacked_codes(codes: torch.Tensor, slot_rows: torch.Tensor, bits: int) -> t
 
 
 def context(kv: LayerKV, ctx: BatchedContext, ws: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The batch's keys and values in the padded layout, k, v [H, B, T, D] fp32: base tokens dequantized, overlay
-    tokens copied, zeros at padding; in ws's buffers when given (valid until the next call)."""
+    """The batch's keys and values in the padded layout, k, v [H, B, T, D] fp32: base tokens read as the format
+    reads them (Format.read_padded), overlay tokens copied, zeros at padding; in ws's buffers when given (valid
+    until the next call)."""
+    G, H, D = kv.G, kv.ov_k.shape[2], kv.ov_k.shape[3]
+    B, units = ctx.pages.shape
+    k, v = of_extras(kv.extras).read_padded(kv, ctx, ws)
+    if ctx.ov_dst.numel():
+        for dst, ov in ((k, kv.ov_k), (v, kv.ov_v)):
+            dst.index_copy_(1, ctx.ov_dst, _rows(ov.reshape(-1, H, D), ctx.ov_head_rows, H).float())
+    return k.view(H, B, units * G, D), v.view(H, B, units * G, D)
+
+
+def kivi_padded(kv: LayerKV, ctx: BatchedContext, ws: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """KIVI's base of the batch's pages in the padded layout k, v [H, B * U * G, D] fp32, zeros outside base
+    positions (Format.read_padded's default)."""
     G, H, D = kv.G, kv.ov_k.shape[2], kv.ov_k.shape[3]
     B, units = ctx.pages.shape
     kc, vc = (unpacked_codes(c, ctx.slot_rows, kv.bits) for c in (kv.k_codes, kv.v_codes))
@@ -149,11 +162,7 @@ def context(kv: LayerKV, ctx: BatchedContext, ws: Workspace | None = None) -> tu
     vz = _rows(kv.v_zero, ctx.slot_rows, H).float().masked_fill_(off, 0)[..., None]
     v = vc.float() if ws is None else ws.take("v", vc.shape, vc.device).copy_(vc)
     v.view(H, B * units * G, vs.shape[2], -1).mul_(vs).add_(vz)
-    of_extras(kv.extras).correct_padded(k.view(H, B, units, G, D), v.view(H, B, units, G, D), kv.extras, ctx)
-    if ctx.ov_dst.numel():
-        for dst, ov in ((k, kv.ov_k), (v, kv.ov_v)):
-            dst.index_copy_(1, ctx.ov_dst, _rows(ov.reshape(-1, H, D), ctx.ov_head_rows, H).float())
-    return k.view(H, B, units * G, D), v.view(H, B, units * G, D)
+    return k, v.view(H, B * units * G, D)
 
 
 def decode(q: torch.Tensor, kv: LayerKV, ctx: BatchedContext, sm_scale: float,

@@ -199,5 +199,6 @@ class QuantizedKVStore:
         if self.format.extras is not None:
             extras = self.format.extras(*(getattr(self, n)[layer] for n in self.extra_names))
         return LayerKV(self.k_codes[layer], self.k_scale[layer], self.k_zero[layer], self.v_codes[layer],
-                       self.v_scale[layer], self.v_zero[layer], self.ov_k[layer], self.ov_v[layer], self.cfg.bits,
+                       self.v_scale[layer], self.v_zero[layer], self.ov_k[layer], self.ov_v[layer],
+                       self.format.code_bits(self.cfg.bits),
                        extras)

@@ -128,7 +128,7 @@ class PoolShape:
 
     @property
     def Dp(self) -> int:
-        return packed_dim(self.head_dim, self.cfg.bits)
+        return packed_dim(self.head_dim, self.cfg.format.code_bits(self.cfg.bits))
 
     @property
     def VG(self) -> int:
@@ -150,7 +150,7 @@ class PoolShape:
         return fmt.page_shapes(self.geometry, **fmt.sizes(self.cfg, self.geometry))
 
     def base_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        shapes = {**kivi_shapes(self.geometry, self.cfg.bits), **self.extra_shapes()}
+        shapes = {**self.cfg.format.base_shapes(self.geometry, self.cfg.bits), **self.extra_shapes()}
         return {name: ((self.layers, *shape), dtype) for name, (shape, dtype) in shapes.items()}
 
     def frame_state_shapes(self) -> Shapes:

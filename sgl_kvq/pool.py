@@ -60,14 +60,8 @@ class KVQTokenToKVPool(KVCache):
         # Decode batches per kvq_torch decode path ("pages" / "padded"; sgl_kvq/backends/torch_backend.py), exported
         # with the stats: which path served a workload
         self.decode_batches: collections.Counter[str] = collections.Counter()
-        self.specache = None
-        if cfg.format.host_tier:
-            from sgl_kvq.specache.state import SpeCacheState
-
-            self.specache = SpeCacheState(cfg, self.shape, num_req_slots, model_dtype, self.store.device)
-            logger.info("sgl_kvq %s host tier: %.2f GiB (%d B/token), top-k buffers %.1f MB", cfg.name,
-                        self.specache.host.nbytes() / 2**30, self.specache.host_bytes_per_token,
-                        self.specache.device_bytes() / 2**20)
+        # the decode strategy's per-pool state (SpeCache's host tier and top-k rows; None for the pool alone)
+        self.specache = cfg.format.strategy.state(cfg, self.shape, num_req_slots, model_dtype, self.store.device)
         self._finalize_allocation_log(size)
         if frames_pooled:
             k = shape.pages_per_frame(model_dtype)

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
 
-from sgl_kvq.layout import PageGeometry, Shapes
+from sgl_kvq.formats.strategy import POOL_ONLY, DecodeStrategy
+from sgl_kvq.layout import PageGeometry, Shapes, kivi_shapes
 from sgl_kvq.quant import kivi_page
 
 if TYPE_CHECKING:
@@ -45,9 +46,8 @@ class Format:
     # Whether kvq_torch's decode may read its pages with the C kernel or the page-by-page torch path, which know
     # KIVI's codes, scales and zeros only.
     plain_pages: bool = True
-    # Whether every token's 16-bit K/V is also kept in a host tier of the format's own (SpeCache): host bytes per
-    # token in the sizing, no HiCache and no prefill/decode transfer (neither carries that tier), eager decode.
-    host_tier: bool = False
+    # How decode reads the KV (formats/strategy.py): the pool alone, or SpeCache's host tier and lanes.
+    strategy: DecodeStrategy = POOL_ONLY
 
     # ---- names and knobs ----
     def dtype_names(self) -> tuple[str, ...]:
@@ -64,7 +64,19 @@ class Format:
     def check(self, cfg: KVQConfig) -> None:
         """Refuse a config this format cannot serve (run when it is the one served)."""
 
-    # ---- what a page and a frame add ----
+    # ---- what a page and a frame hold ----
+    def code_bits(self, bits: int) -> int:
+        """The width of the base's packed codes (LayerKV.bits) for dtype width `bits`: the same for KIVI; a
+        format storing part of its width elsewhere (a second code plane in its extras) says how much is base."""
+        return bits
+
+    def base_shapes(self, g: PageGeometry, bits: int) -> Shapes:
+        """The base tensors every page holds, one layer's: KIVI's codes, scales and zeros, which the kernels, the
+        pooled frames (a frame is k pages' code bytes) and the quantize kernel read. A format that is not KIVI's
+        base (served through kvq_torch only, Format.kernel None) declares its own here and reads them in correct /
+        correct_padded from LayerKV.extras."""
+        return kivi_shapes(g, self.code_bits(bits))
+
     def sizes(self, cfg: KVQConfig, g: PageGeometry) -> dict[str, int]:
         """page_shapes' keyword sizes from the config."""
         return {}
@@ -91,7 +103,8 @@ class Format:
     def pack(self, cfg: KVQConfig, value_group: int, k: torch.Tensor, v: torch.Tensor, w: PageWrite,
              tables: dict) -> tuple[kivi_page.PackedPages, tuple | None]:
         """Complete pages k, v [N, G, H, D] -> (KIVI's packed base, the extras in the pages' form or None)."""
-        return kivi_page.pack_pages(k, v, cfg.bits, value_group, specache_one_bit=cfg.specache_one_bit), None
+        return kivi_page.pack_pages(k, v, self.code_bits(cfg.bits), value_group,
+                                    specache_one_bit=cfg.specache_one_bit), None
 
     def kernel_extras(self, pages: torch.Tensor, lpages: torch.Tensor | None,
                       pages_kv: Callable[[], tuple[torch.Tensor, torch.Tensor]], tables: dict) -> tuple | None:
@@ -115,6 +128,29 @@ class Format:
         return None
 
     # ---- reads ----
+    def read_pages(self, kv, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference read of pool pages `pages` [N] of layer view kv -> k, v [N, G, H, D] fp32: KIVI's base
+        dequantized, then the format's correction."""
+        G, H, D = kv.G, kv.ov_k.shape[2], kv.ov_k.shape[3]
+        n = pages.numel()
+        slots = (pages[:, None] * G + torch.arange(G, device=pages.device)).reshape(-1)
+        k_codes = kv.k_codes[slots].view(n, G, H, kv.k_codes.shape[-1])
+        k = kivi_page.dequantize_keys(k_codes, kv.k_scale[pages], kv.k_zero[pages], kv.bits)
+        v = kivi_page.dequantize_values(kv.v_codes[slots], kv.v_scale[slots], kv.v_zero[slots], kv.bits)
+        return self.correct(k, v.view(n, G, H, D), kv.extras, pages)
+
+    def read_padded(self, kv, ctx, ws) -> tuple[torch.Tensor, torch.Tensor]:
+        """kvq_torch's batched decode read: the batch's base pages in the padded layout k, v [H, B * U * G, D]
+        fp32 (attention_batched.BatchedContext ctx; zeros outside base positions; in ws's buffers when given):
+        KIVI's base dequantized, then the format's correction."""
+        from sgl_kvq.attention_batched import kivi_padded  # attention_batched asks the registry: import at use
+
+        k, v = kivi_padded(kv, ctx, ws)
+        B, U = ctx.pages.shape
+        H, D = k.shape[0], k.shape[-1]
+        self.correct_padded(k.view(H, B, U, kv.G, D), v.view(H, B, U, kv.G, D), kv.extras, ctx)
+        return k, v
+
     def correct(self, k: torch.Tensor, v: torch.Tensor, extras: tuple | None,
                 pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The reference read: pool pages `pages` [N] dequantized from KIVI's base, k, v [N, G, H, D] fp32 -> what
