@@ -13,7 +13,9 @@ Base (complete pages, immutable once quantized; shared by the radix tree):
     v_scale  [L, S, H, D // VG] fp16    per token, per group of VG channels
     v_zero   [L, S, H, D // VG] fp16
   with P = num_pages + 1 (page 0 included) and S = P * G token slots.
-  gear2 / gearl2 pages also carry their correction (sgl_kvq/quant/gear_page.py; r = cfg.gear_rank, NK / NV =
+  Each format declares what its pages add beside these (Format.page_shapes, sgl_kvq/formats/<family>.py; the pool
+  allocates them with the layer dim in front). Today's:
+  gear2 / gearl2 pages also carry their correction (formats/gear.py; r = cfg.gear_rank, NK / NV =
   outliers per key channel / value token, 0 for gearl2):
     k_u, v_u  [L, P, H, r, G]   fp16    low-rank factor over the page's tokens
     k_w, v_w  [L, P, H, r, D]   fp16    ... over channels: correction = u^T @ w
@@ -21,11 +23,11 @@ Base (complete pages, immutable once quantized; shared by the radix tree):
     k_out_idx [L, P, H, NK, D]  uint8   their token offsets
     v_out_val [L, S, H, NV]     fp16    value token's outliers over its channels
     v_out_idx [L, S, H, NV]     uint8   their channels
-  logquant2 pages also carry M = cfg.logquant_rows fp16 row slots (sgl_kvq/quant/logquant_page.py): the page's
+  logquant2 pages also carry M = logquant.rows_per_page(cfg) fp16 row slots (formats/logquant.py): the page's
   positions LogQuant's rule keeps when the page leaves the fp16 window, read instead of their codes:
     k_rows, v_rows [L, P, M, H, D] fp16    the tokens' K and V
     row_off   [L, P, M]         uint8   their in-page offsets, 255 for an empty slot
-  zipcache2 pages carry their salient plane (sgl_kvq/quant/zipcache_page.py; NS = cfg.salient_per_page salient
+  zipcache2 pages carry their salient plane (formats/zipcache.py; NS = zipcache.salient_per_page(cfg) salient
   tokens per page and KV head, Ds = D * 4 // 8; values are stored as V / c and read back times c):
     v_chan    [L, P, H, D]      fp16    c = sqrt(max_t |V|) per channel over the page
     s_idx     [L, P, H, NS]     uint8   the salient tokens' offsets in the page (their base codes are unused)
@@ -46,7 +48,7 @@ Overlay (fp16 tokens that override the base: the open page and the recent window
     static  a separate region of F = request slots * ring frames; slot r owns frame_of(r, n, ring) = r*ring + n%ring.
     ov_tag   [F]                int64   pool page whose tokens the frame holds (-1: empty)
     ov_gen   [F]                int64   that page's generation when the frame was written
-    ov_score [L, F, G, H]       fp32    zipcache2 only: attention each frame token has received from its page's
+    ov_score [L, F, G, H]       fp32    zipcache2's per-frame state (Format.frame_shapes): attention each frame token has received from its page's
                                         queries so far (the saliency accumulator, reset when offset 0 is written)
     page_gen [P]                int64   bumped whenever offset 0 of a page is written, i.e. when a freed page is
                                         reused: SGLang never tells the pool about frees, so a frame is valid only
