@@ -61,7 +61,8 @@ class KVQTokenToKVPool(KVCache):
         # with the stats: which path served a workload
         self.decode_batches: collections.Counter[str] = collections.Counter()
         # the decode strategy's per-pool state (SpeCache's host tier and top-k rows; None for the pool alone)
-        self.specache = cfg.format.strategy.state(cfg, self.shape, num_req_slots, model_dtype, self.store.device)
+        self.strategy = cfg.format.strategy
+        self.specache = self.strategy.state(cfg, self.shape, num_req_slots, model_dtype, self.store.device)
         self._finalize_allocation_log(size)
         if frames_pooled:
             k = shape.pages_per_frame(model_dtype)
@@ -87,13 +88,11 @@ class KVQTokenToKVPool(KVCache):
                 v += t.numel() * t.element_size()
             else:
                 k += t.numel() * t.element_size()
-        if self.specache is not None:
-            k += self.specache.device_bytes() // 2
-            v += self.specache.device_bytes() - self.specache.device_bytes() // 2
-        return k, v
+        state = self.strategy.device_bytes(self.specache)
+        return k + state // 2, v + state - state // 2
 
     def host_bytes(self) -> int:
-        return 0 if self.specache is None else self.specache.host.nbytes()
+        return self.strategy.host_bytes(self.specache)
 
     def stats(self, capacity_tokens: int) -> dict:
         """The live pool's measured bytes (SGLang's /get_server_info internal_states[0]["kv_pool"]): kv_cache_stats
@@ -121,16 +120,13 @@ class KVQTokenToKVPool(KVCache):
         host = getattr(self, "hicache_host", None)  # HiCache's host tier (patches/hicache.py)
         if host is not None:
             stats.update(hicache_host_tokens=host.size, hicache_host_bytes=host.nbytes(), hicache_layout=host.layout)
-        if self.specache is not None:
-            stats["specache"] = self.specache.stats()
-            stats["host_bytes"] = self.host_bytes()
-            stats["host_bytes_per_token"] = self.host_bytes() / max(capacity_tokens, 1)
+        stats.update(self.strategy.stats(self.specache, capacity_tokens))
         return stats
 
     def request_state_bytes(self) -> int:
         """The per-request fp16 state the pool allocated beyond its pages: static overlay frames (pooled ones are
         pages), and SpeCache's top-k buffers."""
-        return self.store.overlay_bytes() + (0 if self.specache is None else self.specache.device_bytes())
+        return self.store.overlay_bytes() + self.strategy.device_bytes(self.specache)
 
     def get_v_head_dim(self):
         return self.v_head_dim

@@ -35,6 +35,18 @@ class DecodeStrategy:
         """The per-pool runtime state (KVQTokenToKVPool.specache), or None."""
         return None
 
+    def device_bytes(self, state) -> int:
+        """Device bytes of that state (counted half with K, half with V in the pool's byte split)."""
+        return 0
+
+    def host_bytes(self, state) -> int:
+        """Host bytes of that state."""
+        return 0
+
+    def stats(self, state, capacity_tokens: int) -> dict:
+        """The state's entries in the pool's stats."""
+        return {}
+
     def backend(self, name: str):
         """The attention backend class serving `name` ("kvq_torch", "kvq_triton")."""
         if name == "kvq_torch":

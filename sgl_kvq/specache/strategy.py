@@ -57,6 +57,16 @@ class SpeCacheStrategy(DecodeStrategy):
                     state.host.nbytes() / 2**30, state.host_bytes_per_token, state.device_bytes() / 2**20)
         return state
 
+    def device_bytes(self, state) -> int:
+        return state.device_bytes()
+
+    def host_bytes(self, state) -> int:
+        return state.host.nbytes()
+
+    def stats(self, state, capacity_tokens: int) -> dict:
+        host = self.host_bytes(state)
+        return {"specache": state.stats(), "host_bytes": host, "host_bytes_per_token": host / max(capacity_tokens, 1)}
+
     def backend(self, name: str):
         if name == "kvq_torch":
             from sgl_kvq.backends.specache_backend import KVQSpeCacheBackend
