@@ -5,6 +5,8 @@ the format declares."""
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -161,3 +163,25 @@ def test_a_format_without_a_kernel_is_refused_by_kvq_triton():
         check_backend_reads(cfg, [("attention-backend", "kvq_triton")])
     check_backend_reads(cfg, [("attention-backend", "kvq_torch"), ("decode-attention-backend", None)])
     assert kvq_backend_for("cuda", cfg) == "kvq_torch"
+
+
+# ---- nothing outside sgl_kvq/formats/ asks which format it is ----
+
+_IDENTITY = re.compile(r"cfg\.method\b|\.method\s*(==|!=|in\b)|is_specache|is_zipcache|has_correction|has_rows")
+_TOOLING = ("commands", "eval")
+
+
+def test_no_product_code_tests_a_formats_identity():
+    """The product (the package less its tooling, kernels/, patches/) asks the format's declaration, never its
+    name; sgl_kvq/formats/ is where the formats are named."""
+    root = Path(__file__).resolve().parents[1]
+    files = [*(root / "sgl_kvq").rglob("*.py"), *(root / "kernels").rglob("*.py"), *(root / "patches").rglob("*.py")]
+    hits = []
+    for f in files:
+        rel = f.relative_to(root)
+        if rel.parts[:2] in {("sgl_kvq", "formats"), *(("sgl_kvq", t) for t in _TOOLING)} or "__pycache__" in rel.parts:
+            continue
+        for i, line in enumerate(f.read_text().splitlines(), 1):
+            if _IDENTITY.search(line):
+                hits.append(f"{rel}:{i}: {line.strip()}")
+    assert hits == []
