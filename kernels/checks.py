@@ -2,7 +2,7 @@
 tensors as layout.kivi_shapes declares them (k_codes, v_codes [S, H, Dp] uint8; k_scale, k_zero [P, H, D] and
 v_scale, v_zero [S, H, D // VG] fp16) and the overlay frames ov_k, ov_v [F, G, H, D] in the model dtype. Kernels index
 their dims 0 and 1 through strides and assume the last dim is contiguous. A format's extras are checked by
-format_extras.py against the shapes layout.EXTRA_SHAPES declares.
+format_extras.py against the shapes the format declares (sgl_kvq/formats/).
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from sgl_kvq.formats.registry import of_extras
 from sgl_kvq.plan import LayerKV, PagedPlan
 from sgl_kvq.quant.pack import packed_dim
 from sgl_kvq.quant.uniform import SCALE_DTYPE
@@ -113,9 +114,9 @@ def unavailable_reason() -> str | None:
 
 
 def supports(kv: LayerKV) -> bool:
-    """Formats whose base is codes, scales and zeros only, on a CPU; GEAR's corrections, LogQuant's rows and
-    ZipCache's salient planes change the dequantized K/V and stay on the torch paths."""
-    return kv.corr is None and kv.rows is None and kv.sal is None and kv.ov_k.device.type == "cpu"
+    """Formats whose base is codes, scales and zeros only (Format.plain_pages), on a CPU; a format whose extras
+    change the dequantized K/V stays on the torch paths."""
+    return of_extras(kv.extras).plain_pages and kv.ov_k.device.type == "cpu"
 
 
 def _require(cond: bool, msg: str) -> None:

@@ -4,14 +4,15 @@ decode, extend and SpeCache launchers.
     extras, consts = format_extras(kv, geometry)
     kernel[grid](..., extras, ..., **consts)        # consts: FORMAT (str) and SIZES (tuple of ints), constexprs
 
-`extras` is the view's page tensors of its format (a NamedTuple: PageCorrection, PageRows, SalientPlane; () for
-plain KIVI pages). They are checked against the shapes sgl_kvq/layout.py declares for the format (EXTRA_SHAPES, the
-declaration PoolShape.base_shapes allocates from), with the format's sizes read off the view. FORMAT selects the
-format's in-register correction in format_extras_kernel.py; SIZES are its sizes in EXTRA_SHAPES' keyword order.
-The jitted code indexes every extra tensor by its contiguous shape.
+`extras` is the view's page tensors of its format (LayerKV.extras, the format's NamedTuple: PageCorrection,
+PageRows, SalientPlane; () for plain KIVI pages). They are checked against the shapes the format declares
+(Format.page_shapes, the declaration PoolShape.base_shapes allocates from), with the format's sizes read off the
+view. FORMAT (Format.kernel) selects the format's in-register correction in format_extras_kernel.py; SIZES are its
+sizes in page_shapes' keyword order. The jitted code indexes every extra tensor by its contiguous shape.
 
-A format adds: its tensors to layout.EXTRA_SHAPES, a row in FORMATS below (which LayerKV field holds them, how
-its sizes are read off them), and its jitted correction, a branch of format_extras_kernel.py.
+A format with a kernel adds: a row in FORMATS below (how its sizes are read off its tensors, with their bounds)
+and its jitted correction, a branch of format_extras_kernel.py. A format whose Format.kernel is None has no
+kernel: format_extras refuses its views.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
-from sgl_kvq.layout import EXTRA_SHAPES, PageGeometry
+from sgl_kvq.formats.registry import of_extras
+from sgl_kvq.layout import PageGeometry
 from sgl_kvq.plan import LayerKV
 from sgl_kvq.quant.zipcache_page import SALIENT_BITS
 
@@ -47,8 +49,8 @@ def _zipcache_sizes(s: NamedTuple, g: PageGeometry) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class KernelFormat:
-    field: str  # the LayerKV field holding the format's page tensors
-    sizes: Callable[[NamedTuple, PageGeometry], dict[str, int]]  # EXTRA_SHAPES' keywords, read off those tensors
+    label: str  # what the layout-check errors call its tensors (corr.k_w, rows.row_off, ...)
+    sizes: Callable[[NamedTuple, PageGeometry], dict[str, int]]  # page_shapes' keywords, read off its tensors
 
 
 FORMATS = {
@@ -61,20 +63,18 @@ FORMATS = {
 def format_extras(kv: LayerKV, g: PageGeometry) -> tuple[tuple, dict]:
     """-> (the view's extra tensors, dict(FORMAT=..., SIZES=...)) after checking them against the layout; an empty
     extra tensor (gearl2's outliers) is passed as k_scale, never read, so that no pointer is null."""
-    present = [name for name, f in FORMATS.items() if getattr(kv, f.field) is not None]
-    require(len(present) <= 1, f"a layer view carries one format's extras, got {present}")
-    if not present:
+    fmt = of_extras(kv.extras)
+    require(fmt.kernel is not None, f"{fmt.family} has no Triton kernel: serve it with kvq_torch")
+    if kv.extras is None:
         return (), dict(FORMAT="", SIZES=())
-    name = present[0]
-    field = FORMATS[name].field
-    tensors = getattr(kv, field)
-    sizes = FORMATS[name].sizes(tensors, g)
-    want = EXTRA_SHAPES[name](g, **sizes)
+    tensors = kv.extras
+    label, sizes = FORMATS[fmt.kernel].label, FORMATS[fmt.kernel].sizes(tensors, g)
+    want = fmt.page_shapes(g, **sizes)
     for n, (shape, dtype) in want.items():
         t = getattr(tensors, n)
         require(tuple(t.shape) == shape and t.dtype == dtype,
-                f"{field}.{n}: got {tuple(t.shape)} {t.dtype}, layout says {shape} {dtype}")
+                f"{label}.{n}: got {tuple(t.shape)} {t.dtype}, layout says {shape} {dtype}")
         require(t.is_contiguous() and t.device == kv.ov_k.device,
-                f"{field}.{n} must be contiguous on the pool's device")
+                f"{label}.{n} must be contiguous on the pool's device")
     stand_ins = {n: kv.k_scale for n in want if getattr(tensors, n).numel() == 0}
-    return tensors._replace(**stand_ins), dict(FORMAT=name, SIZES=tuple(sizes.values()))
+    return tensors._replace(**stand_ins), dict(FORMAT=fmt.kernel, SIZES=tuple(sizes.values()))

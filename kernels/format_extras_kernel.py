@@ -1,10 +1,10 @@
 """Jitted format extras: what a format adds to KIVI's page, applied in registers to the dequantized base page
 (K^T [D, G] before the scores, V [G, D] before p @ V), selected by the FORMAT constexpr.
 
-EXTRAS is the format's page tensors (a named tuple, format_extras.py: checked contiguous in layout.EXTRA_SHAPES),
-SIZES its sizes in EXTRA_SHAPES' keyword order. Each format's correction is one jitted function per operand, in
-<format>_extras_kernel.py, with the signature of _apply_extras_k / _apply_extras_v less FORMAT. With FORMAT "" (plain
-KIVI pages) both are the identity and EXTRAS is ().
+EXTRAS is the format's page tensors (a named tuple, format_extras.py: checked contiguous in the shapes its format
+declares), SIZES its sizes in Format.page_shapes' keyword order. Each format's correction is one jitted function per
+operand, in <format>_extras_kernel.py, with the signature of _apply_extras_k / _apply_extras_v less FORMAT. With
+FORMAT "" (plain KIVI pages) both are the identity and EXTRAS is ().
 """
 
 import triton

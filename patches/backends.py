@@ -14,22 +14,19 @@ def register() -> None:
 
     @register_attention_backend("kvq_torch")
     def create_kvq_torch_backend(runner):
-        if getattr(runner.token_to_kv_pool, "specache", None) is not None:
-            from sgl_kvq.backends.specache_backend import KVQSpeCacheBackend
-
-            return KVQSpeCacheBackend(runner)
-        from sgl_kvq.backends.torch_backend import KVQTorchBackend
-
-        return KVQTorchBackend(runner)
+        return _strategy(runner).backend("kvq_torch")(runner)
 
     if triton_backend_available():
 
         @register_attention_backend("kvq_triton")
         def create_kvq_triton_backend(runner):
-            if getattr(runner.token_to_kv_pool, "specache", None) is not None:
-                from sgl_kvq.backends.specache_triton_backend import KVQSpeCacheTritonBackend
+            return _strategy(runner).backend("kvq_triton")(runner)
 
-                return KVQSpeCacheTritonBackend(runner)
-            from sgl_kvq.backends.triton_backend import KVQTritonBackend
 
-            return KVQTritonBackend(runner)
+def _strategy(runner):
+    """The decode strategy of the runner's kvq pool (formats/strategy.py), which picks the backend class; a pool
+    that is not a kvq pool gets the plain backends (which refuse it with their own error)."""
+    from sgl_kvq.formats.strategy import POOL_ONLY
+
+    cfg = getattr(runner.token_to_kv_pool, "cfg", None)
+    return POOL_ONLY if cfg is None else cfg.format.strategy

@@ -14,12 +14,21 @@ logger = logging.getLogger("sgl_kvq")
 _SOURCE = "sgl_kvq"
 
 
-def kvq_backend_for(device: str | None) -> str:
+def kvq_backend_for(device: str | None, cfg) -> str:
     # kvq_triton reads packed pages in fused Triton kernels on CUDA (SpeCache's two lanes included); kvq_torch is
-    # the reference and the CPU path.
+    # the reference, the CPU path and the path of a format with no kernel (Format.kernel None).
     from sgl_kvq.patches.backends import triton_backend_available
 
-    return "kvq_triton" if (device in (None, "cuda") and triton_backend_available()) else "kvq_torch"
+    triton = device in (None, "cuda") and triton_backend_available() and cfg.format.kernel is not None
+    return "kvq_triton" if triton else "kvq_torch"
+
+
+def check_backend_reads(cfg, chosen_backends: list[tuple[str, str | None]]) -> None:
+    """A format served only through the torch backend has no Triton kernel: kvq_triton refuses it now."""
+    for what, chosen in chosen_backends:
+        if chosen == "kvq_triton" and cfg.format.kernel is None:
+            raise KVQConfigError(f"sgl_kvq: {cfg.name} has no Triton kernel; --{what} kvq_triton cannot serve it, "
+                                 "use kvq_torch")
 
 
 def _check_triton_shapes(cfg, head_dim: int) -> None:
@@ -64,6 +73,8 @@ def validate(server_args, view, cfg) -> None:
         if chosen is not None and chosen not in BACKENDS:
             raise KVQConfigError(f"sgl_kvq: --{what.replace('_', '-')} {chosen} cannot read {cfg.name} KV; use "
                                  f"{' or '.join(BACKENDS)} (or leave it unset)")
+    check_backend_reads(cfg, [(what.replace("_", "-"), getattr(server_args, what, None)) for what in
+                              ("attention_backend", "prefill_attention_backend", "decode_attention_backend")])
     unsupported = {
         "speculative_algorithm": "speculative decoding",
         "enable_mixed_chunk": "--enable-mixed-chunk",
@@ -72,11 +83,10 @@ def validate(server_args, view, cfg) -> None:
     for field, what in unsupported.items():
         if getattr(view, field, None):
             raise KVQConfigError(f"sgl_kvq: {what} is not supported with --kv-cache-dtype {cfg.name} yet")
-    if getattr(view, "enable_hierarchical_cache", None) and cfg.is_specache:
-        # SpeCache keeps its own 16-bit host tier beside the pool (sgl_kvq/specache/); HiCache's host pool holds
-        # the packed pages only, and evicting a page would leave its host rows behind.
-        raise KVQConfigError(f"sgl_kvq: --enable-hierarchical-cache (HiCache) is not supported with {cfg.name} (it "
-                             "keeps its own host tier); use kivi/gear/logquant/zipcache dtypes with HiCache")
+    strategy = cfg.format.strategy
+    refusal = strategy.refusal("hicache", cfg.name)
+    if getattr(view, "enable_hierarchical_cache", None) and refusal:
+        raise KVQConfigError(f"sgl_kvq: {refusal}")
     from sgl_kvq.host_pool import LAYOUTS
 
     layout = getattr(view, "hicache_mem_layout", None)
@@ -84,11 +94,9 @@ def validate(server_args, view, cfg) -> None:
         raise KVQConfigError(f"sgl_kvq: --hicache-mem-layout {layout} is not available for {cfg.name}'s packed host "
                              f"pool; use {' or '.join(LAYOUTS)}")
     mode = getattr(view, "disaggregation_mode", None) or "null"
-    if mode != "null" and cfg.is_specache:
-        # SpeCache's 16-bit host tier (sgl_kvq/specache/) is not described to SGLang's KV transfer: the decode
-        # side would get packed pages without the host rows its top-k lane reads.
-        raise KVQConfigError(f"sgl_kvq: prefill/decode disaggregation is not supported with {cfg.name} (its "
-                             "16-bit host tier is not sent); use a kivi/gear/logquant/zipcache dtype")
+    refusal = strategy.refusal("disaggregation", cfg.name)
+    if mode != "null" and refusal:
+        raise KVQConfigError(f"sgl_kvq: {refusal}")
     if mode == "decode" and getattr(view, "disaggregation_decode_enable_radix_cache", None):
         # The prefill side then sends only the pages past the decode side's cached prefix; the frames of window
         # pages inside that prefix are not handled (and not tested).
@@ -110,7 +118,7 @@ def validate(server_args, view, cfg) -> None:
     model_config = model_config_of(server_args)
     check_hf_config(model_config.hf_config, cfg)
     _check_pinned_budget(cfg, model_config, view, server_args.max_running_requests)
-    if (backend or kvq_backend_for(view.device)) == "kvq_triton":
+    if (backend or kvq_backend_for(view.device, cfg)) == "kvq_triton":
         _check_triton_shapes(cfg, model_config.head_dim)
 
 
@@ -127,7 +135,7 @@ def resolve(server_args, previous) -> None:
     if (view.disaggregation_mode or "null") == "decode" and view.disaggregation_decode_retraction_backup is None:
         decided["disaggregation_decode_retraction_backup"] = "none"  # see validate()
     if server_args.attention_backend is None:
-        decided["attention_backend"] = kvq_backend_for(view.device)
+        decided["attention_backend"] = kvq_backend_for(view.device, cfg)
     declare_resolution(server_args, _SOURCE, **decided)
     logger.info("sgl_kvq: %s with %s", cfg, decided)
     previous(server_args)
@@ -139,7 +147,7 @@ def resolve(server_args, previous) -> None:
 
         graphs = resolving_view(server_args).cuda_graph_config
         # SpeCache's lanes hook SGLang's eager decode forward (patches/specache_lanes.py): its decode runs eagerly.
-        eager_decode = backend == "kvq_torch" or cfg.is_specache
+        eager_decode = backend == "kvq_torch" or cfg.format.strategy.eager_decode
         for phase in (Phase.DECODE, Phase.PREFILL) if eager_decode else (Phase.PREFILL,):
             graphs = with_phase(graphs, phase, backend=Backend.DISABLED)
         declare_resolution(server_args, _SOURCE, cuda_graph_config=graphs)

@@ -20,11 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from sgl_kvq.formats.registry import of_extras
 from sgl_kvq.plan import LayerKV, PagedPlan
 from sgl_kvq.quant import pack
-from sgl_kvq.quant.gear_page import PageCorrection, add_low_rank
-from sgl_kvq.quant.logquant_page import EMPTY, PageRows
-from sgl_kvq.quant.zipcache_page import SalientPlane, salient_rows
 
 
 @dataclass
@@ -129,8 +127,21 @@ def unpacked_codes(codes: torch.Tensor, slot_rows: torch.Tensor, bits: int) -> t
 
 
 def context(kv: LayerKV, ctx: BatchedContext, ws: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The batch's keys and values in the padded layout, k, v [H, B, T, D] fp32: base tokens dequantized, overlay
-    tokens copied, zeros at padding; in ws's buffers when given (valid until the next call)."""
+    """The batch's keys and values in the padded layout, k, v [H, B, T, D] fp32: base tokens read as the format
+    reads them (Format.read_padded), overlay tokens copied, zeros at padding; in ws's buffers when given (valid
+    until the next call)."""
+    G, H, D = kv.G, kv.ov_k.shape[2], kv.ov_k.shape[3]
+    B, units = ctx.pages.shape
+    k, v = of_extras(kv.extras).read_padded(kv, ctx, ws)
+    if ctx.ov_dst.numel():
+        for dst, ov in ((k, kv.ov_k), (v, kv.ov_v)):
+            dst.index_copy_(1, ctx.ov_dst, _rows(ov.reshape(-1, H, D), ctx.ov_head_rows, H).float())
+    return k.view(H, B, units * G, D), v.view(H, B, units * G, D)
+
+
+def kivi_padded(kv: LayerKV, ctx: BatchedContext, ws: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """KIVI's base of the batch's pages in the padded layout k, v [H, B * U * G, D] fp32, zeros outside base
+    positions (Format.read_padded's default)."""
     G, H, D = kv.G, kv.ov_k.shape[2], kv.ov_k.shape[3]
     B, units = ctx.pages.shape
     kc, vc = (unpacked_codes(c, ctx.slot_rows, kv.bits) for c in (kv.k_codes, kv.v_codes))
@@ -151,61 +162,7 @@ def context(kv: LayerKV, ctx: BatchedContext, ws: Workspace | None = None) -> tu
     vz = _rows(kv.v_zero, ctx.slot_rows, H).float().masked_fill_(off, 0)[..., None]
     v = vc.float() if ws is None else ws.take("v", vc.shape, vc.device).copy_(vc)
     v.view(H, B * units * G, vs.shape[2], -1).mul_(vs).add_(vz)
-    if kv.corr is not None:
-        _correct(k.view(H, B, units, G, D), v.view(H, B, units, G, D), kv.corr, ctx)
-    if kv.rows is not None:
-        _replace_rows(k.view(H, B, units, G, D), v.view(H, B, units, G, D), kv.rows, ctx)
-    if kv.sal is not None:
-        _salient(k.view(H, B, units, G, D), v.view(H, B, units, G, D), kv.sal, ctx)
-    if ctx.ov_dst.numel():
-        for dst, ov in ((k, kv.ov_k), (v, kv.ov_v)):
-            dst.index_copy_(1, ctx.ov_dst, _rows(ov.reshape(-1, H, D), ctx.ov_head_rows, H).float())
-    return k.view(H, B, units * G, D), v.view(H, B, units * G, D)
-
-
-def _correct(k: torch.Tensor, v: torch.Tensor, c: PageCorrection, ctx: BatchedContext) -> None:
-    """GEAR's per-page correction (sgl_kvq/quant/gear_page.py) added to the padded k, v [H, B, U, G, D] in place,
-    in correct_keys' order: low rank, then outliers replace their entries. Zeroed outside base pages/tokens (the
-    overlay copy overwrites those positions; padding must stay finite)."""
-    off_page = ~ctx.is_base_page[..., None, None, None]  # [B, U, 1, 1, 1]
-    for x, u, w in ((k, c.k_u, c.k_w), (v, c.v_u, c.v_w)):
-        add_low_rank(x, u[ctx.pages].float().masked_fill_(off_page, 0).permute(2, 0, 1, 3, 4),  # [H, B, U, r, G]
-                     w[ctx.pages].float().masked_fill_(off_page, 0).permute(2, 0, 1, 3, 4))  # [H, B, U, r, D]
-    if c.k_out_val.shape[2]:
-        idx = c.k_out_idx[ctx.pages].long().masked_fill_(off_page, 0).permute(2, 0, 1, 3, 4)  # [H, B, U, NK, D]
-        k.scatter_(3, idx, c.k_out_val[ctx.pages].float().masked_fill_(off_page, 0).permute(2, 0, 1, 3, 4))
-    if c.v_out_val.shape[-1]:
-        off_tok = ~ctx.is_base_tok[:, None, None]
-        idx = c.v_out_idx[ctx.slots].long().masked_fill_(off_tok, 0).transpose(0, 1)  # [H, B * T, NV]
-        val = c.v_out_val[ctx.slots].float().masked_fill_(off_tok, 0).transpose(0, 1)
-        H, D = v.shape[0], v.shape[-1]
-        v.view(H, -1, D).scatter_(2, idx, val)
-
-
-def _replace_rows(k: torch.Tensor, v: torch.Tensor, r: PageRows, ctx: BatchedContext) -> None:
-    """LogQuant's stored fp16 rows (sgl_kvq/quant/logquant_page.py) written over their positions of the padded
-    k, v [H, B, U, G, D], base pages only (logquant_page.apply_rows' rule)."""
-    off = r.row_off[ctx.pages]  # [B, U, M]
-    b, u, j = ((off != EMPTY) & ctx.is_base_page[..., None]).nonzero(as_tuple=True)
-    t = off[b, u, j].long()
-    pg = ctx.pages[b, u]
-    k[:, b, u, t] = r.k_rows[pg, j].float().transpose(0, 1)  # [H, n, D]
-    v[:, b, u, t] = r.v_rows[pg, j].float().transpose(0, 1)
-
-
-def _salient(k: torch.Tensor, v: torch.Tensor, s: SalientPlane, ctx: BatchedContext) -> None:
-    """ZipCache's salient rows (sgl_kvq/quant/zipcache_page.py) replace theirs in the padded k, v [H, B, U, G, D],
-    then values are multiplied by their page's channel scale c, in apply_salient's order. Zeroed outside base pages
-    (page 0 may hold anything; the overlay copy overwrites those positions, padding must stay finite)."""
-    off = ~ctx.is_base_page[..., None, None, None]  # [B, U, 1, 1, 1]
-    plane = SalientPlane(*(t[ctx.pages] for t in s))  # [B, U, H, ...]
-    ks, vs = salient_rows(SalientPlane(*(t.flatten(0, 1) for t in plane)))  # [B * U, H, NS, D]
-    B, U = ctx.pages.shape
-    ks, vs = (x.view(B, U, *x.shape[1:]).masked_fill_(off, 0).permute(2, 0, 1, 3, 4) for x in (ks, vs))
-    idx = plane.s_idx.long().masked_fill_(off[..., 0], 0).permute(2, 0, 1, 3)[..., None].expand_as(ks)
-    k.scatter_(3, idx, ks)
-    v.scatter_(3, idx, vs)
-    v.mul_(plane.v_chan.float().masked_fill_(off[..., 0], 0).permute(2, 0, 1, 3)[:, :, :, None])
+    return k, v.view(H, B * units * G, D)
 
 
 def decode(q: torch.Tensor, kv: LayerKV, ctx: BatchedContext, sm_scale: float,

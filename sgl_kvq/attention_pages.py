@@ -24,13 +24,14 @@ from dataclasses import dataclass
 import torch
 
 from sgl_kvq.attention_batched import Workspace, _rows, unpacked_codes
+from sgl_kvq.formats.registry import of_extras
 from sgl_kvq.plan import LayerKV, PagedPlan
 
 
 def supports(kv: LayerKV) -> bool:
-    """Whether kv's format is codes, scales and zeros only: GEAR's corrections, LogQuant's rows and ZipCache's
-    salient plane change dequantized K/V and go through attention_batched's padded layout."""
-    return kv.corr is None and kv.rows is None and kv.sal is None
+    """Whether kv's format is codes, scales and zeros only (Format.plain_pages): a format whose extras change the
+    dequantized K/V goes through attention_batched's padded layout."""
+    return of_extras(kv.extras).plain_pages
 
 
 # When this path does less work than the padded one (one layer, SmolLM2, one thread, median thread time,

@@ -10,28 +10,18 @@ from __future__ import annotations
 
 import torch
 
+from sgl_kvq.formats.registry import of_extras
 from sgl_kvq.plan import LayerKV, PagedPlan
-from sgl_kvq.quant import gear_page, kivi_page, logquant_page, zipcache_page
 
 
 def gather_context(kv: LayerKV, plan: PagedPlan, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Request b's keys and values, [T, H, D] fp32, dequantized from its own pages only."""
+    """Request b's keys and values, [T, H, D] fp32, dequantized from its own pages only (as its format reads
+    them: Format.read_pages)."""
     G = kv.G
     pages = plan.kv_indices[plan.kv_indptr[b]:plan.kv_indptr[b + 1]].long()
-    slots = (pages[:, None] * G + torch.arange(G, device=pages.device)).reshape(-1)
     n = pages.numel()
     H, D = kv.ov_k.shape[2], kv.ov_k.shape[3]
-    k_codes = kv.k_codes[slots].view(n, G, H, kv.k_codes.shape[-1])
-    k_base = kivi_page.dequantize_keys(k_codes, kv.k_scale[pages], kv.k_zero[pages], kv.bits)
-    v_base = kivi_page.dequantize_values(kv.v_codes[slots], kv.v_scale[slots], kv.v_zero[slots], kv.bits)
-    v_base = v_base.view(n, G, H, D)
-    if kv.corr is not None:
-        pc = gear_page.select_pages(kv.corr, pages)
-        k_base, v_base = gear_page.correct_keys(k_base, pc), gear_page.correct_values(v_base, pc)
-    if kv.rows is not None:
-        k_base, v_base = logquant_page.apply_rows(k_base, v_base, logquant_page.select_pages(kv.rows, pages))
-    if kv.sal is not None:
-        k_base, v_base = zipcache_page.apply_salient(k_base, v_base, zipcache_page.select_pages(kv.sal, pages))
+    k_base, v_base = of_extras(kv.extras).read_pages(kv, pages)
     k_base, v_base = k_base.reshape(n * G, H, D), v_base.reshape(n * G, H, D)
     frames = plan.ov_indices[plan.ov_indptr[b]:plan.ov_indptr[b + 1]].long()
     k_ov = kv.ov_k[frames].float().reshape(-1, H, D)

@@ -46,10 +46,8 @@ def per_token_bytes(shape: PoolShape, model_dtype: torch.dtype, host_is_device: 
     """SGLang's cell size for a kvq pool: the packed base, plus SpeCache's host row where host RAM is the budget,
     plus (pooled frames) each token's share of the per-frame tags (and zipcache2's saliency accumulator)."""
     cell = math.ceil(shape.base_bytes_per_token())
-    if shape.cfg.is_specache and host_is_device:
-        from sgl_kvq.specache.host_tier import host_bytes_per_token
-
-        cell += host_bytes_per_token(shape.layers, shape.heads, shape.head_dim, model_dtype)
+    if host_is_device:
+        cell += shape.cfg.format.strategy.host_bytes_per_token(shape, model_dtype)
     if frames_pooled:
         frame_extra = shape.overlay_bytes_per_frame(model_dtype) - 2 * _frame_kv_bytes(shape, model_dtype)
         cell += math.ceil(frame_extra / (shape.pages_per_frame(model_dtype) * shape.G))
@@ -76,11 +74,7 @@ def per_request_bytes(shape: PoolShape, model_dtype: torch.dtype, *, frames_pool
     """Bytes one request slot owns for the server's life: its fp16 overlay frames where they are static, and
     SpeCache's top-k rows."""
     total = 0 if frames_pooled else shape.cfg.ring_pages * shape.overlay_bytes_per_frame(model_dtype)
-    if shape.cfg.is_specache:
-        from sgl_kvq.specache.state import topk_bytes_per_request
-
-        total += topk_bytes_per_request(shape.cfg, shape, model_dtype)
-    return total
+    return total + shape.cfg.format.strategy.request_bytes(shape.cfg, shape, model_dtype)
 
 
 @dataclass(frozen=True)
@@ -184,11 +178,10 @@ def split_budget(budget_bytes: int, shape: PoolShape, model_dtype: torch.dtype, 
     frame_toks = frame_tokens(shape, model_dtype) if frames_pooled else 0
 
     host_cap = None
-    if cfg.is_specache and not host_is_device and host_budget_bytes is not None:
-        from sgl_kvq.specache.host_tier import host_bytes_per_token
-
+    host_per_token = cfg.format.strategy.host_bytes_per_token(shape, model_dtype)
+    if host_per_token and not host_is_device and host_budget_bytes is not None:
         # The host tier also holds page 0's rows (SGLang's dummy page).
-        rows = host_budget_bytes // host_bytes_per_token(shape.layers, shape.heads, shape.head_dim, model_dtype)
+        rows = host_budget_bytes // host_per_token
         host_cap = max(rows // cfg.page_size - 1, 0) * cfg.page_size
 
     def split(n: int | None, how: str) -> BudgetSplit:

@@ -13,39 +13,22 @@ import re
 from dataclasses import dataclass
 
 from sgl_kvq import env
-from sgl_kvq.quant.gear_page import outliers_per_row
-from sgl_kvq.quant.logquant_page import max_rows
-from sgl_kvq.quant.zipcache_page import SALIENT_BITS, salient_count
+from sgl_kvq.errors import KVQConfigError
+from sgl_kvq.formats import registry
+from sgl_kvq.formats.base import Format
 
-# kivi: the packed base plus the fp16 open page and recent window. specache: the same low-bit base on the device,
-# every token's 16-bit K/V in host RAM, and a speculative decode lane whose top-k picks the host rows each step
-# reads in 16 bits (sgl_kvq/specache/). gearl: KIVI's base plus, per page and KV head, a rank-r approximation of its
-# quantization residual (GEAR-L); gear: the same plus each row's sparse fp16 outliers (sgl_kvq/quant/gear_page.py).
-# logquant: KIVI's base plus, per page, the fp16 rows LogQuant's rule keeps when the page leaves the fp16 window
-# (sgl_kvq/quant/logquant_page.py).
-# zipcache: KIVI's 2-bit base plus, per page and KV head, its most salient tokens (ZipCache's normalized attention
-# score over the page's own queries) at 4 bit (sgl_kvq/quant/zipcache_page.py). The name carries the base width.
-METHOD_BITS = {"kivi": (1, 2, 4), "specache": (1, 2), "gear": (2,), "gearl": (2,), "logquant": (2,),
-               "zipcache": (2,)}
+# Each format family's dtype names, bit widths and what its pages add are declared by its module in
+# sgl_kvq/formats/; the registry maps a name to its format.
+METHOD_BITS = {f.family: f.bits for f in registry.FORMATS}
 METHODS = tuple(METHOD_BITS)
 BITS = (1, 2, 4)
 # The dtype names SGLang's --kv-cache-dtype gains. Every one is served by the same pool and backends.
-DTYPE_NAMES = tuple(f"{m}{b}" for m, bits in METHOD_BITS.items() for b in bits)
+DTYPE_NAMES = registry.DTYPE_NAMES
 
 PREFILL_MODES = ("full", "paged")
 FRAME_MODES = ("pooled", "static")
-SPECACHE_PREFIX_SOURCES = ("host", "device")
-
-# SpeCache's default top-k per code width: the smallest k at which specache1 answers every needle bf16 answers on
-# SmolLM2 (3 KV heads of 64 channels: a 1-bit key ranks a position more noisily than at the paper's 8 x 128), with
-# specache_follow on; KVQ_TOPK overrides it.
-SPECACHE_TOP_K = {1: 128, 2: 64}
 
 _NAME = re.compile(r"^(?P<method>[a-z]+)(?P<bits>\d+)$")
-
-
-class KVQConfigError(ValueError):
-    """Bad sgl_kvq input: raised before any model loads."""
 
 
 @dataclass(frozen=True)
@@ -138,85 +121,24 @@ class KVQConfig:
             raise KVQConfigError(f"sgl_kvq: prefill mode {self.prefill!r}; choose one of {', '.join(PREFILL_MODES)}")
         if self.residual < 0 or self.residual % g:
             raise KVQConfigError(f"sgl_kvq: residual window R={self.residual} must be a multiple of G={g}")
-        if self.specache_follow not in (0, 1):
-            raise KVQConfigError(f"sgl_kvq: KVQ_SPECACHE_FOLLOW={self.specache_follow} must be 0 or 1")
-        if self.top_k < 1:
-            raise KVQConfigError(f"sgl_kvq: top-k {self.top_k} must be at least 1")
         if self.frames not in FRAME_MODES:
             raise KVQConfigError(f"sgl_kvq: KVQ_FRAMES={self.frames!r}; choose one of {', '.join(FRAME_MODES)}")
         if not 0 < self.overlay_share < 1:
             raise KVQConfigError(f"sgl_kvq: KVQ_OVERLAY_SHARE={self.overlay_share} must be in (0, 1), e.g. 0.06")
-        if not 1 <= self.gear_rank <= g:
-            raise KVQConfigError(f"sgl_kvq: KVQ_GEAR_RANK={self.gear_rank} must be in 1..G={g}, e.g. 2")
-        if self.gear_iters < 1:
-            raise KVQConfigError(f"sgl_kvq: KVQ_GEAR_ITERS={self.gear_iters} must be at least 1, e.g. 3")
-        if not 0 < self.gear_outliers < 0.5:
-            raise KVQConfigError(f"sgl_kvq: KVQ_GEAR_OUTLIERS={self.gear_outliers} must be in (0, 0.5), e.g. 0.02 "
-                                 "(for no outliers use gearl2)")
-        if self.specache_prefix not in SPECACHE_PREFIX_SOURCES:
-            raise KVQConfigError(f"sgl_kvq: KVQ_SPECACHE_PREFIX={self.specache_prefix!r}; choose one of "
-                                 f"{', '.join(SPECACHE_PREFIX_SOURCES)}")
-        if self.logquant_window < 1:
-            raise KVQConfigError(f"sgl_kvq: KVQ_LOGQUANT_WINDOW={self.logquant_window} must be at least 1, e.g. 10")
-        if self.method == "logquant" and g > 128:
-            raise KVQConfigError(f"sgl_kvq: logquant2 stores row offsets as uint8 with 255 for an empty slot: "
-                                 f"G={g} must be at most 128, e.g. 64")
-        if not 0 < self.zipcache_salient < 1 or not 1 <= salient_count(self.zipcache_salient, g) < g:
-            raise KVQConfigError(f"sgl_kvq: KVQ_ZIPCACHE_SALIENT={self.zipcache_salient} must be in (0, 1) and keep "
-                                 f"between 1 and G-1={g - 1} of a page's {g} tokens salient, e.g. 0.4")
         if self.attention_threads < 0:
             raise KVQConfigError(f"sgl_kvq: KVQ_ATTENTION_THREADS={self.attention_threads} must be 0 (torch's own "
                                  "thread count) or more, e.g. 1")
         if self.cpu_kernel not in (0, 1):
             raise KVQConfigError(f"sgl_kvq: KVQ_CPU_KERNEL={self.cpu_kernel} must be 0 (torch paths) or 1 (the C "
                                  "decode kernel where a C compiler is found)")
-        if self.is_specache and self.prefill != "full":
-            raise KVQConfigError("sgl_kvq: specache extends read the cached prefix in 16 bits from the host tier; "
-                                 f"KVQ_PREFILL={self.prefill} applies to kivi only")
+        for fmt in registry.FORMATS:
+            fmt.check_knobs(self)
+        self.format.check(self)
 
     @property
-    def is_specache(self) -> bool:
-        return self.method == "specache"
-
-    @property
-    def lowrank_rank(self) -> int:
-        """Rank of the per-page residual approximation stored with each base page (0: none)."""
-        return self.gear_rank if self.method in ("gear", "gearl") else 0
-
-    def outliers_per_row(self, row_length: int) -> int:
-        """fp16 outliers kept per row of `row_length` entries (0: none)."""
-        return outliers_per_row(self.gear_outliers, row_length) if self.method == "gear" else 0
-
-    @property
-    def is_zipcache(self) -> bool:
-        return self.method == "zipcache"
-
-    @property
-    def salient_per_page(self) -> int:
-        """ZipCache's salient tokens per page and KV head (0: none)."""
-        return salient_count(self.zipcache_salient, self.group_size) if self.is_zipcache else 0
-
-    @property
-    def salient_bits(self) -> int:
-        """Code width of the salient rows (0: none)."""
-        return SALIENT_BITS if self.is_zipcache else 0
-
-    @property
-    def has_correction(self) -> bool:
-        """Whether base pages carry a correction beyond KIVI's codes (sgl_kvq/quant/gear_page.py)."""
-        return self.lowrank_rank > 0
-
-    @property
-    def logquant_rows(self) -> int:
-        """M: fp16 row slots stored with each base page (0: none; sgl_kvq/quant/logquant_page.py)."""
-        if self.method != "logquant":
-            return 0
-        return max_rows(self.logquant_window, self.group_size, self.ring_pages)
-
-    @property
-    def has_rows(self) -> bool:
-        """Whether base pages carry fp16 rows that replace theirs (LogQuant)."""
-        return self.logquant_rows > 0
+    def format(self) -> Format:
+        """What the served format declares (sgl_kvq/formats/)."""
+        return registry.BY_FAMILY[self.method]
 
     @property
     def name(self) -> str:
@@ -265,6 +187,6 @@ def _parse(name: str, knob_values: tuple) -> KVQConfig:
     if not m or name not in DTYPE_NAMES:
         raise KVQConfigError(f"sgl_kvq: unknown kv cache dtype {name!r}; choose one of {', '.join(DTYPE_NAMES)}")
     knobs = env.knobs()
-    if m["method"] == "specache":
-        knobs.setdefault("top_k", SPECACHE_TOP_K[int(m["bits"])])
+    for knob, value in registry.BY_FAMILY[m["method"]].default_knobs(int(m["bits"])).items():
+        knobs.setdefault(knob, value)
     return KVQConfig(method=m["method"], bits=int(m["bits"]), **knobs)

@@ -13,10 +13,9 @@ A page is quantized into the base in the batch that writes its last slot, from i
 tokens from its frame, this batch's from k/v), so every page the radix tree can see is complete and already
 quantized: prefix reuse never re-quantizes.
 
-zipcache2 also needs each batch's queries (q=, sm_scale=): a page's salient tokens are picked, when it completes,
-from the attention its own queries paid its tokens (sgl_kvq/quant/zipcache_page.py). Queries of earlier batches are
-gone by then, so what they paid is accumulated per overlay frame (ov_score) as they are written; the completing batch
-adds its own queries' share to the frame's total.
+What a format adds to a page (its extra tensors, its per-frame state, how its pages are compressed and what the
+write needs for it: ZipCache's queries, LogQuant's logical page indices) is declared by the format
+(sgl_kvq/formats/); the store allocates and writes what the declaration names.
 """
 
 from __future__ import annotations
@@ -26,8 +25,8 @@ import torch
 from sgl_kvq.config import KVQConfig
 from sgl_kvq.frames import FrameTable
 from sgl_kvq.layout import PoolShape
+from sgl_kvq.formats.base import PageWrite
 from sgl_kvq.plan import BatchWrite, DecodeWrite, LayerKV
-from sgl_kvq.quant import gear_page, kivi_page, logquant_page, zipcache_page
 
 
 class QuantizedKVStore:
@@ -37,6 +36,7 @@ class QuantizedKVStore:
         else a separate region with `ring` frames per request slot."""
         cfg.check_head_dim(shape.head_dim)
         self.cfg, self.shape = cfg, shape
+        self.format = cfg.format
         self.G, self.ring = cfg.group_size, cfg.ring_pages
         self.model_dtype = model_dtype
         self.device = torch.device(device)
@@ -65,12 +65,13 @@ class QuantizedKVStore:
         self.pages_quantized = torch.zeros((), dtype=torch.int64, device=self.device)
         # PD only: how many of a slot's frames hold its request (sgl_kvq/pd_transfer.py), sent with the frames
         self.pd_window = torch.zeros(num_req_slots, dtype=torch.int64, device=self.device)
-        if cfg.is_zipcache:
-            self.ov_score = torch.zeros((L, F, self.G, H), dtype=torch.float32, device=self.device)
-        if cfg.has_rows:
-            # LogQuant's row offsets per logical page: a request's logical pages never outnumber the pool's pages.
-            self.row_table = logquant_page.offsets_table(cfg.logquant_window, self.G, self.ring, shape.P,
-                                                         cfg.logquant_rows, self.device)
+        self.frame_state = tuple(shape.frame_state_shapes())  # the format's per-frame state, [L, F, ...]
+        for name, (dims, dtype) in shape.frame_state_shapes().items():
+            setattr(self, name, torch.zeros((L, F, *dims), dtype=dtype, device=self.device))
+        self.extra_names = tuple(shape.extra_shapes())
+        # extras stored per token slot ([S, ...]) rather than per page
+        self.per_slot = {n for n, (dims, _) in shape.base_shapes().items() if dims[1] != shape.P}
+        self.tables = self.format.tables(cfg, shape.geometry, self.device)
 
     # ---- byte accounting (what is really allocated) ----
     def base_bytes(self) -> int:
@@ -79,22 +80,22 @@ class QuantizedKVStore:
     def overlay_bytes(self) -> int:
         """Bytes allocated for the overlay beyond the base (pooled frames are the base's own pages)."""
         frames = () if self.frames_pooled else (self.ov_k, self.ov_v)
-        extra = (self.ov_score,) if self.cfg.is_zipcache else ()
+        extra = tuple(getattr(self, n) for n in self.frame_state)
         return sum(t.numel() * t.element_size() for t in (*frames, self.ov_tag, self.ov_gen, *extra))
 
     # ---- writes (where tokens go: sgl_kvq.metadata) ----
     def _need_q(self, q, sm_scale) -> None:
-        if self.cfg.is_zipcache and (q is None or sm_scale is None):
-            raise ValueError("sgl_kvq: zipcache2 writes need the batch's queries and sm_scale (q=, sm_scale=)")
+        if self.format.needs_queries and (q is None or sm_scale is None):
+            raise ValueError(f"sgl_kvq: {self.cfg.name} writes need the batch's queries and sm_scale (q=, sm_scale=)")
 
     def write_layer(self, layer: int, bw: BatchWrite, k: torch.Tensor, v: torch.Tensor, *,
                     kernels: bool = False, q: torch.Tensor | None = None, sm_scale: float | None = None) -> None:
-        """k, v: [T, H, D] this batch's fresh keys/values for `layer` (q [T, Hq, D] its queries: zipcache2).
-        kernels=True quantizes and scatters with the Triton kernels (bit-exact with the torch path,
-        tests/test_kernels_quantize.py)."""
+        """k, v: [T, H, D] this batch's fresh keys/values for `layer` (q [T, Hq, D] its queries, for formats whose
+        write needs them). kernels=True quantizes and scatters with the Triton kernels (bit-exact with the torch
+        path, tests/test_kernels_quantize.py) where the format's codes are the quantize kernel's."""
         self._need_q(q, sm_scale)
-        # GEAR's and ZipCache's pages are compressed in torch on both backends
-        kernels = kernels and not self.cfg.has_correction and not self.cfg.is_zipcache
+        fmt = self.format
+        kernels = kernels and fmt.quantize_kernel
         if bw.done_pages.numel():
             # Earlier batches' tokens of a completing page are in its frame (same request, and its frame is reused
             # only by a later page); this batch's tokens come from k/v. A page begun in this batch writes every
@@ -109,12 +110,11 @@ class QuantizedKVStore:
 
                 quantize_pages(kp, vp, bw.done_pages.to(torch.int32), self.layer_view(layer),
                                specache_one_bit=self.cfg.specache_one_bit)
-                self.store_rows(layer, bw.done_pages, bw.done_lpages, kp, vp)
-            elif self.cfg.is_zipcache:
-                self.store_pages(layer, bw.done_pages, kp, vp, received=self._done_received(layer, bw, q, kp, sm_scale),
-                                 group=q.shape[1] // kp.shape[2])
+                self._store_extras(layer, bw.done_pages,
+                                   fmt.kernel_extras(bw.done_pages, bw.done_lpages, lambda: (kp, vp), self.tables))
             else:
-                self.store_pages(layer, bw.done_pages, kp, vp, lpages=bw.done_lpages)
+                w = fmt.page_write(self, layer, bw, q, kp, sm_scale, PageWrite(bw.done_pages, bw.done_lpages))
+                self._store(layer, kp, vp, w)
         if bw.frame_rows.numel():
             if kernels:
                 from sgl_kvq.kernels.store_overlay import store_overlay
@@ -124,41 +124,7 @@ class QuantizedKVStore:
             else:
                 self.ov_k[layer, bw.frame_ids, bw.frame_offs] = k[bw.frame_rows].to(self.model_dtype)
                 self.ov_v[layer, bw.frame_ids, bw.frame_offs] = v[bw.frame_rows].to(self.model_dtype)
-            if self.cfg.is_zipcache:
-                frames, inv = torch.unique(bw.frame_ids, return_inverse=True)
-                self._accumulate(layer, frames, inv, bw.frame_offs, q[bw.frame_rows], sm_scale)
-
-    # ---- zipcache2's saliency accumulator (ov_score) ----
-    def _page_queries(self, n: int, tile: torch.Tensor, offs: torch.Tensor, q: torch.Tensor):
-        """q rows [M, Hq, D] at (tile [M], offs [M]) -> by page offset [n, G, Hq, D] and which are present [n, G]."""
-        qp = q.new_zeros(n, self.G, *q.shape[1:])
-        qp[tile, offs] = q
-        present = torch.zeros(n, self.G, dtype=torch.bool, device=q.device)
-        present[tile, offs] = True
-        return qp, present
-
-    def _accumulate(self, layer: int, frames: torch.Tensor, tile: torch.Tensor, offs: torch.Tensor, q: torch.Tensor,
-                    sm_scale: float) -> torch.Tensor:
-        """Add what queries q [M, Hq, D] (already written to frames[tile] at offs) paid their pages' tokens to
-        those frames' ov_score, which is reset first where offset 0 is written (a page starts). -> the totals."""
-        n = frames.numel()
-        qp, present = self._page_queries(n, tile, offs, q)
-        recv = zipcache_page.received_attention(qp, present, self.ov_k[layer, frames], sm_scale)
-        starts = torch.zeros(n, dtype=torch.int32, device=q.device).index_add_(0, tile, (offs == 0).int()) > 0
-        total = torch.where(starts[:, None, None], 0.0, self.ov_score[layer, frames]) + recv
-        self.ov_score[layer, frames] = total
-        return total
-
-    def _done_received(self, layer: int, bw: BatchWrite, q: torch.Tensor, kp: torch.Tensor,
-                       sm_scale: float) -> torch.Tensor:
-        """[N, G, H] attention each completing page's tokens received from all the page's queries: earlier batches'
-        from the page's frame accumulator (read before this batch updates it), this batch's from kp."""
-        n = bw.done_pages.numel()
-        qp, present = self._page_queries(n, bw.done_tok_page, bw.done_tok_off, q[bw.done_tok_rows])
-        recv = zipcache_page.received_attention(qp, present, kp, sm_scale)
-        starts = torch.zeros(n, dtype=torch.int32, device=q.device).index_add_(
-            0, bw.done_tok_page, (bw.done_tok_off == 0).int()) > 0
-        return torch.where(starts[:, None, None], 0.0, self.ov_score[layer, bw.done_frames]) + recv
+            fmt.batch_frames_written(self, layer, bw, q, sm_scale)
 
     def write_decode_layer(self, layer: int, dw: DecodeWrite, k: torch.Tensor, v: torch.Tensor, *,
                            q: torch.Tensor | None = None, sm_scale: float | None = None) -> None:
@@ -169,84 +135,70 @@ class QuantizedKVStore:
         from sgl_kvq.kernels.store_overlay import store_overlay
 
         self._need_q(q, sm_scale)
+        fmt = self.format
         kv = self.layer_view(layer)
         store_overlay(k, v, dw.frame_ids, dw.frame_offs, kv)
-        if self.cfg.is_zipcache:
-            # As GEAR below; every row's frame total is its page's score when the row completes it.
-            frames = dw.frame_ids.long()
-            rows = torch.arange(frames.numel(), device=frames.device)
-            total = self._accumulate(layer, frames, rows, dw.frame_offs.long(), q, sm_scale)
-            self.store_pages(layer, dw.done_pages.long(), kv.ov_k[frames], kv.ov_v[frames], received=total,
-                             group=q.shape[1] // k.shape[1])
-            return
-        if self.cfg.has_correction:
-            # Every row's frame is compressed (static shapes, no sync); rows that complete no page write dummy
-            # page 0, which no plan reads.
-            frames = dw.frame_ids.long()
-            self.store_pages(layer, dw.done_pages.long(), kv.ov_k[frames], kv.ov_v[frames])
-            return
-        quantize_pages(kv.ov_k, kv.ov_v, dw.done_pages, kv, src_ids=dw.frame_ids,
-                       specache_one_bit=self.cfg.specache_one_bit)
-        if self.cfg.has_rows:
-            # Every row's frame gives its rows (static shapes, no sync); rows that complete no page write dummy
-            # page 0, which no plan reads.
-            frames = dw.frame_ids.long()
-            self.store_rows(layer, dw.done_pages.long(), dw.done_lpages.long(), kv.ov_k[frames], kv.ov_v[frames])
+        received = fmt.decode_frames_written(self, layer, dw, q, sm_scale)
+        if fmt.quantize_kernel:
+            quantize_pages(kv.ov_k, kv.ov_v, dw.done_pages, kv, src_ids=dw.frame_ids,
+                           specache_one_bit=self.cfg.specache_one_bit)
 
-    def store_rows(self, layer: int, pages: torch.Tensor, lpages: torch.Tensor | None, k: torch.Tensor,
-                   v: torch.Tensor) -> None:
-        """LogQuant: copy the rows the rule keeps of complete pages k, v [N, G, H, D] (logical pages `lpages`) into
-        the row slots of pool pages `pages`; nothing for other formats."""
+            def frames_kv():
+                frames = dw.frame_ids.long()
+                return kv.ov_k[frames], kv.ov_v[frames]
 
-        if not self.cfg.has_rows:
+            extras = fmt.kernel_extras(dw.done_pages, dw.done_lpages, frames_kv, self.tables)
+            if extras is not None:
+                self._store_extras(layer, dw.done_pages.long(), extras)
             return
-        if lpages is None:
-            raise ValueError("sgl_kvq: logquant2 pages need their logical page indices (lpages) to pick their rows")
-        off = self.row_table[lpages.long()]
-        self.k_rows[layer, pages], self.v_rows[layer, pages] = logquant_page.gather_rows(k, v, off)
-        self.row_off[layer, pages] = off
+        # Every row's frame is compressed (static shapes, no sync); rows that complete no page write dummy page 0,
+        # which no plan reads.
+        frames = dw.frame_ids.long()
+        group = 1 if q is None else q.shape[1] // k.shape[1]
+        self.store_pages(layer, dw.done_pages.long(), kv.ov_k[frames], kv.ov_v[frames], lpages=dw.done_lpages,
+                         received=received, group=group)
 
     def store_pages(self, layer: int, pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                     lpages: torch.Tensor | None = None, received: torch.Tensor | None = None,
                     group: int = 1) -> None:
-        """Quantize complete pages k, v [N, G, H, D] into the base at pool pages `pages` (logquant2: lpages [N],
-        their logical page indices, pick the rows kept in fp16; zipcache2: received [N, G, H], the attention each
-        token received from all of its page's queries, over `group` query heads per KV head)."""
-        cfg, G, n = self.cfg, self.G, pages.numel()
+        """Quantize complete pages k, v [N, G, H, D] into the base at pool pages `pages`, with what the format's
+        write needs (formats.base.PageWrite: lpages [N], their logical page indices; received [N, G, H], the
+        attention each token received from all of its page's queries, over `group` query heads per KV head)."""
+        self._store(layer, k, v, PageWrite(pages, lpages, received, group))
+
+    def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, w: PageWrite) -> None:
+        pages, G, n = w.pages, self.G, w.pages.numel()
+        p, extras = self.format.pack(self.cfg, self.shape.VG, k, v, w, self.tables)
         slots = (pages[:, None] * G + torch.arange(G, device=pages.device)).reshape(-1)
-        if cfg.is_zipcache:
-            idx = zipcache_page.select_salient(zipcache_page.normalize(received, group), cfg.salient_per_page)
-            p, s = zipcache_page.pack_zipcache_pages(k, v, idx, cfg.bits, self.shape.VG,
-                                                     specache_one_bit=cfg.specache_one_bit)
-            for name in zipcache_page.SalientPlane._fields:
-                getattr(self, name)[layer, pages] = getattr(s, name)
-        elif cfg.has_correction:
-            p, c = gear_page.pack_gear_pages(k, v, cfg.bits, self.shape.VG, cfg.lowrank_rank, cfg.gear_iters,
-                                             self.shape.NK, self.shape.NV, specache_one_bit=cfg.specache_one_bit)
-            for name in ("k_u", "k_w", "v_u", "v_w", "k_out_val", "k_out_idx"):
-                getattr(self, name)[layer, pages] = getattr(c, name)
-            self.v_out_val[layer, slots] = c.v_out_val.reshape(n * G, *c.v_out_val.shape[2:])
-            self.v_out_idx[layer, slots] = c.v_out_idx.reshape(n * G, *c.v_out_idx.shape[2:])
-        else:
-            p = kivi_page.pack_pages(k, v, cfg.bits, self.shape.VG, specache_one_bit=cfg.specache_one_bit)
         self.k_codes[layer, slots] = p.k_codes.reshape(n * G, *p.k_codes.shape[2:])
         self.v_codes[layer, slots] = p.v_codes.reshape(n * G, *p.v_codes.shape[2:])
         self.v_scale[layer, slots] = p.v_scale.reshape(n * G, *p.v_scale.shape[2:])
         self.v_zero[layer, slots] = p.v_zero.reshape(n * G, *p.v_zero.shape[2:])
         self.k_scale[layer, pages] = p.k_scale
         self.k_zero[layer, pages] = p.k_zero
-        self.store_rows(layer, pages, lpages, k, v)
+        if extras is not None:
+            self._store_extras(layer, pages, extras)
+
+    def _store_extras(self, layer: int, pages: torch.Tensor, extras: tuple | None) -> None:
+        """A format's extras of pages `pages` [N] in the pages' form ([N, ...]; per-slot ones [N, G, ...]) into the
+        pool's tensors of the same names."""
+        if extras is None:
+            return
+        G, n = self.G, pages.numel()
+        slots = None
+        for name, t in zip(self.extra_names, extras):
+            if name in self.per_slot:
+                if slots is None:
+                    slots = (pages[:, None] * G + torch.arange(G, device=pages.device)).reshape(-1)
+                getattr(self, name)[layer, slots] = t.reshape(n * G, *t.shape[2:])
+            else:
+                getattr(self, name)[layer, pages] = t
 
     def layer_view(self, layer: int) -> LayerKV:
-        corr = None
-        if self.cfg.has_correction:
-            corr = gear_page.PageCorrection(*(getattr(self, f)[layer] for f in gear_page.PageCorrection._fields))
-        rows = None
-        if self.cfg.has_rows:
-            rows = logquant_page.PageRows(self.k_rows[layer], self.v_rows[layer], self.row_off[layer])
-        sal = None
-        if self.cfg.is_zipcache:
-            sal = zipcache_page.SalientPlane(*(getattr(self, f)[layer] for f in zipcache_page.SalientPlane._fields))
+        extras = None
+        if self.format.extras is not None:
+            extras = self.format.extras(*(getattr(self, n)[layer] for n in self.extra_names))
         return LayerKV(self.k_codes[layer], self.k_scale[layer], self.k_zero[layer], self.v_codes[layer],
-                       self.v_scale[layer], self.v_zero[layer], self.ov_k[layer], self.ov_v[layer], self.cfg.bits,
-                       corr, rows, sal)
+                       self.v_scale[layer], self.v_zero[layer], self.ov_k[layer], self.ov_v[layer],
+                       self.format.code_bits(self.cfg.bits),
+                       extras)

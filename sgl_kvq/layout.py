@@ -13,7 +13,9 @@ Base (complete pages, immutable once quantized; shared by the radix tree):
     v_scale  [L, S, H, D // VG] fp16    per token, per group of VG channels
     v_zero   [L, S, H, D // VG] fp16
   with P = num_pages + 1 (page 0 included) and S = P * G token slots.
-  gear2 / gearl2 pages also carry their correction (sgl_kvq/quant/gear_page.py; r = cfg.gear_rank, NK / NV =
+  Each format declares what its pages add beside these (Format.page_shapes, sgl_kvq/formats/<family>.py; the pool
+  allocates them with the layer dim in front). Today's:
+  gear2 / gearl2 pages also carry their correction (formats/gear.py; r = cfg.gear_rank, NK / NV =
   outliers per key channel / value token, 0 for gearl2):
     k_u, v_u  [L, P, H, r, G]   fp16    low-rank factor over the page's tokens
     k_w, v_w  [L, P, H, r, D]   fp16    ... over channels: correction = u^T @ w
@@ -21,11 +23,11 @@ Base (complete pages, immutable once quantized; shared by the radix tree):
     k_out_idx [L, P, H, NK, D]  uint8   their token offsets
     v_out_val [L, S, H, NV]     fp16    value token's outliers over its channels
     v_out_idx [L, S, H, NV]     uint8   their channels
-  logquant2 pages also carry M = cfg.logquant_rows fp16 row slots (sgl_kvq/quant/logquant_page.py): the page's
+  logquant2 pages also carry M = logquant.rows_per_page(cfg) fp16 row slots (formats/logquant.py): the page's
   positions LogQuant's rule keeps when the page leaves the fp16 window, read instead of their codes:
     k_rows, v_rows [L, P, M, H, D] fp16    the tokens' K and V
     row_off   [L, P, M]         uint8   their in-page offsets, 255 for an empty slot
-  zipcache2 pages carry their salient plane (sgl_kvq/quant/zipcache_page.py; NS = cfg.salient_per_page salient
+  zipcache2 pages carry their salient plane (formats/zipcache.py; NS = zipcache.salient_per_page(cfg) salient
   tokens per page and KV head, Ds = D * 4 // 8; values are stored as V / c and read back times c):
     v_chan    [L, P, H, D]      fp16    c = sqrt(max_t |V|) per channel over the page
     s_idx     [L, P, H, NS]     uint8   the salient tokens' offsets in the page (their base codes are unused)
@@ -46,7 +48,7 @@ Overlay (fp16 tokens that override the base: the open page and the recent window
     static  a separate region of F = request slots * ring frames; slot r owns frame_of(r, n, ring) = r*ring + n%ring.
     ov_tag   [F]                int64   pool page whose tokens the frame holds (-1: empty)
     ov_gen   [F]                int64   that page's generation when the frame was written
-    ov_score [L, F, G, H]       fp32    zipcache2 only: attention each frame token has received from its page's
+    ov_score [L, F, G, H]       fp32    zipcache2's per-frame state (Format.frame_shapes): attention each frame token has received from its page's
                                         queries so far (the saliency accumulator, reset when offset 0 is written)
     page_gen [P]                int64   bumped whenever offset 0 of a page is written, i.e. when a freed page is
                                         reused: SGLang never tells the pool about frees, so a frame is valid only
@@ -59,12 +61,15 @@ Overlay (fp16 tokens that override the base: the open page and the recent window
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from sgl_kvq.config import KVQConfig
 from sgl_kvq.quant.pack import packed_dim
 from sgl_kvq.quant.uniform import SCALE_DTYPE
+
+if TYPE_CHECKING:  # the config asks the format registry, whose formats declare their tensors with this module
+    from sgl_kvq.config import KVQConfig
 
 
 def frame_of(req_slot, logical_page, ring: int):
@@ -103,43 +108,6 @@ def kivi_shapes(g: PageGeometry, bits: int) -> Shapes:
     }
 
 
-def gear_shapes(g: PageGeometry, rank: int, nk: int, nv: int) -> Shapes:
-    """gear2 / gearl2's correction (PageCorrection's fields, in its order)."""
-    P, S, H, D, G = g.P, g.S, g.H, g.D, g.G
-    return {
-        "k_u": ((P, H, rank, G), SCALE_DTYPE), "k_w": ((P, H, rank, D), SCALE_DTYPE),
-        "v_u": ((P, H, rank, G), SCALE_DTYPE), "v_w": ((P, H, rank, D), SCALE_DTYPE),
-        "k_out_val": ((P, H, nk, D), SCALE_DTYPE), "k_out_idx": ((P, H, nk, D), torch.uint8),
-        "v_out_val": ((S, H, nv), SCALE_DTYPE), "v_out_idx": ((S, H, nv), torch.uint8),
-    }
-
-
-def logquant_shapes(g: PageGeometry, rows: int) -> Shapes:
-    """logquant2's row slots (PageRows' fields, in its order)."""
-    return {
-        "k_rows": ((g.P, rows, g.H, g.D), SCALE_DTYPE), "v_rows": ((g.P, rows, g.H, g.D), SCALE_DTYPE),
-        "row_off": ((g.P, rows), torch.uint8),
-    }
-
-
-def zipcache_shapes(g: PageGeometry, salient: int, salient_bits: int) -> Shapes:
-    """zipcache2's salient plane (SalientPlane's fields, in its order)."""
-    P, H, D, Ds = g.P, g.H, g.D, packed_dim(g.D, salient_bits)
-    return {
-        "v_chan": ((P, H, D), SCALE_DTYPE), "s_idx": ((P, H, salient), torch.uint8),
-        "s_k_codes": ((P, H, salient, Ds), torch.uint8),
-        "s_k_scale": ((P, H, D), SCALE_DTYPE), "s_k_zero": ((P, H, D), SCALE_DTYPE),
-        "s_v_codes": ((P, H, salient, Ds), torch.uint8),
-        "s_v_scale": ((P, H, salient, g.NG), SCALE_DTYPE), "s_v_zero": ((P, H, salient, g.NG), SCALE_DTYPE),
-    }
-
-
-# The tensors a format adds to each page, one layer's, from the geometry and the format's sizes: the pool allocates
-# them with the layer dim in front (PoolShape.base_shapes, sizes from the config), the kernels check a layer view
-# against them (kernels/format_extras.py, sizes read off the view) and take the sizes as constexprs.
-EXTRA_SHAPES = {"gear": gear_shapes, "logquant": logquant_shapes, "zipcache": zipcache_shapes}
-
-
 @dataclass(frozen=True)
 class PoolShape:
     layers: int
@@ -162,42 +130,34 @@ class PoolShape:
 
     @property
     def Dp(self) -> int:
-        return packed_dim(self.head_dim, self.cfg.bits)
+        return packed_dim(self.head_dim, self.cfg.format.code_bits(self.cfg.bits))
 
     @property
     def VG(self) -> int:
         return self.cfg.value_group_for(self.head_dim)
 
     @property
-    def NK(self) -> int:
-        return self.cfg.outliers_per_row(self.G)
-
-    @property
-    def NV(self) -> int:
-        return self.cfg.outliers_per_row(self.head_dim)
-
-    @property
     def geometry(self) -> PageGeometry:
         return PageGeometry(P=self.P, G=self.G, H=self.heads, D=self.head_dim, NG=self.head_dim // self.VG)
 
     def format_sizes(self) -> tuple[str, dict[str, int]]:
-        """The format whose tensors each page carries beside KIVI's (an EXTRA_SHAPES key, "" for none) and its
-        sizes from the config."""
-        cfg = self.cfg
-        if cfg.has_correction:
-            return "gear", dict(rank=cfg.lowrank_rank, nk=self.NK, nv=self.NV)
-        if cfg.has_rows:
-            return "logquant", dict(rows=cfg.logquant_rows)
-        if cfg.is_zipcache:
-            return "zipcache", dict(salient=cfg.salient_per_page, salient_bits=cfg.salient_bits)
-        return "", {}
+        """The kernels' name of the format whose tensors each page carries beside KIVI's ("" for none) and its
+        sizes from the config (sgl_kvq/formats/)."""
+        fmt = self.cfg.format
+        return fmt.kernel or "", fmt.sizes(self.cfg, self.geometry)
+
+    def extra_shapes(self) -> Shapes:
+        """The tensors the served format adds to each page, one layer's."""
+        fmt = self.cfg.format
+        return fmt.page_shapes(self.geometry, **fmt.sizes(self.cfg, self.geometry))
 
     def base_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        shapes = kivi_shapes(self.geometry, self.cfg.bits)
-        kind, sizes = self.format_sizes()
-        if kind:
-            shapes.update(EXTRA_SHAPES[kind](self.geometry, **sizes))
+        shapes = {**self.cfg.format.base_shapes(self.geometry, self.cfg.bits), **self.extra_shapes()}
         return {name: ((self.layers, *shape), dtype) for name, (shape, dtype) in shapes.items()}
+
+    def frame_state_shapes(self) -> Shapes:
+        """The per-request state the served format keeps with each overlay frame, allocated [L, F, ...]."""
+        return self.cfg.format.frame_shapes(self.geometry)
 
     def base_bytes_per_token(self) -> float:
         """Bytes the base stores per token over all layers (codes + scales/zeros), page 0 not counted."""
@@ -225,6 +185,19 @@ class PoolShape:
 
     def overlay_bytes_per_frame(self, model_dtype: torch.dtype) -> int:
         L, H, D = self.layers, self.heads, self.head_dim
-        score = L * self.G * H * 4 if self.cfg.is_zipcache else 0  # ov_score, fp32
-        return 2 * L * self.G * H * D * torch.empty((), dtype=model_dtype).element_size() + 16 + score
+        state = sum(L * _numel(shape) * dtype.itemsize for shape, dtype in self.frame_state_shapes().values())
+        return 2 * L * self.G * H * D * torch.empty((), dtype=model_dtype).element_size() + 16 + state
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def counts_as_value(name: str) -> bool:
+    """Whether a pool tensor is counted with the values in the pool's K/V byte split (the rest, offsets and
+    per-frame state included, count with the keys): v_*, s_v_* (a salient plane's), ov_v."""
+    return name.startswith(("v_", "s_v_", "ov_v"))
 

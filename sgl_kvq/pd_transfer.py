@@ -58,16 +58,16 @@ def base_buf_infos(store) -> tuple[list[int], list[int], list[int]]:
 
 
 def request_state_entries(store) -> list[torch.Tensor]:
-    """The overlay frames per layer (zipcache2: with the saliency accumulator of each frame), item = one request
+    """The overlay frames per layer (with the format's per-frame state: zipcache2's saliency accumulator), item = one request
     slot's `ring` consecutive frames (frame_of: slot r owns frames r*ring .. r*ring+ring-1), then the slots'
     pd_window counts (item = one slot's count)."""
-    names = ("ov_k", "ov_v") + (("ov_score",) if store.cfg.is_zipcache else ())
+    names = ("ov_k", "ov_v", *store.frame_state)
     return [getattr(store, n)[layer] for n in names for layer in range(store.shape.layers)] + [store.pd_window]
 
 
 def request_state_layer_ids(store, start_layer: int = 0) -> list[int]:
     """The model layer of each request_state_entries entry (the pd_window counts: the first layer's)."""
-    per = 2 + int(store.cfg.is_zipcache)
+    per = 2 + len(store.frame_state)
     return [start_layer + layer for _ in range(per) for layer in range(store.shape.layers)] + [start_layer]
 
 

@@ -21,11 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+from typing import NamedTuple
 
-from sgl_kvq.quant.gear_page import PageCorrection
-from sgl_kvq.quant.logquant_page import PageRows
-from sgl_kvq.quant.zipcache_page import SalientPlane
+import torch
 
 
 @dataclass
@@ -40,13 +38,10 @@ class LayerKV:
     ov_k: torch.Tensor  # [F, G, H, D] model dtype: the fp16 overlay frames
     ov_v: torch.Tensor  # [F, G, H, D]
     bits: int  # code width b of k_codes and v_codes
-    # gear2 / gearl2: each base page's correction, PageCorrection's tensors with pages P for N (v_out_val and
-    # v_out_idx slot-indexed, [S, H, NV]); None for formats without one.
-    corr: PageCorrection | None = None
-    # logquant2: each base page's fp16 rows (PageRows with pages P for N); None for formats without them.
-    rows: PageRows | None = None
-    # zipcache2: each base page's salient plane (SalientPlane's tensors with pages P for N); None otherwise.
-    sal: SalientPlane | None = None
+    # The tensors the format adds to each page (its Format.extras NamedTuple, shaped as its page_shapes declare:
+    # GEAR's PageCorrection, LogQuant's PageRows, ZipCache's SalientPlane); None for KIVI's pages alone. Its type
+    # names the format (formats.registry.of_extras).
+    extras: NamedTuple | None = None
 
     @property
     def G(self) -> int:

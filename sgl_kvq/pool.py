@@ -16,7 +16,7 @@ import torch
 from sglang.srt.mem_cache.memory_pool import KVCache
 
 from sgl_kvq.kv_store import QuantizedKVStore
-from sgl_kvq.layout import PoolShape
+from sgl_kvq.layout import PoolShape, counts_as_value
 
 logger = logging.getLogger(__name__)
 
@@ -60,14 +60,9 @@ class KVQTokenToKVPool(KVCache):
         # Decode batches per kvq_torch decode path ("pages" / "padded"; sgl_kvq/backends/torch_backend.py), exported
         # with the stats: which path served a workload
         self.decode_batches: collections.Counter[str] = collections.Counter()
-        self.specache = None
-        if cfg.is_specache:
-            from sgl_kvq.specache.state import SpeCacheState
-
-            self.specache = SpeCacheState(cfg, self.shape, num_req_slots, model_dtype, self.store.device)
-            logger.info("sgl_kvq %s host tier: %.2f GiB (%d B/token), top-k buffers %.1f MB", cfg.name,
-                        self.specache.host.nbytes() / 2**30, self.specache.host_bytes_per_token,
-                        self.specache.device_bytes() / 2**20)
+        # the decode strategy's per-pool state (SpeCache's host tier and top-k rows; None for the pool alone)
+        self.strategy = cfg.format.strategy
+        self.specache = self.strategy.state(cfg, self.shape, num_req_slots, model_dtype, self.store.device)
         self._finalize_allocation_log(size)
         if frames_pooled:
             k = shape.pages_per_frame(model_dtype)
@@ -84,25 +79,20 @@ class KVQTokenToKVPool(KVCache):
         """Device bytes of K and of V (SpeCache's host tier is not device memory: see host_bytes())."""
         s = self.store
 
-        def nbytes(prefix: str) -> int:
-            # zipcache2's salient plane: s_k_* / s_v_* with their side, the offsets (s_idx) and the saliency
-            # accumulator (ov_score, which reads keys) with K
-            extra = ["s_idx", "ov_score"] if prefix == "k_" and self.cfg.is_zipcache else []
-            frames = [] if s.frames_pooled else [f"ov_{prefix[0]}"]  # pooled frames are the codes' own bytes
-            names = [n for n in self.shape.base_shapes() if n.startswith(prefix) or n.startswith("s_" + prefix)] \
-                + frames + extra
-            return sum(getattr(s, n).numel() * getattr(s, n).element_size() for n in names)
-
-        k, v = nbytes("k_"), nbytes("v_")
-        if self.cfg.has_rows:  # LogQuant's row offsets serve K and V alike: counted with K
-            k += s.row_off.numel() * s.row_off.element_size()
-        if self.specache is not None:
-            k += self.specache.device_bytes() // 2
-            v += self.specache.device_bytes() - self.specache.device_bytes() // 2
-        return k, v
+        # pooled frames are the codes' own bytes; offsets and per-frame state count with the keys
+        names = [*self.shape.base_shapes(), *([] if s.frames_pooled else ["ov_k", "ov_v"]), *s.frame_state]
+        k = v = 0
+        for n in names:
+            t = getattr(s, n)
+            if counts_as_value(n):
+                v += t.numel() * t.element_size()
+            else:
+                k += t.numel() * t.element_size()
+        state = self.strategy.device_bytes(self.specache)
+        return k + state // 2, v + state - state // 2
 
     def host_bytes(self) -> int:
-        return 0 if self.specache is None else self.specache.host.nbytes()
+        return self.strategy.host_bytes(self.specache)
 
     def stats(self, capacity_tokens: int) -> dict:
         """The live pool's measured bytes (SGLang's /get_server_info internal_states[0]["kv_pool"]): kv_cache_stats
@@ -123,28 +113,20 @@ class KVQTokenToKVPool(KVCache):
             pages_quantized=int(self.store.pages_quantized),
             config={"group_size": self.cfg.group_size, "value_group": self.shape.VG, "residual": self.cfg.residual,
                     "bits": self.cfg.bits, "prefill": self.cfg.prefill,
-                    **({"gear_rank": self.cfg.lowrank_rank, "outliers_per_key_channel": self.shape.NK,
-                        "outliers_per_value_token": self.shape.NV} if self.cfg.has_correction else {}),
-                    **({"logquant_window": self.cfg.logquant_window, "logquant_rows_per_page": self.cfg.logquant_rows}
-                       if self.cfg.has_rows else {}),
-                    **({"salient_per_page": self.cfg.salient_per_page, "salient_bits": self.cfg.salient_bits}
-                       if self.cfg.is_zipcache else {})},
+                    **self.cfg.format.stats(self.cfg, self.shape.format_sizes()[1])},
         )
         if self.decode_batches:
             stats["decode_batches"] = dict(self.decode_batches)
         host = getattr(self, "hicache_host", None)  # HiCache's host tier (patches/hicache.py)
         if host is not None:
             stats.update(hicache_host_tokens=host.size, hicache_host_bytes=host.nbytes(), hicache_layout=host.layout)
-        if self.specache is not None:
-            stats["specache"] = self.specache.stats()
-            stats["host_bytes"] = self.host_bytes()
-            stats["host_bytes_per_token"] = self.host_bytes() / max(capacity_tokens, 1)
+        stats.update(self.strategy.stats(self.specache, capacity_tokens))
         return stats
 
     def request_state_bytes(self) -> int:
         """The per-request fp16 state the pool allocated beyond its pages: static overlay frames (pooled ones are
         pages), and SpeCache's top-k buffers."""
-        return self.store.overlay_bytes() + (0 if self.specache is None else self.specache.device_bytes())
+        return self.store.overlay_bytes() + self.strategy.device_bytes(self.specache)
 
     def get_v_head_dim(self):
         return self.v_head_dim

@@ -42,13 +42,13 @@ def make_pool(G, H, D, VG, bits, reqs, dtype, seed, gear=None, salient=0, rows=N
         v_zero=pages.v_zero.reshape(P * G, H, -1),
         ov_k=(torch.randn(F, G, H, D, generator=gen) * 1.5).to(dtype),
         ov_v=torch.randn(F, G, H, D, generator=gen).to(dtype),
-        bits=bits, corr=corr, sal=sal,
+        bits=bits, extras=corr if corr is not None else sal,
     )
     if rows is not None:
         off = torch.stack([torch.randperm(G, generator=gen)[:rows] for _ in range(P)]).to(torch.uint8)
         off[torch.rand(P, rows, generator=gen) < 0.25] = logquant_page.EMPTY
         k_rows, v_rows = logquant_page.gather_rows(k_pages, v_pages, off)
-        kv.rows = logquant_page.PageRows(k_rows + 0.5, v_rows - 0.5, off)  # differ from the codes' reading
+        kv.extras = logquant_page.PageRows(k_rows + 0.5, v_rows - 0.5, off)  # differ from the codes' reading
     page_ids = (torch.randperm(P - 1, generator=gen) + 1)[: sum(n_base)]
     frame_ids = torch.randperm(F, generator=gen)[: sum(n_ov)]
 

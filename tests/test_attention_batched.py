@@ -98,7 +98,7 @@ def test_batched_decode_with_zipcache_salient_rows_matches_reference(B, group, n
     for G, H, D, VG in SHAPES:
         reqs = random_requests(rng, B, G)
         kv, plan = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=B, salient=ns)
-        kv.sal.v_chan[0] = float("nan")  # dummy page 0 (padding reads it) may hold anything
+        kv.extras.v_chan[0] = float("nan")  # dummy page 0 (padding reads it) may hold anything
         q = torch.randn(B, H * group, D, generator=torch.Generator().manual_seed(B))
         ref = ref_decode(q, kv, plan, D ** -0.5)
         out = attention_batched.decode(q, kv, attention_batched.prepare(plan, G, H), D ** -0.5)
@@ -118,7 +118,7 @@ def test_batched_decode_with_logquant_rows_matches_reference(B, M):
         out = attention_batched.decode(q, kv, attention_batched.prepare(plan, G, H), D ** -0.5)
         assert not out.isnan().any()
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-        kv.rows = None  # the rows change what is read
+        kv.extras = None  # the rows change what is read
         assert not torch.allclose(ref_decode(q, kv, plan, D ** -0.5), ref, atol=1e-4) or not plan.kv_indices.numel()
 
 

@@ -67,7 +67,7 @@ def test_kvq_torch_decode_runs_under_the_limit(two_threads, monkeypatch, path):
     backend.pool = SimpleNamespace(decode_batches=collections.Counter())
     backend.store = SimpleNamespace(cfg=KVQConfig("kivi", 2, attention_threads=1), device=torch.device("cpu"), G=64,
                                     shape=SimpleNamespace(heads=3),
-                                    layer_view=lambda li: SimpleNamespace(corr=None, rows=None, sal=None))
+                                    layer_view=lambda li: SimpleNamespace(extras=None))
     q = torch.zeros(1, 3, 64)
     assert backend.decode(q, 0, SimpleNamespace(plan=object()), 0.125) is q
     assert seen == [(build, 1), ("decode", 1)] and torch.get_num_threads() == 2

@@ -60,7 +60,7 @@ def test_pooled_split_over_budgets(model, name):
         assert s.frames_pooled and s.frame_tokens == shape.cfg.ring_pages * k * shape.G
         assert s.request_bytes + s.tokens * s.per_token_bytes <= budget
         assert s.tokens % shape.G == 0 and (s.tokens // shape.G + 1) % k == 0  # whole frames, page 0 included
-        if shape.cfg.is_specache:  # its top-k rows stay per slot: the share rule, at least one request
+        if shape.cfg.method == "specache":  # its top-k rows stay per slot: the share rule, at least one request
             per_slot = per_request_bytes(shape, model_dtype, frames_pooled=True)
             assert s.max_running_requests >= 1
             assert s.request_bytes <= shape.cfg.overlay_share * budget or s.max_running_requests == 1
@@ -87,7 +87,7 @@ def test_smollm2_at_the_issue_budget_holds_three_times_bf16s_running_requests():
 @pytest.mark.parametrize("host_is_device", [False, True], ids=["gpu", "cpu-engine"])
 def test_static_split_over_budgets(model, name, host_is_device):
     shape, model_dtype = shape_of(model, name)
-    cpu_specache = shape.cfg.is_specache and host_is_device
+    cpu_specache = shape.cfg.method == "specache" and host_is_device
     for gib in BUDGETS_GIB:
         budget = int(gib * GIB)
         try:
@@ -169,7 +169,7 @@ def test_the_charge_is_what_the_pool_allocates(name, pooled):
     slots = 5
     store = QuantizedKVStore(cfg, shape, slots, torch.float16, "cpu", frames_pooled=pooled)
     per_slot = 0 if pooled else store.overlay_bytes()
-    if cfg.is_specache:
+    if cfg.method == "specache":
         from sgl_kvq.specache.state import SpeCacheState
 
         per_slot += SpeCacheState(cfg, shape, slots, torch.float16, torch.device("cpu")).device_bytes()

@@ -57,7 +57,7 @@ def state_bytes(dtype: str) -> int:
         return 0
     cfg = parse_kv_cache_dtype(dtype)
     G = cfg.group_size
-    return cfg.ring_pages * (2 * L * G * H * D * MODEL_BYTES + (L * G * H * 4 if cfg.is_zipcache else 0)) + 8
+    return cfg.ring_pages * (2 * L * G * H * D * MODEL_BYTES + (L * G * H * 4 if cfg.method == "zipcache" else 0)) + 8
 
 
 def page_bytes(dtype: str, prompt_tokens: int) -> int:

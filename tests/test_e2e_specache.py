@@ -12,7 +12,7 @@ import re
 import pytest
 
 from slices import ci_slice, full_matrix
-from sgl_kvq.config import SPECACHE_TOP_K
+from sgl_kvq.formats.specache import SPECACHE_TOP_K
 from sgl_kvq.launch import engine_kwargs
 from sgl_kvq.models import tiny_llama
 

@@ -196,7 +196,7 @@ def test_extend_gear_matches_reference(case, gear):
 def test_gear_correction_layout_is_checked():
     G, H, group, D, VG, reqs = CASES["G16-mha-odd"]
     kv, paged = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=3, gear=GEAR["gear2"])
-    kv.corr = kv.corr._replace(k_w=kv.corr.k_w[:, :, :1])
+    kv.extras = kv.extras._replace(k_w=kv.extras.k_w[:, :, :1])
     p = dec.plan(to_device(paged), num_qo_heads=H, num_kv_heads=H, head_dim=D, page_size=G)
     with pytest.raises(ValueError, match="corr.k_w"):
         dec.run(torch.zeros(len(reqs), H, D, device=DEVICE), to_device(kv), p, 0.125)
@@ -223,7 +223,7 @@ def test_extend_zipcache_matches_reference(case, ns):
 def test_zipcache_salient_layout_is_checked():
     G, H, group, D, VG, reqs = CASES["G16-mha-odd"]
     kv, paged = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=3, salient=3)
-    kv.sal = kv.sal._replace(s_v_scale=kv.sal.s_v_scale[:, :, :2])
+    kv.extras = kv.extras._replace(s_v_scale=kv.extras.s_v_scale[:, :, :2])
     p = dec.plan(to_device(paged), num_qo_heads=H, num_kv_heads=H, head_dim=D, page_size=G)
     with pytest.raises(ValueError, match="sal.s_v_scale"):
         dec.run(torch.zeros(len(reqs), H, D, device=DEVICE), to_device(kv), p, 0.125)
@@ -251,7 +251,7 @@ def test_extend_logquant_rows_match_reference(case, rows):
 def test_logquant_rows_layout_is_checked():
     G, H, group, D, VG, reqs = CASES["G16-mha-odd"]
     kv, paged = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=3, rows=2)
-    kv.rows = kv.rows._replace(row_off=kv.rows.row_off.long())
+    kv.extras = kv.extras._replace(row_off=kv.extras.row_off.long())
     p = dec.plan(to_device(paged), num_qo_heads=H, num_kv_heads=H, head_dim=D, page_size=G)
     with pytest.raises(ValueError, match="rows.row_off"):
         dec.run(torch.zeros(len(reqs), H, D, device=DEVICE), to_device(kv), p, 0.125)

@@ -1,5 +1,5 @@
 """The kernels' format extras group (kernels/format_extras.py) against the layout the pool allocates: the tensors the
-kernels read by name are the ones layout.EXTRA_SHAPES declares, and the sizes read off a pool's layer view are the
+kernels read by name are the ones each format declares (formats.registry.EXTRA_SHAPES), and the sizes read off a pool's layer view are the
 ones PoolShape takes from the config (ZipCache's salient width included). Reading them is checked by the
 kernel-vs-reference tests (tests/test_kernels_attention.py)."""
 
@@ -12,7 +12,8 @@ from sgl_kvq.config import parse_kv_cache_dtype
 from sgl_kvq.kernels.checks import layer_geometry
 from sgl_kvq.kernels.format_extras import FORMATS, format_extras
 from sgl_kvq.kv_store import QuantizedKVStore
-from sgl_kvq.layout import EXTRA_SHAPES, PoolShape
+from sgl_kvq.formats.registry import EXTRA_SHAPES
+from sgl_kvq.layout import PoolShape
 from sgl_kvq.plan import LayerKV
 from sgl_kvq.quant.gear_page import PageCorrection
 from sgl_kvq.quant.logquant_page import PageRows
@@ -49,7 +50,7 @@ def test_sizes_read_off_the_view_are_the_configs(dtype_name):
 def test_zipcache_salient_width_is_the_configs():
     kv, shape = layer_view("zipcache2")
     _, consts = format_extras(kv, layer_geometry(kv))
-    assert consts["SIZES"][1] == shape.cfg.salient_bits
+    assert consts["SIZES"][1] == shape.format_sizes()[1]["salient_bits"]
 
 
 @pytest.mark.parametrize("dtype_name", ["kivi1", "kivi2", "kivi4", "specache2"])
@@ -59,8 +60,9 @@ def test_plain_kivi_pages_have_no_extras(dtype_name):
 
 
 def test_one_format_per_view():
+    """A view holds one extras tuple (LayerKV.extras), so two formats' extras cannot meet; a tuple that no format
+    declares is refused."""
     kv, _ = layer_view("gear2")
-    rows, _ = layer_view("logquant2")
-    kv.rows = rows.rows
-    with pytest.raises(ValueError, match="one format's extras"):
+    kv.extras = tuple(kv.extras)
+    with pytest.raises(ValueError, match="no format declares"):
         format_extras(kv, layer_geometry(kv))

@@ -28,6 +28,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey  # noqa: E402
 
 from sgl_kvq.attention_ref import gather_context  # noqa: E402
 from sgl_kvq.config import KVQConfig  # noqa: E402
+from sgl_kvq.formats import logquant, zipcache  # noqa: E402
 from sgl_kvq.layout import PoolShape  # noqa: E402
 from sgl_kvq.metadata.host import begin_batch, plan_contexts  # noqa: E402
 from sgl_kvq.pool import KVQTokenToKVPool  # noqa: E402
@@ -69,19 +70,20 @@ def expected_context(tokens, n, layer, plan, b, cfg):
         kp = k[:full].reshape(n_base_pages, G, H, D)
         vp = v[:full].reshape(n_base_pages, G, H, D)
         vg = min(cfg.value_group, D)
-        if cfg.is_zipcache:
+        if cfg.method == "zipcache":
             qp = true_q(tokens[:full], layer).reshape(n_base_pages, G, HQ, D)
-            idx = zipcache_page.select_salient(page_scores(qp, kp, SM_SCALE), cfg.salient_per_page)
+            idx = zipcache_page.select_salient(page_scores(qp, kp, SM_SCALE), zipcache.salient_per_page(cfg))
             kq, vq = zipcache_page.dequantize_zipcache_pages(*zipcache_page.pack_zipcache_pages(
                 kp, vp, idx, cfg.bits, vg), cfg.bits)
-        elif cfg.has_correction:
+        elif cfg.method in ("gear", "gearl"):
             kq, vq = gear_page.dequantize_gear_pages(*gear_page.pack_gear_pages(
-                kp, vp, cfg.bits, vg, cfg.lowrank_rank, cfg.gear_iters, cfg.outliers_per_row(G),
-                cfg.outliers_per_row(D)), cfg.bits)
+                kp, vp, cfg.bits, vg, cfg.gear_rank, cfg.gear_iters, cfg.format.outliers_per_row(cfg, G),
+                cfg.format.outliers_per_row(cfg, D)), cfg.bits)
         else:
             kq, vq = kivi_page.dequantize_pages(kivi_page.pack_pages(kp, vp, cfg.bits, vg), cfg.bits)
-        if cfg.has_rows:  # the rows LogQuant's rule keeps at each logical page's exit: a function of positions only
-            off = logquant_page.offsets_table(cfg.logquant_window, G, cfg.ring_pages, n_base_pages, cfg.logquant_rows)
+        if cfg.method == "logquant":  # the rows LogQuant's rule keeps at each logical page's exit: a function of positions only
+            off = logquant_page.offsets_table(cfg.logquant_window, G, cfg.ring_pages, n_base_pages,
+                                               logquant.rows_per_page(cfg))
             kq, vq = logquant_page.apply_rows(kq, vq, logquant_page.PageRows(*logquant_page.gather_rows(kp, vp, off),
                                                                              off))
         k = torch.cat([kq.reshape(-1, H, D)[:nb], k[nb:]])
@@ -134,7 +136,7 @@ class Episode:
                          torch.full((locs.numel(),), end))
         for layer in range(L):
             k, v = true_kv(tokens[:end], layer)
-            q = true_q(tokens[:end], layer)[start:end] if self.cfg.is_zipcache else None
+            q = true_q(tokens[:end], layer)[start:end] if self.cfg.format.needs_queries else None
             store.write_layer(layer, bw, k[start:end], v[start:end], kernels=self.kernels, q=q, sm_scale=SM_SCALE)
             if self.pool.specache is not None:
                 self.pool.specache.host.write(layer, locs, k[start:end], v[start:end])

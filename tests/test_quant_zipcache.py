@@ -9,6 +9,7 @@ import torch
 
 from sgl_kvq.attention_ref import gather_context
 from sgl_kvq.config import KVQConfig, KVQConfigError, parse_kv_cache_dtype
+from sgl_kvq.formats.zipcache import salient_per_page
 from sgl_kvq.kv_store import QuantizedKVStore
 from sgl_kvq.layout import PoolShape
 from sgl_kvq.metadata import host
@@ -105,7 +106,7 @@ def test_channel_separable_values_beat_plain_per_token_on_an_outlier_channel():
 
 def test_salient_count_and_bad_knobs():
     assert salient_count(0.4, 64) == 26 and salient_count(0.01, 16) == 1
-    assert parse_kv_cache_dtype("zipcache2").salient_per_page == 26
+    assert salient_per_page(parse_kv_cache_dtype("zipcache2")) == 26
     for bad in (0.0, 1.0, 0.999):
         with pytest.raises(KVQConfigError, match="KVQ_ZIPCACHE_SALIENT"):
             KVQConfig(method="zipcache", bits=2, zipcache_salient=bad)

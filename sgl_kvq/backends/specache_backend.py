@@ -34,6 +34,10 @@ class KVQSpeCacheBackend(KVQTorchBackend):
         self.req = None  # request slots of the forward's real (or pre-decode) rows
         self.prefix_slots: list[torch.Tensor] = []
 
+    def _use_cpu_kernel(self) -> bool:
+        """Never: SpeCache's decode lanes (sgl_kvq/specache/) attend on the torch path."""
+        return False
+
     def init_forward_metadata(self, forward_batch):
         mode = forward_batch.forward_mode
         if not mode.is_decode():

@@ -48,10 +48,9 @@ class KVQTorchBackend(KVQAttentionBackendBase):
         self._checked_layers: set[int] = set()  # layer views the C kernel's layout check has passed
 
     def _use_cpu_kernel(self) -> bool:
-        """Whether decode of a kivi format runs the C kernel (built here, once per machine, about 2 s). Not for
-        specache: its decode lanes (sgl_kvq/specache/) attend on the torch path."""
+        """Whether decode of a kivi format runs the C kernel (built here, once per machine, about 2 s)."""
         cfg = self.store.cfg
-        if not cfg.cpu_kernel or cfg.is_specache or self.store.device.type != "cpu":
+        if not cfg.cpu_kernel or self.store.device.type != "cpu":
             return False
         if cpu_decode_attention.available():
             return True

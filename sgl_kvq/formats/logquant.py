@@ -1,0 +1,89 @@
+"""LogQuant (logquant2): KIVI's 2-bit page plus M fp16 row slots holding the positions LogQuant's rule keeps when
+the page leaves the fp16 window, read instead of their codes (sgl_kvq/quant/logquant_page.py, the one
+implementation; kernels/logquant_extras_kernel.py replaces them in registers). Which rows a page keeps depends on
+its logical page index alone, so its write needs each completing page's index (PageWrite.lpages)."""
+
+from __future__ import annotations
+
+import torch
+
+from sgl_kvq.errors import KVQConfigError
+from sgl_kvq.formats.base import Format, PageWrite
+from sgl_kvq.layout import PageGeometry, Shapes
+from sgl_kvq.quant import kivi_page
+from sgl_kvq.quant.logquant_page import EMPTY, PageRows, apply_rows, gather_rows, max_rows, offsets_table, \
+    select_pages
+from sgl_kvq.quant.uniform import SCALE_DTYPE
+
+
+def logquant_shapes(g: PageGeometry, rows: int) -> Shapes:
+    """One layer's row slots: PageRows' fields in its order."""
+    return {
+        "k_rows": ((g.P, rows, g.H, g.D), SCALE_DTYPE), "v_rows": ((g.P, rows, g.H, g.D), SCALE_DTYPE),
+        "row_off": ((g.P, rows), torch.uint8),
+    }
+
+
+def rows_per_page(cfg) -> int:
+    """M: the most rows one page keeps at its exit from the fp16 window."""
+    return max_rows(cfg.logquant_window, cfg.group_size, cfg.ring_pages)
+
+
+class LogQuant(Format):
+    family = "logquant"
+    bits = (2,)
+    extras = PageRows
+    kernel = "logquant"
+    plain_pages = False
+
+    def check_knobs(self, cfg) -> None:
+        if cfg.logquant_window < 1:
+            raise KVQConfigError(f"sgl_kvq: KVQ_LOGQUANT_WINDOW={cfg.logquant_window} must be at least 1, e.g. 10")
+
+    def check(self, cfg) -> None:
+        if cfg.group_size > 128:
+            raise KVQConfigError(f"sgl_kvq: logquant2 stores row offsets as uint8 with 255 for an empty slot: "
+                                 f"G={cfg.group_size} must be at most 128, e.g. 64")
+
+    def sizes(self, cfg, g: PageGeometry) -> dict[str, int]:
+        return dict(rows=rows_per_page(cfg))
+
+    def page_shapes(self, g: PageGeometry, **sizes) -> Shapes:
+        return logquant_shapes(g, **sizes)
+
+    def stats(self, cfg, sizes: dict[str, int]) -> dict:
+        return {"logquant_window": cfg.logquant_window, "logquant_rows_per_page": sizes["rows"]}
+
+    def tables(self, cfg, g: PageGeometry, device: torch.device) -> dict[str, torch.Tensor]:
+        # the row offsets per logical page: a request's logical pages never outnumber the pool's pages
+        return {"row_table": offsets_table(cfg.logquant_window, cfg.group_size, cfg.ring_pages, g.P,
+                                           rows_per_page(cfg), device)}
+
+    def _rows(self, lpages, k, v, tables: dict) -> PageRows:
+        if lpages is None:
+            raise ValueError("sgl_kvq: logquant2 pages need their logical page indices (lpages) to pick their rows")
+        off = tables["row_table"][lpages.long()]
+        return PageRows(*gather_rows(k, v, off), off)
+
+    def pack(self, cfg, value_group: int, k, v, w: PageWrite, tables: dict):
+        base = kivi_page.pack_pages(k, v, cfg.bits, value_group, specache_one_bit=cfg.specache_one_bit)
+        return base, self._rows(w.lpages, k, v, tables)
+
+    def kernel_extras(self, pages, lpages, pages_kv, tables: dict):
+        # every row's frame gives its rows (static shapes, no sync); rows that complete no page write dummy page 0
+        return self._rows(lpages, *pages_kv(), tables)
+
+    def correct(self, k, v, extras, pages):
+        return apply_rows(k, v, select_pages(extras, pages))
+
+    def correct_padded(self, k, v, r: PageRows, ctx) -> None:
+        """The stored rows written over their positions, base pages only (apply_rows' rule)."""
+        off = r.row_off[ctx.pages]  # [B, U, M]
+        b, u, j = ((off != EMPTY) & ctx.is_base_page[..., None]).nonzero(as_tuple=True)
+        t = off[b, u, j].long()
+        pg = ctx.pages[b, u]
+        k[:, b, u, t] = r.k_rows[pg, j].float().transpose(0, 1)  # [H, n, D]
+        v[:, b, u, t] = r.v_rows[pg, j].float().transpose(0, 1)
+
+
+FORMAT = LogQuant()

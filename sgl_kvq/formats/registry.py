@@ -1,0 +1,31 @@
+"""Every served format, and the map from a --kv-cache-dtype name to its format. Adding a format is one module in
+sgl_kvq/formats/ and one entry in FORMATS (docs/formats.md)."""
+
+from __future__ import annotations
+
+from sgl_kvq.formats import gear, kivi, logquant, specache, zipcache
+from sgl_kvq.formats.base import Format
+
+FORMATS: tuple[Format, ...] = (kivi.FORMAT, specache.FORMAT, gear.GEAR, gear.GEARL, logquant.FORMAT,
+                               zipcache.FORMAT)
+BY_FAMILY = {f.family: f for f in FORMATS}
+# The dtype names SGLang's --kv-cache-dtype gains (the CLI choices), in FORMATS' order.
+DTYPE_NAMES = tuple(name for f in FORMATS for name in f.dtype_names())
+# The format whose extras are a NamedTuple type: how a layer view (LayerKV.extras) names its format.
+_BY_EXTRAS = {f.extras: f for f in FORMATS if f.extras is not None}
+# The kernels' extras tensors per FORMAT constexpr (kernels/format_extras.py checks a layer view against them).
+EXTRA_SHAPES = {f.kernel: f.page_shapes for f in FORMATS if f.kernel}
+
+
+def family(name: str) -> Format | None:
+    return BY_FAMILY.get(name)
+
+
+def of_extras(extras: tuple | None) -> Format:
+    """The format a layer view's extras belong to (KIVI's pages for none)."""
+    if extras is None:
+        return kivi.FORMAT
+    fmt = _BY_EXTRAS.get(type(extras))
+    if fmt is None:
+        raise ValueError(f"sgl_kvq: a layer view carries {type(extras).__name__}, which no format declares")
+    return fmt

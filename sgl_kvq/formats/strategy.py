@@ -1,0 +1,61 @@
+"""How a format's decode reads its KV: the interface that the sizing, the server-argument resolution, the pool and
+the backend registration ask, instead of testing for SpeCache.
+
+The default strategy reads the pool alone (the packed pages and the fp16 frames): no host memory, no per-request
+state beyond the frames, every SGLang feature the pool supports, decode under CUDA graphs on kvq_triton. SpeCache's
+strategy (sgl_kvq/specache/strategy.py) adds a 16-bit host tier and a speculative decode lane.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class DecodeStrategy:
+    # Whether decode runs in SGLang's eager forward (a hook on it), never under CUDA graphs.
+    eager_decode: bool = False
+
+    def host_bytes_per_token(self, shape, model_dtype: torch.dtype) -> int:
+        """Host RAM each pool token takes beside its device pages."""
+        return 0
+
+    def host_budget_bytes(self, host_is_device: bool) -> int | None:
+        """The host RAM the strategy may take where it is not the device's memory (None: it takes none)."""
+        return None
+
+    def request_bytes(self, cfg, shape, model_dtype: torch.dtype) -> int:
+        """Device bytes each request slot owns for the server's life beyond its frames."""
+        return 0
+
+    def refusal(self, feature: str, name: str) -> str | None:
+        """Why `feature` ("hicache", "disaggregation") cannot serve dtype `name` with this strategy, or None."""
+        return None
+
+    def state(self, cfg, shape, num_req_slots: int, model_dtype: torch.dtype, device):
+        """The per-pool runtime state (KVQTokenToKVPool.specache), or None."""
+        return None
+
+    def device_bytes(self, state) -> int:
+        """Device bytes of that state (counted half with K, half with V in the pool's byte split)."""
+        return 0
+
+    def host_bytes(self, state) -> int:
+        """Host bytes of that state."""
+        return 0
+
+    def stats(self, state, capacity_tokens: int) -> dict:
+        """The state's entries in the pool's stats."""
+        return {}
+
+    def backend(self, name: str):
+        """The attention backend class serving `name` ("kvq_torch", "kvq_triton")."""
+        if name == "kvq_torch":
+            from sgl_kvq.backends.torch_backend import KVQTorchBackend
+
+            return KVQTorchBackend
+        from sgl_kvq.backends.triton_backend import KVQTritonBackend
+
+        return KVQTritonBackend
+
+
+POOL_ONLY = DecodeStrategy()

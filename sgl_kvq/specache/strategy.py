@@ -1,0 +1,80 @@
+"""SpeCache's decode strategy (formats/strategy.py's interface): every pool token's 16-bit K/V in a host tier,
+per request slot the prefetched top-k rows, and a two-lane decode in SGLang's eager forward
+(patches/specache_lanes.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from sgl_kvq import env
+from sgl_kvq.formats.strategy import DecodeStrategy
+
+logger = logging.getLogger("sgl_kvq.pool")
+
+_REFUSALS = {
+    # HiCache's host pool holds the packed pages only, and evicting a page would leave its host rows behind.
+    "hicache": "--enable-hierarchical-cache (HiCache) is not supported with {name} (it keeps its own host tier); "
+               "use kivi/gear/logquant/zipcache dtypes with HiCache",
+    # The 16-bit host tier is not described to SGLang's KV transfer: the decode side would get packed pages
+    # without the host rows its top-k lane reads.
+    "disaggregation": "prefill/decode disaggregation is not supported with {name} (its 16-bit host tier is not "
+                      "sent); use a kivi/gear/logquant/zipcache dtype",
+}
+
+
+class SpeCacheStrategy(DecodeStrategy):
+    # the lanes hook SGLang's eager decode forward
+    eager_decode = True
+
+    def host_bytes_per_token(self, shape, model_dtype: torch.dtype) -> int:
+        from sgl_kvq.specache.host_tier import host_bytes_per_token
+
+        return host_bytes_per_token(shape.layers, shape.heads, shape.head_dim, model_dtype)
+
+    def host_budget_bytes(self, host_is_device: bool) -> int | None:
+        if host_is_device:
+            return None
+        from sgl_kvq.specache.host_tier import available_host_bytes
+
+        return int(available_host_bytes() * env.host_mem_fraction())
+
+    def request_bytes(self, cfg, shape, model_dtype: torch.dtype) -> int:
+        from sgl_kvq.specache.state import topk_bytes_per_request
+
+        return topk_bytes_per_request(cfg, shape, model_dtype)
+
+    def refusal(self, feature: str, name: str) -> str | None:
+        reason = _REFUSALS.get(feature)
+        return None if reason is None else reason.format(name=name)
+
+    def state(self, cfg, shape, num_req_slots: int, model_dtype: torch.dtype, device):
+        from sgl_kvq.specache.state import SpeCacheState
+
+        state = SpeCacheState(cfg, shape, num_req_slots, model_dtype, device)
+        logger.info("sgl_kvq %s host tier: %.2f GiB (%d B/token), top-k buffers %.1f MB", cfg.name,
+                    state.host.nbytes() / 2**30, state.host_bytes_per_token, state.device_bytes() / 2**20)
+        return state
+
+    def device_bytes(self, state) -> int:
+        return state.device_bytes()
+
+    def host_bytes(self, state) -> int:
+        return state.host.nbytes()
+
+    def stats(self, state, capacity_tokens: int) -> dict:
+        host = self.host_bytes(state)
+        return {"specache": state.stats(), "host_bytes": host, "host_bytes_per_token": host / max(capacity_tokens, 1)}
+
+    def backend(self, name: str):
+        if name == "kvq_torch":
+            from sgl_kvq.backends.specache_backend import KVQSpeCacheBackend
+
+            return KVQSpeCacheBackend
+        from sgl_kvq.backends.specache_triton_backend import KVQSpeCacheTritonBackend
+
+        return KVQSpeCacheTritonBackend
+
+
+STRATEGY = SpeCacheStrategy()
