@@ -120,9 +120,17 @@ def unpacked_codes(codes: torch.Tensor, slot_rows: torch.Tensor, bits: int) -> t
     interleaved into fp32 (8 // bits strided copies) 0.4-2.3. In the engine (2 OMP threads on a loaded 2-core
     machine) those strided copies were 63% of kivi2's decode step (py-spy on the scheduler)."""
     packed = _rows(codes, slot_rows, codes.shape[1])  # [H, N, Dp]: small, uint8
-    key = (codes.device, bits)
+    if bits == 3:  # two planes (sgl_kvq.quant.pack): code = low | high << 2
+        lo = pack.low_plane_bytes(packed.shape[2] * 8 // 3)
+        return _unpack_words(packed[..., :lo], 2).bitwise_or_(_unpack_words(packed[..., lo:], 1).bitwise_left_shift_(2))
+    return _unpack_words(packed, bits)
+
+
+def _unpack_words(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """[H, N, M] packed bytes of a power-of-two width -> [H, N, M * 8 // bits] uint8 codes."""
+    key = (packed.device, bits)
     if key not in _WORD_LUTS:
-        table = pack.unpack(torch.arange(256, dtype=torch.uint8, device=codes.device)[:, None], bits)
+        table = pack.unpack(torch.arange(256, dtype=torch.uint8, device=packed.device)[:, None], bits)
         _WORD_LUTS[key] = table.contiguous().view(_WORD[bits]).reshape(256)
     words = torch.index_select(_WORD_LUTS[key], 0, packed.reshape(-1).int())
     return words.view(torch.uint8).view(packed.shape[0], packed.shape[1], packed.shape[2] * 8 // bits)

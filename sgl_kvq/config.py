@@ -1,6 +1,6 @@
 """The one frozen config that flows from `--kv-cache-dtype` to the pool, the backends and the kernels.
 
-A dtype name is `<method><bits>` (kivi1, kivi2, kivi4, specache1, specache2, gear2, gearl2, zipcache2). Knobs that
+A dtype name is `<method><bits>` (kivi1, kivi2, kivi3, kivi4, specache1, specache2, gear2, gearl2, zipcache2). Knobs that
 SGLang's command line has no room for come from environment variables with the `KVQ_` prefix (read in one place,
 `sgl_kvq.env`), so they reach SGLang's spawned scheduler processes unchanged. Defaults are the papers': G = 64,
 residual window R = 64 (SpeCache's G and R; KIVI's paper uses G = 32 and R = 32..128).
@@ -25,10 +25,10 @@ from sgl_kvq.quant.zipcache_page import SALIENT_BITS, salient_count
 # (sgl_kvq/quant/logquant_page.py).
 # zipcache: KIVI's 2-bit base plus, per page and KV head, its most salient tokens (ZipCache's normalized attention
 # score over the page's own queries) at 4 bit (sgl_kvq/quant/zipcache_page.py). The name carries the base width.
-METHOD_BITS = {"kivi": (1, 2, 4), "specache": (1, 2), "gear": (2,), "gearl": (2,), "logquant": (2,),
+METHOD_BITS = {"kivi": (1, 2, 3, 4), "specache": (1, 2), "gear": (2,), "gearl": (2,), "logquant": (2,),
                "zipcache": (2,)}
 METHODS = tuple(METHOD_BITS)
-BITS = (1, 2, 4)
+BITS = (1, 2, 3, 4)
 # The dtype names SGLang's --kv-cache-dtype gains. Every one is served by the same pool and backends.
 DTYPE_NAMES = tuple(f"{m}{b}" for m, bits in METHOD_BITS.items() for b in bits)
 
@@ -51,7 +51,7 @@ class KVQConfigError(ValueError):
 @dataclass(frozen=True)
 class KVQConfig:
     method: str  # a METHOD_BITS key
-    bits: int  # code width of keys and values in the packed base: 1, 2 or 4 (specache: 1 or 2)
+    bits: int  # code width of keys and values in the packed base: 1, 2, 3 or 4 (specache: 1 or 2)
     group_size: int = 64  # G: tokens per page = key quantization group (keys per-channel over a page)
     value_group: int = 64  # channels per value quantization group (values per-token); clipped to head_dim
     residual: int = 64  # R: most recent complete tokens kept fp16 in the overlay, a multiple of G

@@ -3,7 +3,8 @@
 A page is G = cfg.group_size consecutive token positions of ONE request (SGLang's paged allocator: position p sits at
 in-page offset p % G) and is also the key quantization group. Token slot s lives in page s // G at offset s % G.
 Page 0 (slots 0..G-1) is SGLang's dummy page for padded writes. L layers, H KV heads, D head dim, b bits,
-VG = value channel group, Dp = D * b // 8 packed bytes per token-head.
+VG = value channel group, Dp = D * b // 8 packed bytes per token-head (b = 3: a 2-bit plane of D // 4 bytes, then a
+1-bit plane of D // 8 bytes; sgl_kvq.quant.pack).
 
 Base (complete pages, immutable once quantized; shared by the radix tree):
     k_codes  [L, S, H, Dp]      uint8   keys, b-bit codes packed along D (sgl_kvq.quant.pack)

@@ -39,7 +39,7 @@ SHAPES = [  # (G, H, D, VG)
 
 @pytest.mark.parametrize("B", range(1, 10))
 @pytest.mark.parametrize("group", [1, 2, 3, 4])
-@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
 def test_batched_decode_matches_reference(B, group, bits):
     rng = random.Random(B * 100 + group * 10 + bits)
     G, H, D, VG = SHAPES[(B + group + bits) % len(SHAPES)]

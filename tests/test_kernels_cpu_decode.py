@@ -46,7 +46,7 @@ def decode(q, kv, plan):
 
 @pytest.mark.parametrize("B", range(1, 10))
 @pytest.mark.parametrize("group", [1, 2, 3, 4])
-@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
 def test_matches_reference(B, group, bits):
     rng = random.Random(B * 100 + group * 10 + bits + 2)
     G, H, D, VG = SHAPES[(B + group + bits) % len(SHAPES)]

@@ -55,7 +55,7 @@ def assert_untouched(kv: LayerKV, dst: list[int], G: int) -> None:
     assert kv.k_scale.cpu()[keep].isnan().all() and kv.v_scale.cpu()[slots].isnan().all()
 
 
-@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
 @pytest.mark.parametrize("G,H,D,VG", [(16, 2, 64, 64), (32, 1, 128, 32), (64, 2, 64, 16)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_quantize_pages_bit_exact(bits, G, H, D, VG, dtype):
