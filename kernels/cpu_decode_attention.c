@@ -5,7 +5,8 @@
  * Layouts (sgl_kvq/plan.py LayerKV and PagedPlan, one layer; asserted by the launcher, cpu_decode_attention.py):
  *   q, out     [B, Hq, D]      fp32 / fp16 / bf16 (dtype code 0 / 1 / 2), contiguous
  *   k_codes    [S, H, D*b/8]   uint8, b-bit codes packed along D (sgl_kvq/quant/pack.py: element i in byte
- *   v_codes                    i / (8/b) at bit (i % (8/b)) * b)
+ *   v_codes                    i / (8/b) at bit (i % (8/b)) * b; b = 3: a 2-bit plane of D/4 bytes, then a
+ *                              1-bit plane of D/8 bytes, code = low | high << 2)
  *   k_scale    [P, H, D]       fp16 per page and channel: key = code * scale + zero
  *   k_zero
  *   v_scale    [S, H, NG]      fp16 per token and group of D / NG channels: value = code * scale + zero
@@ -75,10 +76,13 @@ typedef struct {
 /* Byte value -> its 8 / b codes as floats, in element order (a copy per packed byte instead of a shift, mask and
  * convert per code: the unpack was most of a token's work). */
 static float LUT1[256][8], LUT2[256][4], LUT4[256][2];
+/* 3-bit rows' high plane: a byte's 8 bits as 0 or 4 (the high bit's weight), added onto the low plane's codes */
+static float LUT1_HIGH3[256][8];
 
 __attribute__((constructor)) static void init_luts(void) {
     for (int v = 0; v < 256; v++) {
         for (int s = 0; s < 8; s++) LUT1[v][s] = (float)((v >> s) & 1);
+        for (int s = 0; s < 8; s++) LUT1_HIGH3[v][s] = (float)(((v >> s) & 1) << 2);
         for (int s = 0; s < 4; s++) LUT2[v][s] = (float)((v >> (2 * s)) & 3);
         for (int s = 0; s < 2; s++) LUT4[v][s] = (float)((v >> (4 * s)) & 15);
     }
@@ -88,6 +92,13 @@ __attribute__((constructor)) static void init_luts(void) {
 static inline void unpack_row(const uint8_t *restrict p, float *restrict c, int D, const int b) {
     if (b == 8) {
         for (int d = 0; d < D; d++) c[d] = (float)p[d];
+        return;
+    }
+    if (b == 3) {
+        for (int j = 0; j < D / 4; j++) memcpy(c + j * 4, LUT2[p[j]], sizeof(float) * 4);
+        const uint8_t *high = p + D / 4;
+        for (int j = 0; j < D / 8; j++)
+            for (int s = 0; s < 8; s++) c[j * 8 + s] += LUT1_HIGH3[high[j]][s];
         return;
     }
     const int k = 8 / b;
@@ -243,6 +254,7 @@ int kvq_cpu_decode(const void *q, void *out, const uint8_t *k_codes, const uint8
         switch (bits) {
             case 1: run_task(&a, b, h, u0, u1, part, 1); break;
             case 2: run_task(&a, b, h, u0, u1, part, 2); break;
+            case 3: run_task(&a, b, h, u0, u1, part, 3); break;
             case 4: run_task(&a, b, h, u0, u1, part, 4); break;
             default: run_task(&a, b, h, u0, u1, part, 8); break;
         }

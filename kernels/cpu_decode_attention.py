@@ -127,7 +127,7 @@ def check_layer(kv: LayerKV) -> None:
     """kv against the layout the kernel indexes (its header): every buffer contiguous, on the CPU."""
     F, G, H, D = kv.ov_k.shape
     _require(supports(kv), "the layer view has per-page extras or is not on the CPU")
-    _require(kv.bits in (1, 2, 4, 8), f"bits must be 1, 2, 4 or 8, got {kv.bits}")
+    _require(kv.bits in (1, 2, 3, 4, 8), f"bits must be 1, 2, 3, 4 or 8, got {kv.bits}")
     S, Dp, NG = kv.k_codes.shape[0], packed_dim(D, kv.bits), kv.v_scale.shape[-1]
     _require(S % G == 0, f"k_codes has {S} slots, not a multiple of G={G}")
     _require(NG > 0 and D % NG == 0, f"v_scale's last dim {NG} does not divide head_dim {D}")

@@ -1,6 +1,6 @@
 """kvq_torch's batched decode (sgl_kvq/attention_batched.py) against its oracle attention_ref.ref_decode on random
 pools: batch sizes 1..9, contexts shorter than a page, partial last pages, empty overlays, GQA groups 1..4,
-1/2/4 bits, fp32 within 1e-5."""
+1/2/3/4 bits, fp32 within 1e-5."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The CPU decode kernel (kernels/cpu_decode_attention.c) against its oracle attention_ref.ref_decode on random pools:
-batch sizes 1..9, GQA groups 1..4, 1/2/4 bits, pages of 8..128 tokens, head dims 24..128, 1..4 value groups,
+batch sizes 1..9, GQA groups 1..4, 1/2/3/4 bits, pages of 8..128 tokens, head dims 24..128, 1..4 value groups,
 contexts shorter than a page, partial last pages and frames (NaN past each end), empty overlays or bases; fp32
 within 1e-5, one thread and two, tasks split down to one unit (the partial merge); the engine's 16-bit dtypes; the
 layout check; the build cache. Skipped only where no C compiler is on PATH (then kvq_torch keeps its torch paths)."""
