@@ -1,6 +1,6 @@
 """kvq_torch's page-by-page decode (sgl_kvq/attention_pages.py) against its oracle attention_ref.ref_decode and the
 padded path (attention_batched) on random pools: batch sizes 1..9, contexts shorter than a page, partial last pages
-and frames (NaN past each end), empty overlays or bases, GQA groups 1..4, 1/2/4 bits, 1..4 value groups per head,
+and frames (NaN past each end), empty overlays or bases, GQA groups 1..4, 1/2/3/4 bits, 1..4 value groups per head,
 fp32 within 1e-5."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def decode(q, kv, plan, G, H, ws=None):
 
 @pytest.mark.parametrize("B", range(1, 10))
 @pytest.mark.parametrize("group", [1, 2, 3, 4])
-@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
 def test_page_decode_matches_reference(B, group, bits):
     rng = random.Random(B * 100 + group * 10 + bits + 1)
     G, H, D, VG = SHAPES[(B + group + bits) % len(SHAPES)]
