@@ -11,7 +11,9 @@
  *   k_zero
  *   v_scale    [S, H, NG]      fp16 per token and group of D / NG channels: value = code * scale + zero
  *   v_zero
- *   ov_k, ov_v [F, G, H, D]    fp32 / fp16 / bf16 overlay frames (the model's dtype), as stored
+ *   ov_k, ov_v [F, G, H, D]    fp32 / fp16 / bf16 overlay frames (the model's dtype), as stored; frame f starts
+ *                              at element f * ov_stride (pooled kivi3 frames lie k pages' codes apart, more than
+ *                              a frame), each frame contiguous
  *   plan       kv_indptr [B+1], kv_indices, kv_last [B]; ov_indptr [B+1], ov_indices, ov_last [B]: int32
  * Request b's context is its base pages then its overlay frames; the last page of each list holds *_last tokens.
  *
@@ -70,6 +72,7 @@ typedef struct {
     const uint16_t *ov_k, *ov_v;
     const int32_t *kv_indptr, *kv_indices, *kv_last, *ov_indptr, *ov_indices, *ov_last;
     int H, Hq, D, G, NG, q_dtype, ov_dtype;
+    long ov_stride;
     float sm_scale;
 } Args;
 
@@ -177,13 +180,13 @@ static inline void overlay_frame(const Args *a, int frame, int n, int h, const f
     const int D = a->D, H = a->H, G = a->G, g = a->Hq / a->H;
     float c[D];
     for (int t = 0; t < n; t++) {
-        const long row = ((long)(frame * G + t) * H + h) * D;
+        const long row = frame * a->ov_stride + ((long)t * H + h) * D;
         for (int d = 0; d < D; d++) c[d] = load(a->ov_k, row + d, a->ov_dtype);
         for (int j = 0; j < g; j++) s[j * G + t] = dot(qh + j * D, c, D);
     }
     softmax_step(s, m, l, acc, g, n, G, D);
     for (int t = 0; t < n; t++) {
-        const long row = ((long)(frame * G + t) * H + h) * D;
+        const long row = frame * a->ov_stride + ((long)t * H + h) * D;
         for (int d = 0; d < D; d++) c[d] = load(a->ov_v, row + d, a->ov_dtype);
         for (int j = 0; j < g; j++) axpy(acc + j * D, c, s[j * G + t], D);
     }
@@ -224,9 +227,9 @@ int kvq_cpu_decode(const void *q, void *out, const uint8_t *k_codes, const uint8
                    const uint16_t *ov_k, const uint16_t *ov_v, const int32_t *kv_indptr, const int32_t *kv_indices,
                    const int32_t *kv_last, const int32_t *ov_indptr, const int32_t *ov_indices,
                    const int32_t *ov_last, int B, int H, int Hq, int D, int G, int bits, int NG, int q_dtype,
-                   int ov_dtype, float sm_scale, int chunk, int threads, float *partial) {
+                   int ov_dtype, long ov_stride, float sm_scale, int chunk, int threads, float *partial) {
     const Args a = {q, out, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, ov_k, ov_v, kv_indptr, kv_indices,
-                    kv_last, ov_indptr, ov_indices, ov_last, H, Hq, D, G, NG, q_dtype, ov_dtype, sm_scale};
+                    kv_last, ov_indptr, ov_indices, ov_last, H, Hq, D, G, NG, q_dtype, ov_dtype, ov_stride, sm_scale};
     /* partial [tasks, g, D + 2]: per query head of a task its weighted values, then max and sum */
     const int g = Hq / H, stride = g * (D + 2);
     /* request b's tasks are first[b] .. first[b + 1] - 1, H x its chunks in (head, chunk) order; task_b[t]: the

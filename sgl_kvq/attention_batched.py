@@ -104,6 +104,17 @@ def _rows(x: torch.Tensor, rows: torch.Tensor, H: int) -> torch.Tensor:
     return x.reshape(-1, *x.shape[2:]).index_select(0, rows).view(H, -1, *x.shape[2:])
 
 
+def frame_rows(ov: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Overlay frames ov [F, G, H, D] gathered at head-major rows ((frame * G + offset) * H + head) -> [H, N, D].
+    Pooled kivi3 frames lie k pages' bytes apart (sgl_kvq/frames.py frame_view), where a reshape to rows would copy
+    every frame of the layer: rows are then found by frame and row within it."""
+    F, G, H, D = ov.shape
+    if ov.is_contiguous():
+        return _rows(ov.view(F * G, H, D), rows, H)
+    per = G * H
+    return ov.view(F, per, D)[rows // per, rows % per].view(H, -1, D)
+
+
 # Per (device, bits): byte value -> its 8 // bits codes in natural order, packed into one word (uint8 lanes of an
 # int64 / int32 / int16: a little-endian word's byte i is element i).
 _WORD_LUTS: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -167,7 +178,7 @@ def context(kv: LayerKV, ctx: BatchedContext, ws: Workspace | None = None) -> tu
         _salient(k.view(H, B, units, G, D), v.view(H, B, units, G, D), kv.sal, ctx)
     if ctx.ov_dst.numel():
         for dst, ov in ((k, kv.ov_k), (v, kv.ov_v)):
-            dst.index_copy_(1, ctx.ov_dst, _rows(ov.reshape(-1, H, D), ctx.ov_head_rows, H).float())
+            dst.index_copy_(1, ctx.ov_dst, frame_rows(ov, ctx.ov_head_rows).float())
     return k.view(H, B, units * G, D), v.view(H, B, units * G, D)
 
 

@@ -29,10 +29,17 @@ from sgl_kvq.layout import PoolShape, frame_of
 
 
 def can_pool(shape: PoolShape, model_dtype: torch.dtype) -> bool:
-    """Whether a frame is a whole number k of pages (not at 3 bits: a bf16 row of 64 channels is 128 bytes, 5.33 code
-    rows of 24) and the padded rows' writes to dummy frame 0 (its first row) stay inside page 0: k <= G."""
-    frame_row = shape.head_dim * torch.empty((), dtype=model_dtype).element_size()
-    return frame_row % shape.Dp == 0 and shape.pages_per_frame(model_dtype) <= shape.G
+    """Whether the padded rows' writes to dummy frame 0 (its first row) stay inside page 0: k <= G."""
+    return shape.pages_per_frame(model_dtype) <= shape.G
+
+
+def frame_view(codes: torch.Tensor, num_frames: int, G: int, H: int, D: int, model_dtype: torch.dtype) -> torch.Tensor:
+    """Pooled frames over a pool's codes [L, S, H, Dp] (uint8, num_frames * k whole pages) -> [L, F, G, H, D] in the
+    model dtype: frame f at the start of its k pages' bytes. Contiguous where a frame fills its pages; at 3 bits
+    (k pages hold more than a frame) frames are k pages' bytes apart and each frame is contiguous."""
+    L = codes.shape[0]
+    frame_bytes = G * H * D * torch.empty((), dtype=model_dtype).element_size()
+    return codes.view(L, num_frames, -1)[:, :, :frame_bytes].view(model_dtype).view(L, num_frames, G, H, D)
 
 
 def pooled_frames(shape: PoolShape, model_dtype: torch.dtype, disaggregation_mode: str, hicache: bool) -> bool:
@@ -40,7 +47,7 @@ def pooled_frames(shape: PoolShape, model_dtype: torch.dtype, disaggregation_mod
     as one row of its per-request state (indexed by request slot: sgl_kvq/pd_transfer.py), HiCache is on (its
     load-back places a request's prefix pages before the request gets its frames, and those pages, locked, can leave
     no whole frame free: measured on the tiny Llama's 3-frame pool), or a frame spans more pages than a page has
-    tokens or is not a whole number of pages (can_pool)."""
+    tokens."""
     return shape.cfg.frames == "pooled" and disaggregation_mode not in ("prefill", "decode") and not hicache \
         and can_pool(shape, model_dtype)
 

@@ -52,6 +52,18 @@ def test_batched_decode_matches_reference(B, group, bits):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("B", [1, 5])
+def test_frames_apart_as_pooled_kivi3(B):
+    """Pooled kivi3 frames lie k pages' codes apart (sgl_kvq/frames.py frame_view): read in place, not reshaped."""
+    G, H, D, VG = SHAPES[1]
+    reqs = random_requests(random.Random(B), B, G)
+    kv, plan = make_pool(G, H, D, VG, 3, reqs, torch.bfloat16, seed=B, frame_gap=3 * D)
+    assert not kv.ov_k.is_contiguous()
+    q = torch.randn(B, H * 3, D, generator=torch.Generator().manual_seed(B))
+    out = attention_batched.decode(q, kv, attention_batched.prepare(plan, G, H), D ** -0.5)
+    torch.testing.assert_close(out, ref_decode(q, kv, plan, D ** -0.5), rtol=1e-5, atol=1e-5)
+
+
 def test_reads_only_the_batch_pages():
     """Pages and frames no request references (poisoned with NaN) never reach the output: nothing beyond the
     batch's own pages is dequantized, including the padding positions."""

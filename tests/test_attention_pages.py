@@ -38,6 +38,16 @@ def test_page_decode_matches_reference(B, group, bits):
     torch.testing.assert_close(out, padded, rtol=1e-5, atol=1e-5)
 
 
+def test_frames_apart_as_pooled_kivi3():
+    """Pooled kivi3 frames lie k pages' codes apart (sgl_kvq/frames.py frame_view): read in place, not reshaped."""
+    G, H, D, VG = SHAPES[1]
+    kv, plan = make_pool(G, H, D, VG, 3, random_requests(random.Random(4), 6, G), torch.bfloat16, seed=4,
+                         frame_gap=3 * D)
+    assert not kv.ov_k.is_contiguous()
+    q = torch.randn(6, H * 2, D, generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(decode(q, kv, plan, G, H), ref_decode(q, kv, plan, D ** -0.5), rtol=1e-5, atol=1e-5)
+
+
 def decode_pages(q, kv, plan):
     G, H = kv.G, kv.ov_k.shape[2]
     return decode(q, kv, plan, G, H)

@@ -57,6 +57,16 @@ def test_matches_reference(B, group, bits):
     torch.testing.assert_close(out, ref_decode(q, kv, plan, D ** -0.5), rtol=1e-5, atol=1e-5)
 
 
+def test_frames_apart_as_pooled_kivi3():
+    """Pooled kivi3 frames lie k pages' codes apart (sgl_kvq/frames.py frame_view): the kernel takes their stride."""
+    G, H, D, VG = SHAPES[1]
+    kv, plan = make_pool(G, H, D, VG, 3, random_requests(random.Random(5), 6, G), torch.bfloat16, seed=5,
+                         frame_gap=3 * D)
+    assert not kv.ov_k.is_contiguous()
+    q = torch.randn(6, H * 3, D, generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(decode(q, kv, plan), ref_decode(q, kv, plan, D ** -0.5), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("reqs", EDGE_BATCHES, ids=EDGE_IDS)
 def test_edge_batches(reqs):
     check_edge_batch(decode, reqs)
