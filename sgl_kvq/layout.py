@@ -43,7 +43,8 @@ Overlay (fp16 tokens that override the base: the open page and the recent window
     pooled  ov_k / ov_v are k_codes / v_codes viewed in the model dtype: frame f is the code bytes of pool pages
             f*k .. f*k+k-1, k = pages_per_frame = ceil(D * elem_size / Dp) (8 at 2 bit in bf16), so P is a multiple
             of k and F = P / k. At 3 bits k pages hold more than a frame (6 pages in bf16, 5.33 used): frame f
-            starts at its first page's bytes and frames are k pages' bytes apart (ov_k's dims 2..4 stay contiguous). A page is a token page or part of a frame, never both: the allocator hands out whole
+            starts at its first page's bytes and frames are k pages' bytes apart (ov_k's dims 2..4 stay
+            contiguous). A page is a token page or part of a frame, never both: the allocator hands out whole
             frames while a request runs (patches/frames.py). The scales and extras of a frame's pages go unused.
     static  a separate region of F = request slots * ring frames; slot r owns frame_of(r, n, ring) = r*ring + n%ring.
     ov_tag   [F]                int64   pool page whose tokens the frame holds (-1: empty)

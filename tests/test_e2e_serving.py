@@ -148,7 +148,7 @@ def test_http_server_multiturn_radix_hits_abort_and_frontend_language(tiny, tmp_
 
 
 BAD_ENGINE_ARGS = [
-    ({"kv_cache_dtype": "kivi3"}, "unknown kv cache dtype 'kivi3'"),
+    ({"kv_cache_dtype": "kivi5"}, "unknown kv cache dtype 'kivi5'"),
     ({"kv_cache_dtype": "kivi2", "page_size": 16}, "conflicts with kivi2's quantization group G=64"),
     ({"kv_cache_dtype": "kivi2", "speculative_algorithm": "NGRAM"}, "speculative decoding is not supported"),
     ({"kv_cache_dtype": "kivi2", "attention_backend": "triton"}, "cannot read kivi2 KV"),
@@ -201,9 +201,9 @@ def test_mla_and_unpackable_head_dim_are_refused(tiny, tmp_path):
 
 def test_launch_server_cli_refuses_unknown_dtype_and_lists_choices(tiny):
     proc = subprocess.run([sys.executable, "-m", "sgl_kvq.cli", "serve", "--model-path", str(tiny),
-                           "--kv-cache-dtype", "kivi3"], capture_output=True, text=True, timeout=300)
+                           "--kv-cache-dtype", "kivi5"], capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
-    assert "invalid choice: 'kivi3'" in proc.stderr and "kivi2" in proc.stderr and "specache2" in proc.stderr
+    assert "invalid choice: 'kivi5'" in proc.stderr and "kivi2" in proc.stderr and "specache2" in proc.stderr
     assert "Load weight" not in proc.stderr + proc.stdout
 
 
