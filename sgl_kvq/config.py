@@ -111,7 +111,7 @@ class KVQConfig:
     # descheduled thread (one layer 161 ms against 0.68 ms on one thread at load average 13-17; docs/results.md "Where a
     # decode step's time goes").
     attention_threads: int = 0
-    # 1: kvq_torch decodes the codes-scales-zeros formats (kivi1/2/4) on a CPU with the compiled C kernel
+    # 1: kvq_torch decodes the codes-scales-zeros formats (kivi1/2/3/4) on a CPU with the compiled C kernel
     # (kernels/cpu_decode_attention.c) when a C compiler is found, else its torch paths; 0: always the torch paths.
     # One layer, SmolLM2, 2 threads, wall: B=1 256 tokens 0.10 ms against the padded path's 0.47 (bf16
     # torch_native 0.24), B=8 1k 1.6 against 3.7 (bf16 7.5); bench/results/decode-kernel-smollm2.json.

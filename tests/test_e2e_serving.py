@@ -82,6 +82,17 @@ def test_kvq_triton_gives_the_same_tokens_as_kvq_torch(tiny, prompts, prefill, c
         assert triton_out == torch_out, path
 
 
+def test_kivi3_gives_kvq_torchs_tokens_on_kvq_triton(tiny, prompts):
+    """kivi3's two code planes per row and its pooled frames, k pages' codes apart (sgl_kvq/frames.py), read alike by
+    the Triton kernels and kvq_torch's default decode (the C kernel where a compiler is found); one engine each,
+    the default prefill (kivi2's case above covers the prefill modes and the torch paths)."""
+    triton_out, _ = run_engine(tiny, "kivi3", prompts[:3], attention_backend="kvq_triton", max_total_tokens=16384,
+                               env={"TRITON_INTERPRET": "1"})
+    torch_out, stats = run_engine(tiny, "kivi3", prompts[:3], attention_backend="kvq_torch", max_total_tokens=16384)
+    assert stats["kv_cache_dtype"] == "kivi3" and stats["frames_pooled"], stats
+    assert triton_out == torch_out
+
+
 def test_pool_too_small_completes_every_request_like_an_uncontended_run(capfd):
     """12 requests x 160 tokens against a pool that holds a few (tests/contended.py) with SGLang's retraction test
     mode on: requests are retracted (their complete pages checkpointed into the tree, patches/retraction.py), pages
