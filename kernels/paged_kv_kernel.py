@@ -3,8 +3,9 @@ dequantized in registers, then the format's extras applied, or an fp16 overlay f
 an online softmax.
 
 Codes are packed along D (unpack_kernel.py; 3 bits: two planes, each unpacked like the power-of-two widths). Keys
-dequantize per channel with the page's scale/zero, values per token and VG-channel group. POOL is the layer's pool group (arg_groups.PoolArgs); EXTRAS, FORMAT and SIZES
-are the format's extras, applied by format_extras_kernel.py (launcher side: format_extras.py).
+dequantize per channel with the page's scale/zero, values per token and VG-channel group. POOL is the layer's pool
+group (arg_groups.PoolArgs); EXTRAS, FORMAT and SIZES are the format's extras, applied by format_extras_kernel.py
+(launcher side: format_extras.py).
 """
 
 import triton

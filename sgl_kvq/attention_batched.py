@@ -133,7 +133,8 @@ def unpacked_codes(codes: torch.Tensor, slot_rows: torch.Tensor, bits: int) -> t
     packed = _rows(codes, slot_rows, codes.shape[1])  # [H, N, Dp]: small, uint8
     if bits == 3:  # two planes (sgl_kvq.quant.pack): code = low | high << 2
         lo = pack.low_plane_bytes(packed.shape[2] * 8 // 3)
-        return _unpack_words(packed[..., :lo], 2).bitwise_or_(_unpack_words(packed[..., lo:], 1).bitwise_left_shift_(2))
+        high = _unpack_words(packed[..., lo:], 1).bitwise_left_shift_(2)
+        return _unpack_words(packed[..., :lo], 2).bitwise_or_(high)
     return _unpack_words(packed, bits)
 
 

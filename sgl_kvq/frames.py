@@ -33,7 +33,8 @@ def can_pool(shape: PoolShape, model_dtype: torch.dtype) -> bool:
     return shape.pages_per_frame(model_dtype) <= shape.G
 
 
-def frame_view(codes: torch.Tensor, num_frames: int, G: int, H: int, D: int, model_dtype: torch.dtype) -> torch.Tensor:
+def frame_view(codes: torch.Tensor, num_frames: int, G: int, H: int, D: int,
+               model_dtype: torch.dtype) -> torch.Tensor:
     """Pooled frames over a pool's codes [L, S, H, Dp] (uint8, num_frames * k whole pages) -> [L, F, G, H, D] in the
     model dtype: frame f at the start of its k pages' bytes. Contiguous where a frame fills its pages; at 3 bits
     (k pages hold more than a frame) frames are k pages' bytes apart and each frame is contiguous."""

@@ -11,7 +11,7 @@ width twice:
     packed [..., N * 3 // 8] = [ low plane: codes & 3 at 2 bits, N // 4 bytes | high plane: codes >> 2 at 1 bit,
                                  N // 8 bytes ]
     code = low | high << 2.  N must be a multiple of 8.
-A bit stream (code i at bit 3i, sgl_kvq.quant.bitpack) stores the same bytes, but its codes straddle byte boundaries
+A bit stream (code i at bit 3i, sgl_kvq.quant.bitpack) takes as many bytes, but its codes straddle byte boundaries
 and no power-of-two unpack reads it.
 """
 
@@ -81,9 +81,9 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     if packed.dtype != torch.uint8:
         raise TypeError(f"packed codes must be uint8, got {packed.dtype}")
     if bits == 3:
-        lo = 2 * packed.shape[-1] // 3  # low plane bytes: N // 4 of the row's 3N // 8
         if packed.shape[-1] % 3:
             raise ValueError(f"a 3-bit row is a whole number of 3-byte groups, got {packed.shape[-1]} bytes")
+        lo = 2 * packed.shape[-1] // 3  # low plane bytes: N // 4 of the row's 3N // 8
         return unpack(packed[..., :lo], 2) | (unpack(packed[..., lo:], 1) << 2)
     k = per_byte(bits)
     if k == 1:
