@@ -45,7 +45,7 @@ def check_layer(kv: LayerKV) -> tuple[int, int, int, int]:
     """Returns (H, D, G, VG) after checking every buffer of the layer view."""
     F, G, H, D = kv.ov_k.shape
     NG = kv.v_scale.shape[-1]
-    require(kv.bits in (1, 2, 4), f"bits must be 1, 2 or 4, got {kv.bits}")
+    require(kv.bits in (1, 2, 3, 4), f"bits must be 1, 2, 3 or 4, got {kv.bits}")
     require(is_pow2(D) and D >= 16, f"head_dim {D} must be a power of two >= 16")
     require(is_pow2(G) and G >= 16, f"page size G={G} must be a power of two >= 16 (tl.dot tiles)")
     require(kv.k_codes.shape[0] % G == 0, f"k_codes has {kv.k_codes.shape[0]} slots, not a multiple of G={G}")

@@ -5,12 +5,15 @@
  * Layouts (sgl_kvq/plan.py LayerKV and PagedPlan, one layer; asserted by the launcher, cpu_decode_attention.py):
  *   q, out     [B, Hq, D]      fp32 / fp16 / bf16 (dtype code 0 / 1 / 2), contiguous
  *   k_codes    [S, H, D*b/8]   uint8, b-bit codes packed along D (sgl_kvq/quant/pack.py: element i in byte
- *   v_codes                    i / (8/b) at bit (i % (8/b)) * b)
+ *   v_codes                    i / (8/b) at bit (i % (8/b)) * b; b = 3: a 2-bit plane of D/4 bytes, then a
+ *                              1-bit plane of D/8 bytes, code = low | high << 2)
  *   k_scale    [P, H, D]       fp16 per page and channel: key = code * scale + zero
  *   k_zero
  *   v_scale    [S, H, NG]      fp16 per token and group of D / NG channels: value = code * scale + zero
  *   v_zero
- *   ov_k, ov_v [F, G, H, D]    fp32 / fp16 / bf16 overlay frames (the model's dtype), as stored
+ *   ov_k, ov_v [F, G, H, D]    fp32 / fp16 / bf16 overlay frames (the model's dtype), as stored; frame f starts
+ *                              at element f * ov_stride (pooled kivi3 frames lie k pages' codes apart, more than
+ *                              a frame), each frame contiguous
  *   plan       kv_indptr [B+1], kv_indices, kv_last [B]; ov_indptr [B+1], ov_indices, ov_last [B]: int32
  * Request b's context is its base pages then its overlay frames; the last page of each list holds *_last tokens.
  *
@@ -69,16 +72,20 @@ typedef struct {
     const uint16_t *ov_k, *ov_v;
     const int32_t *kv_indptr, *kv_indices, *kv_last, *ov_indptr, *ov_indices, *ov_last;
     int H, Hq, D, G, NG, q_dtype, ov_dtype;
+    long ov_stride;
     float sm_scale;
 } Args;
 
 /* Byte value -> its 8 / b codes as floats, in element order (a copy per packed byte instead of a shift, mask and
  * convert per code: the unpack was most of a token's work). */
 static float LUT1[256][8], LUT2[256][4], LUT4[256][2];
+/* 3-bit rows' high plane: a byte's 8 bits as 0 or 4 (the high bit's weight), added onto the low plane's codes */
+static float LUT1_HIGH3[256][8];
 
 __attribute__((constructor)) static void init_luts(void) {
     for (int v = 0; v < 256; v++) {
         for (int s = 0; s < 8; s++) LUT1[v][s] = (float)((v >> s) & 1);
+        for (int s = 0; s < 8; s++) LUT1_HIGH3[v][s] = (float)(((v >> s) & 1) << 2);
         for (int s = 0; s < 4; s++) LUT2[v][s] = (float)((v >> (2 * s)) & 3);
         for (int s = 0; s < 2; s++) LUT4[v][s] = (float)((v >> (4 * s)) & 15);
     }
@@ -88,6 +95,20 @@ __attribute__((constructor)) static void init_luts(void) {
 static inline void unpack_row(const uint8_t *restrict p, float *restrict c, int D, const int b) {
     if (b == 8) {
         for (int d = 0; d < D; d++) c[d] = (float)p[d];
+        return;
+    }
+    /* 3 bits: 8 codes at a time from two low-plane bytes and one high-plane byte, in one pass (one layer of
+     * SmolLM2's geometry, B=8, 1k tokens, one thread: 3.2 ms, kivi2 3.1, kivi4 3.4; a copy pass then an add pass
+     * took 4.3) */
+    if (b == 3) {
+        const uint8_t *high = p + D / 4;
+        for (int j = 0; j < D / 8; j++) {
+            const float *lo0 = LUT2[p[2 * j]], *lo1 = LUT2[p[2 * j + 1]], *hi = LUT1_HIGH3[high[j]];
+            for (int s = 0; s < 4; s++) {
+                c[j * 8 + s] = lo0[s] + hi[s];
+                c[j * 8 + 4 + s] = lo1[s] + hi[4 + s];
+            }
+        }
         return;
     }
     const int k = 8 / b;
@@ -166,13 +187,13 @@ static inline void overlay_frame(const Args *a, int frame, int n, int h, const f
     const int D = a->D, H = a->H, G = a->G, g = a->Hq / a->H;
     float c[D];
     for (int t = 0; t < n; t++) {
-        const long row = ((long)(frame * G + t) * H + h) * D;
+        const long row = frame * a->ov_stride + ((long)t * H + h) * D;
         for (int d = 0; d < D; d++) c[d] = load(a->ov_k, row + d, a->ov_dtype);
         for (int j = 0; j < g; j++) s[j * G + t] = dot(qh + j * D, c, D);
     }
     softmax_step(s, m, l, acc, g, n, G, D);
     for (int t = 0; t < n; t++) {
-        const long row = ((long)(frame * G + t) * H + h) * D;
+        const long row = frame * a->ov_stride + ((long)t * H + h) * D;
         for (int d = 0; d < D; d++) c[d] = load(a->ov_v, row + d, a->ov_dtype);
         for (int j = 0; j < g; j++) axpy(acc + j * D, c, s[j * G + t], D);
     }
@@ -213,9 +234,9 @@ int kvq_cpu_decode(const void *q, void *out, const uint8_t *k_codes, const uint8
                    const uint16_t *ov_k, const uint16_t *ov_v, const int32_t *kv_indptr, const int32_t *kv_indices,
                    const int32_t *kv_last, const int32_t *ov_indptr, const int32_t *ov_indices,
                    const int32_t *ov_last, int B, int H, int Hq, int D, int G, int bits, int NG, int q_dtype,
-                   int ov_dtype, float sm_scale, int chunk, int threads, float *partial) {
+                   int ov_dtype, long ov_stride, float sm_scale, int chunk, int threads, float *partial) {
     const Args a = {q, out, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, ov_k, ov_v, kv_indptr, kv_indices,
-                    kv_last, ov_indptr, ov_indices, ov_last, H, Hq, D, G, NG, q_dtype, ov_dtype, sm_scale};
+                    kv_last, ov_indptr, ov_indices, ov_last, H, Hq, D, G, NG, q_dtype, ov_dtype, ov_stride, sm_scale};
     /* partial [tasks, g, D + 2]: per query head of a task its weighted values, then max and sum */
     const int g = Hq / H, stride = g * (D + 2);
     /* request b's tasks are first[b] .. first[b + 1] - 1, H x its chunks in (head, chunk) order; task_b[t]: the
@@ -243,6 +264,7 @@ int kvq_cpu_decode(const void *q, void *out, const uint8_t *k_codes, const uint8
         switch (bits) {
             case 1: run_task(&a, b, h, u0, u1, part, 1); break;
             case 2: run_task(&a, b, h, u0, u1, part, 2); break;
+            case 3: run_task(&a, b, h, u0, u1, part, 3); break;
             case 4: run_task(&a, b, h, u0, u1, part, 4); break;
             default: run_task(&a, b, h, u0, u1, part, 8); break;
         }

@@ -4,7 +4,7 @@ compiler, loaded with ctypes, run once per layer.
     if cpu_decode_attention.available():
         o = cpu_decode_attention.decode_attention(q, layer_kv, paged_plan, sm_scale)   # [B, Hq, D] in q's dtype
 
-Formats whose base is codes, scales and zeros only (kivi1/2/4: `supports`); the kernel reads the packed codes of the
+Formats whose base is codes, scales and zeros only (kivi1/2/3/4: `supports`); the kernel reads the packed codes of the
 pages the plan names and never builds a dequantized context. The library is cached under KVQ_CACHE_DIR keyed by the
 source, the flags, the compiler and this CPU's feature flags (-march=native), built into a temporary file and
 renamed, so servers starting together neither rebuild nor read a half-written file. Without a C compiler
@@ -98,7 +98,7 @@ def _load() -> None:
     fn = lib.kvq_cpu_decode
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p] * 16 + [ctypes.c_int] * 9
-                   + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_void_p])
+                   + [ctypes.c_long, ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_void_p])
     _lib = lib
 
 
@@ -125,10 +125,11 @@ def _require(cond: bool, msg: str) -> None:
 
 
 def check_layer(kv: LayerKV) -> None:
-    """kv against the layout the kernel indexes (its header): every buffer contiguous, on the CPU."""
+    """kv against the layout the kernel indexes (its header): every buffer contiguous, on the CPU; the overlay
+    frames may lie apart (pooled kivi3 frames), each contiguous, ov_k and ov_v alike."""
     F, G, H, D = kv.ov_k.shape
     _require(supports(kv), "the layer view has per-page extras or is not on the CPU")
-    _require(kv.bits in (1, 2, 4, 8), f"bits must be 1, 2, 4 or 8, got {kv.bits}")
+    _require(kv.bits in (1, 2, 3, 4, 8), f"bits must be 1, 2, 3, 4 or 8, got {kv.bits}")
     S, Dp, NG = kv.k_codes.shape[0], packed_dim(D, kv.bits), kv.v_scale.shape[-1]
     _require(S % G == 0, f"k_codes has {S} slots, not a multiple of G={G}")
     _require(NG > 0 and D % NG == 0, f"v_scale's last dim {NG} does not divide head_dim {D}")
@@ -137,9 +138,11 @@ def check_layer(kv: LayerKV) -> None:
             "k_scale": ((S // G, H, D), SCALE_DTYPE), "k_zero": ((S // G, H, D), SCALE_DTYPE),
             "v_scale": ((S, H, NG), SCALE_DTYPE), "v_zero": ((S, H, NG), SCALE_DTYPE),
             "ov_k": ((F, G, H, D), kv.ov_k.dtype), "ov_v": ((F, G, H, D), kv.ov_k.dtype)}
+    _require(kv.ov_v.stride() == kv.ov_k.stride(), "ov_k and ov_v strides differ")
     for name, (shape, dtype) in want.items():
         t = getattr(kv, name)
-        _require(tuple(t.shape) == shape and t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu",
+        whole = t[0] if name.startswith("ov_") else t  # frames may lie apart, each contiguous
+        _require(tuple(t.shape) == shape and t.dtype == dtype and whole.is_contiguous() and t.device.type == "cpu",
                  f"{name}: got {tuple(t.shape)} {t.dtype} (contiguous: {t.is_contiguous()}, {t.device}), the "
                  f"kernel reads {shape} {dtype} contiguous on the CPU")
 
@@ -182,6 +185,7 @@ def decode_attention(q: torch.Tensor, kv: LayerKV, plan: PagedPlan, sm_scale: fl
                              kv.k_scale.data_ptr(), kv.k_zero.data_ptr(), kv.v_scale.data_ptr(),
                              kv.v_zero.data_ptr(), kv.ov_k.data_ptr(), kv.ov_v.data_ptr(), *_plan_args(plan),
                              B, H, Hq, D, G, kv.bits, kv.v_scale.shape[-1], _DTYPE_CODE[q.dtype],
-                             _DTYPE_CODE[kv.ov_k.dtype], sm_scale, chunk, threads, partial.data_ptr())
+                             _DTYPE_CODE[kv.ov_k.dtype], kv.ov_k.stride(0), sm_scale, chunk, threads,
+                             partial.data_ptr())
     _require(rc == 0, "out of memory for the task table")
     return out

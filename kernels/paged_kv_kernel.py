@@ -2,16 +2,17 @@
 dequantized in registers, then the format's extras applied, or an fp16 overlay frame) and fold a tile of scores into
 an online softmax.
 
-Codes are packed along D (unpack_kernel.py). Keys dequantize per channel with the page's scale/zero, values per
-token and VG-channel group. POOL is the layer's pool group (arg_groups.PoolArgs); EXTRAS, FORMAT and SIZES
-are the format's extras, applied by format_extras_kernel.py (launcher side: format_extras.py).
+Codes are packed along D (unpack_kernel.py; 3 bits: two planes, each unpacked like the power-of-two widths). Keys
+dequantize per channel with the page's scale/zero, values per token and VG-channel group. POOL is the layer's pool
+group (arg_groups.PoolArgs); EXTRAS, FORMAT and SIZES are the format's extras, applied by format_extras_kernel.py
+(launcher side: format_extras.py).
 """
 
 import triton
 import triton.language as tl
 
 from .format_extras_kernel import _apply_extras_k, _apply_extras_v
-from .unpack_kernel import _unpack
+from .unpack_kernel import _unpack, _unpack3
 
 
 @triton.jit
@@ -24,38 +25,47 @@ def _dot(a, b, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
-def _base_page_kt(POOL, page, kvh, offs_t, offs_d, G: tl.constexpr, BITS: tl.constexpr):
+def _base_page_kt(POOL, page, kvh, offs_t, offs_d, G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
     # -> K^T [D, G] fp32 of base page `page`, head kvh
-    PB: tl.constexpr = 8 // BITS
     slots = page * G + offs_t
-    codes = tl.load(POOL.k_codes + slots[None, :] * POOL.stride_kc_slot + kvh * POOL.stride_kc_head
-                    + (offs_d // PB)[:, None])
+    rows = POOL.k_codes + slots[None, :] * POOL.stride_kc_slot + kvh * POOL.stride_kc_head
+    if BITS == 3:
+        codes = _unpack3(tl.load(rows + (offs_d // 4)[:, None]), tl.load(rows + (D // 4 + offs_d // 8)[:, None]),
+                         offs_d[:, None])
+    else:
+        PB: tl.constexpr = 8 // BITS
+        codes = _unpack(tl.load(rows + (offs_d // PB)[:, None]), offs_d[:, None], BITS)
     sz_off = page * POOL.stride_ks_page + kvh * POOL.stride_ks_head + offs_d
     ks = tl.load(POOL.k_scale + sz_off).to(tl.float32)
     kz = tl.load(POOL.k_zero + sz_off).to(tl.float32)
-    return _unpack(codes, offs_d[:, None], BITS) * ks[:, None] + kz[:, None]
+    return codes * ks[:, None] + kz[:, None]
 
 
 @triton.jit
-def _base_page_v(POOL, page, kvh, offs_t, offs_d, n_valid, G: tl.constexpr, BITS: tl.constexpr, VG: tl.constexpr):
+def _base_page_v(POOL, page, kvh, offs_t, offs_d, n_valid, G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+                 VG: tl.constexpr):
     # -> V [G, D] fp32 of base page `page`, head kvh; rows >= n_valid are 0, never loaded: a slot past the
     # context may hold garbage scales (NaN/inf), and p = 0 times NaN would still poison p @ V.
-    PB: tl.constexpr = 8 // BITS
     slots = page * G + offs_t
     rows = (offs_t < n_valid)[:, None]
-    codes = tl.load(POOL.v_codes + slots[:, None] * POOL.stride_kc_slot + kvh * POOL.stride_kc_head
-                    + (offs_d // PB)[None, :], mask=rows, other=0)
+    starts = POOL.v_codes + slots[:, None] * POOL.stride_kc_slot + kvh * POOL.stride_kc_head
+    if BITS == 3:
+        codes = _unpack3(tl.load(starts + (offs_d // 4)[None, :], mask=rows, other=0),
+                         tl.load(starts + (D // 4 + offs_d // 8)[None, :], mask=rows, other=0), offs_d[None, :])
+    else:
+        PB: tl.constexpr = 8 // BITS
+        codes = _unpack(tl.load(starts + (offs_d // PB)[None, :], mask=rows, other=0), offs_d[None, :], BITS)
     sz_off = slots[:, None] * POOL.stride_vs_slot + kvh * POOL.stride_vs_head + (offs_d // VG)[None, :]
     vs = tl.load(POOL.v_scale + sz_off, mask=rows, other=0.0).to(tl.float32)
     vz = tl.load(POOL.v_zero + sz_off, mask=rows, other=0.0).to(tl.float32)
-    return _unpack(codes, offs_d[None, :], BITS) * vs + vz
+    return codes * vs + vz
 
 
 @triton.jit
 def _page_kt(POOL, EXTRAS, page, kvh, n_heads, offs_t, offs_d, G: tl.constexpr, D: tl.constexpr,
              BITS: tl.constexpr, VG: tl.constexpr, FORMAT: tl.constexpr, SIZES: tl.constexpr):
     # -> K^T [D, G] fp32 of page `page`, head kvh, as its format reads it
-    kt = _base_page_kt(POOL, page, kvh, offs_t, offs_d, G, BITS)
+    kt = _base_page_kt(POOL, page, kvh, offs_t, offs_d, G, D, BITS)
     return _apply_extras_k(kt, EXTRAS, page, kvh, n_heads, offs_t, offs_d, G, D, VG, FORMAT, SIZES)
 
 
@@ -63,7 +73,7 @@ def _page_kt(POOL, EXTRAS, page, kvh, n_heads, offs_t, offs_d, G: tl.constexpr, 
 def _page_v(POOL, EXTRAS, page, kvh, n_heads, offs_t, offs_d, n_valid, G: tl.constexpr, D: tl.constexpr,
             BITS: tl.constexpr, VG: tl.constexpr, FORMAT: tl.constexpr, SIZES: tl.constexpr):
     # -> V [G, D] fp32 of page `page`, head kvh, as its format reads it; rows >= n_valid are 0
-    v = _base_page_v(POOL, page, kvh, offs_t, offs_d, n_valid, G, BITS, VG)
+    v = _base_page_v(POOL, page, kvh, offs_t, offs_d, n_valid, G, D, BITS, VG)
     return _apply_extras_v(v, EXTRAS, page, kvh, n_heads, offs_t, offs_d, n_valid, G, D, VG, FORMAT, SIZES)
 
 

@@ -54,6 +54,19 @@ def _pack_rows(codes, ROWS: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _store_codes(ptr, rows, codes, ROWS: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    # [ROWS, D] int32 codes packed into the rows starting at ptr + rows [ROWS]; 3 bits: the 2-bit plane of codes & 3,
+    # then the 1-bit plane of codes >> 2 (sgl_kvq.quant.pack)
+    if BITS == 3:
+        tl.store(ptr + rows[:, None] + tl.arange(0, D // 4)[None, :], _pack_rows(codes & 3, ROWS, D, 2).to(tl.uint8))
+        tl.store(ptr + rows[:, None] + D // 4 + tl.arange(0, D // 8)[None, :],
+                 _pack_rows(codes >> 2, ROWS, D, 1).to(tl.uint8))
+    else:
+        PB: tl.constexpr = 8 // BITS
+        tl.store(ptr + rows[:, None] + tl.arange(0, D // PB)[None, :], _pack_rows(codes, ROWS, D, BITS).to(tl.uint8))
+
+
+@triton.jit
 def _quantize_pages_kernel(
     K, V, src_ids, dst_pages,
     KC, KS, KZ, VC, VS, VZ,
@@ -69,12 +82,9 @@ def _quantize_pages_kernel(
     dst = tl.load(dst_pages + n).to(tl.int64)
     # Page 0 is SGLang's dummy page: a decode batch names it for rows that complete no page (static grid).
     if dst != 0:
-        PB: tl.constexpr = 8 // BITS
-        DP: tl.constexpr = D // PB
         NG: tl.constexpr = D // VG
         offs_t = tl.arange(0, G)
         offs_d = tl.arange(0, D)
-        offs_dp = tl.arange(0, DP)
         src_off = src * stride_src_page + offs_t[:, None] * stride_src_tok + h * stride_src_head + offs_d[None, :]
         slots = dst * G + offs_t
 
@@ -82,8 +92,8 @@ def _quantize_pages_kernel(
         k = tl.load(K + src_off).to(tl.float32)
         k_scale, k_zero = _scale_zero(tl.min(k, axis=0), tl.max(k, axis=0), BITS, SPECACHE_ONE_BIT)
         k_codes = _encode(k, k_scale[None, :], k_zero[None, :], BITS)
-        kc_off = slots[:, None] * stride_kc_slot + h * stride_kc_head + offs_dp[None, :]
-        tl.store(KC + kc_off, _pack_rows(k_codes, G, D, BITS).to(tl.uint8))
+        kc_rows = slots * stride_kc_slot + h * stride_kc_head
+        _store_codes(KC, kc_rows, k_codes, G, D, BITS)
         tl.store(KS + dst * stride_ks_page + h * stride_ks_head + offs_d, k_scale)
         tl.store(KZ + dst * stride_ks_page + h * stride_ks_head + offs_d, k_zero)
 
@@ -91,7 +101,7 @@ def _quantize_pages_kernel(
         v = tl.reshape(tl.load(V + src_off).to(tl.float32), (G, NG, VG))
         v_scale, v_zero = _scale_zero(tl.min(v, axis=2), tl.max(v, axis=2), BITS, SPECACHE_ONE_BIT)
         v_codes = tl.reshape(_encode(v, v_scale[:, :, None], v_zero[:, :, None], BITS), (G, D))
-        tl.store(VC + kc_off, _pack_rows(v_codes, G, D, BITS).to(tl.uint8))
+        _store_codes(VC, kc_rows, v_codes, G, D, BITS)
         vs_off = slots[:, None] * stride_vs_slot + h * stride_vs_head + tl.arange(0, NG)[None, :]
         tl.store(VS + vs_off, v_scale)
         tl.store(VZ + vs_off, v_zero)

@@ -12,7 +12,7 @@ def extend_kv_cache_dtype_choices(result, parser, *args, **kwargs):
         if action.dest == "kv_cache_dtype" and action.choices is not None:
             action.choices = list(action.choices) + [n for n in DTYPE_NAMES if n not in action.choices]
             action.help = (action.help or "") + (
-                f' sgl_kvq adds {", ".join(DTYPE_NAMES)}: 1/2/4-bit KV behind the radix cache (knobs: KVQ_* '
+                f' sgl_kvq adds {", ".join(DTYPE_NAMES)}: 1/2/3/4-bit KV behind the radix cache (knobs: KVQ_* '
                 "environment variables; see the sgl_kvq README).")
     return result
 

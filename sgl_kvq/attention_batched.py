@@ -102,6 +102,17 @@ def _rows(x: torch.Tensor, rows: torch.Tensor, H: int) -> torch.Tensor:
     return x.reshape(-1, *x.shape[2:]).index_select(0, rows).view(H, -1, *x.shape[2:])
 
 
+def frame_rows(ov: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Overlay frames ov [F, G, H, D] gathered at head-major rows ((frame * G + offset) * H + head) -> [H, N, D].
+    Pooled kivi3 frames lie k pages' bytes apart (sgl_kvq/frames.py frame_view), where a reshape to rows would copy
+    every frame of the layer: rows are then found by frame and row within it."""
+    F, G, H, D = ov.shape
+    if ov.is_contiguous():
+        return _rows(ov.view(F * G, H, D), rows, H)
+    per = G * H
+    return ov.view(F, per, D)[rows // per, rows % per].view(H, -1, D)
+
+
 # Per (device, bits): byte value -> its 8 // bits codes in natural order, packed into one word (uint8 lanes of an
 # int64 / int32 / int16: a little-endian word's byte i is element i).
 _WORD_LUTS: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -118,9 +129,18 @@ def unpacked_codes(codes: torch.Tensor, slot_rows: torch.Tensor, bits: int) -> t
     interleaved into fp32 (8 // bits strided copies) 0.4-2.3. In the engine (2 OMP threads on a loaded 2-core
     machine) those strided copies were 63% of kivi2's decode step (py-spy on the scheduler)."""
     packed = _rows(codes, slot_rows, codes.shape[1])  # [H, N, Dp]: small, uint8
-    key = (codes.device, bits)
+    if bits == 3:  # two planes (sgl_kvq.quant.pack): code = low | high << 2
+        lo = pack.low_plane_bytes(packed.shape[2] * 8 // 3)
+        high = _unpack_words(packed[..., lo:], 1).bitwise_left_shift_(2)
+        return _unpack_words(packed[..., :lo], 2).bitwise_or_(high)
+    return _unpack_words(packed, bits)
+
+
+def _unpack_words(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """[H, N, M] packed bytes of a power-of-two width -> [H, N, M * 8 // bits] uint8 codes."""
+    key = (packed.device, bits)
     if key not in _WORD_LUTS:
-        table = pack.unpack(torch.arange(256, dtype=torch.uint8, device=codes.device)[:, None], bits)
+        table = pack.unpack(torch.arange(256, dtype=torch.uint8, device=packed.device)[:, None], bits)
         _WORD_LUTS[key] = table.contiguous().view(_WORD[bits]).reshape(256)
     words = torch.index_select(_WORD_LUTS[key], 0, packed.reshape(-1).int())
     return words.view(torch.uint8).view(packed.shape[0], packed.shape[1], packed.shape[2] * 8 // bits)
@@ -135,7 +155,7 @@ def context(kv: LayerKV, ctx: BatchedContext, ws: Workspace | None = None) -> tu
     k, v = of_extras(kv.extras).read_padded(kv, ctx, ws)
     if ctx.ov_dst.numel():
         for dst, ov in ((k, kv.ov_k), (v, kv.ov_v)):
-            dst.index_copy_(1, ctx.ov_dst, _rows(ov.reshape(-1, H, D), ctx.ov_head_rows, H).float())
+            dst.index_copy_(1, ctx.ov_dst, frame_rows(ov, ctx.ov_head_rows).float())
     return k.view(H, B, units * G, D), v.view(H, B, units * G, D)
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl_kvq.attention_batched import Workspace, _rows, unpacked_codes
+from sgl_kvq.attention_batched import Workspace, _rows, frame_rows, unpacked_codes
 from sgl_kvq.formats.registry import of_extras
 from sgl_kvq.plan import LayerKV, PagedPlan
 
@@ -112,7 +112,7 @@ def decode(q: torch.Tensor, kv: LayerKV, idx: PageIndex, sm_scale: float, ws: Wo
     kz = _rows(kv.k_zero, idx.page_rows, H).float()[:, :, None]
     s_base = torch.matmul(qp * ks, fp32(kv.k_codes, "k").transpose(-1, -2))  # [H, NP, g, G]
     s_base += (qp * kz).sum(-1, keepdim=True)
-    ov_k = _rows(kv.ov_k.reshape(-1, H, D), idx.frame_rows, H).view(H, NF, G, D).float()
+    ov_k = frame_rows(kv.ov_k, idx.frame_rows).view(H, NF, G, D).float()
     s = torch.cat([s_base, torch.matmul(qu[:, NP:], ov_k.transpose(-1, -2))], 1)  # [H, NU, g, G]
     s.permute(1, 3, 0, 2)[idx.tail // G, idx.tail % G] = float("-inf")
     # Softmax per request over its units, normalized at the end.
@@ -134,7 +134,7 @@ def decode(q: torch.Tensor, kv: LayerKV, idx: PageIndex, sm_scale: float, ws: Wo
                              3)  # [H, NP, g, groups, VG]
     o_base += torch.matmul(e_base, vz)[..., None]
     # Overlay values as stored, positions past a context zeroed (the pool may hold anything there).
-    ov_v = _rows(kv.ov_v.reshape(-1, H, D), idx.frame_rows, H).float().index_fill_(1, idx.ov_tail, 0)
+    ov_v = frame_rows(kv.ov_v, idx.frame_rows).float().index_fill_(1, idx.ov_tail, 0)
     out = s.new_zeros(H, B, g, D).index_add_(1, page_req, o_base.view(H, NP, g, D))
     out.index_add_(1, frame_req, torch.matmul(e[:, NP:], ov_v.view(H, NF, G, D)))
     out /= denom[..., None]

@@ -1,8 +1,8 @@
 """The one frozen config that flows from `--kv-cache-dtype` to the pool, the backends and the kernels.
 
-A dtype name is `<method><bits>` (kivi1, kivi2, kivi4, specache1, specache2, gear2, gearl2, zipcache2). Knobs that
-SGLang's command line has no room for come from environment variables with the `KVQ_` prefix (read in one place,
-`sgl_kvq.env`), so they reach SGLang's spawned scheduler processes unchanged. Defaults are the papers': G = 64,
+A dtype name is `<method><bits>` (kivi1, kivi2, kivi3, kivi4, specache1, specache2, gear2, gearl2, zipcache2).
+Knobs that SGLang's command line has no room for come from environment variables with the `KVQ_` prefix (read in one
+place, `sgl_kvq.env`), so they reach SGLang's spawned scheduler processes unchanged. Defaults are the papers': G = 64,
 residual window R = 64 (SpeCache's G and R; KIVI's paper uses G = 32 and R = 32..128).
 """
 
@@ -21,7 +21,7 @@ from sgl_kvq.formats.base import Format
 # sgl_kvq/formats/; the registry maps a name to its format.
 METHOD_BITS = {f.family: f.bits for f in registry.FORMATS}
 METHODS = tuple(METHOD_BITS)
-BITS = (1, 2, 4)
+BITS = (1, 2, 3, 4)
 # The dtype names SGLang's --kv-cache-dtype gains. Every one is served by the same pool and backends.
 DTYPE_NAMES = registry.DTYPE_NAMES
 
@@ -34,7 +34,7 @@ _NAME = re.compile(r"^(?P<method>[a-z]+)(?P<bits>\d+)$")
 @dataclass(frozen=True)
 class KVQConfig:
     method: str  # a METHOD_BITS key
-    bits: int  # code width of keys and values in the packed base: 1, 2 or 4 (specache: 1 or 2)
+    bits: int  # code width of keys and values in the packed base: 1, 2, 3 or 4 (specache: 1 or 2)
     group_size: int = 64  # G: tokens per page = key quantization group (keys per-channel over a page)
     value_group: int = 64  # channels per value quantization group (values per-token); clipped to head_dim
     residual: int = 64  # R: most recent complete tokens kept fp16 in the overlay, a multiple of G
@@ -94,7 +94,7 @@ class KVQConfig:
     # descheduled thread (one layer 161 ms against 0.68 ms on one thread at load average 13-17; docs/results.md "Where a
     # decode step's time goes").
     attention_threads: int = 0
-    # 1: kvq_torch decodes the codes-scales-zeros formats (kivi1/2/4) on a CPU with the compiled C kernel
+    # 1: kvq_torch decodes the codes-scales-zeros formats (kivi1/2/3/4) on a CPU with the compiled C kernel
     # (kernels/cpu_decode_attention.c) when a C compiler is found, else its torch paths; 0: always the torch paths.
     # One layer, SmolLM2, 2 threads, wall: B=1 256 tokens 0.10 ms against the padded path's 0.47 (bf16
     # torch_native 0.24), B=8 1k 1.6 against 3.7 (bf16 7.5); bench/results/decode-kernel-smollm2.json.

@@ -33,6 +33,16 @@ def can_pool(shape: PoolShape, model_dtype: torch.dtype) -> bool:
     return shape.pages_per_frame(model_dtype) <= shape.G
 
 
+def frame_view(codes: torch.Tensor, num_frames: int, G: int, H: int, D: int,
+               model_dtype: torch.dtype) -> torch.Tensor:
+    """Pooled frames over a pool's codes [L, S, H, Dp] (uint8, num_frames * k whole pages) -> [L, F, G, H, D] in the
+    model dtype: frame f at the start of its k pages' bytes. Contiguous where a frame fills its pages; at 3 bits
+    (k pages hold more than a frame) frames are k pages' bytes apart and each frame is contiguous."""
+    L = codes.shape[0]
+    frame_bytes = G * H * D * torch.empty((), dtype=model_dtype).element_size()
+    return codes.view(L, num_frames, -1)[:, :, :frame_bytes].view(model_dtype).view(L, num_frames, G, H, D)
+
+
 def pooled_frames(shape: PoolShape, model_dtype: torch.dtype, disaggregation_mode: str, hicache: bool) -> bool:
     """Frames are pooled where KVQ_FRAMES=pooled asks for it, unless SGLang's prefill/decode disaggregation sends them
     as one row of its per-request state (indexed by request slot: sgl_kvq/pd_transfer.py), HiCache is on (its

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from sgl_kvq.config import KVQConfig
-from sgl_kvq.frames import FrameTable
+from sgl_kvq.frames import FrameTable, frame_view
 from sgl_kvq.layout import PoolShape
 from sgl_kvq.formats.base import PageWrite
 from sgl_kvq.plan import BatchWrite, DecodeWrite, LayerKV
@@ -50,8 +50,8 @@ class QuantizedKVStore:
             if shape.P % k:
                 raise AssertionError(f"sgl_kvq: {shape.P} pool pages are not whole frames of {k} pages")
             F = shape.P // k
-            self.ov_k = self.k_codes.view(L, -1).view(model_dtype).view(L, F, self.G, H, D)
-            self.ov_v = self.v_codes.view(L, -1).view(model_dtype).view(L, F, self.G, H, D)
+            self.ov_k = frame_view(self.k_codes, F, self.G, H, D, model_dtype)
+            self.ov_v = frame_view(self.v_codes, F, self.G, H, D, model_dtype)
         else:
             F = num_req_slots * self.ring
             self.ov_k = torch.zeros((L, F, self.G, H, D), dtype=model_dtype, device=self.device)

@@ -3,7 +3,8 @@
 A page is G = cfg.group_size consecutive token positions of ONE request (SGLang's paged allocator: position p sits at
 in-page offset p % G) and is also the key quantization group. Token slot s lives in page s // G at offset s % G.
 Page 0 (slots 0..G-1) is SGLang's dummy page for padded writes. L layers, H KV heads, D head dim, b bits,
-VG = value channel group, Dp = D * b // 8 packed bytes per token-head.
+VG = value channel group, Dp = D * b // 8 packed bytes per token-head (b = 3: a 2-bit plane of D // 4 bytes, then a
+1-bit plane of D // 8 bytes; sgl_kvq.quant.pack).
 
 Base (complete pages, immutable once quantized; shared by the radix tree):
     k_codes  [L, S, H, Dp]      uint8   keys, b-bit codes packed along D (sgl_kvq.quant.pack)
@@ -42,8 +43,10 @@ Overlay (fp16 tokens that override the base: the open page and the recent window
   n*G .. n*G+G-1) uses frame slot_frames[r, n % ring] (sgl_kvq/frames.py), so its last `ring` pages never collide.
   Where the frames' memory is:
     pooled  ov_k / ov_v are k_codes / v_codes viewed in the model dtype: frame f is the code bytes of pool pages
-            f*k .. f*k+k-1, k = pages_per_frame = D * elem_size / Dp (8 at 2 bit in bf16), so P is a multiple of k
-            and F = P / k. A page is a token page or part of a frame, never both: the allocator hands out whole
+            f*k .. f*k+k-1, k = pages_per_frame = ceil(D * elem_size / Dp) (8 at 2 bit in bf16), so P is a multiple
+            of k and F = P / k. At 3 bits k pages hold more than a frame (6 pages in bf16, 5.33 used): frame f
+            starts at its first page's bytes and frames are k pages' bytes apart (ov_k's dims 2..4 stay
+            contiguous). A page is a token page or part of a frame, never both: the allocator hands out whole
             frames while a request runs (patches/frames.py). The scales and extras of a frame's pages go unused.
     static  a separate region of F = request slots * ring frames; slot r owns frame_of(r, n, ring) = r*ring + n%ring.
     ov_tag   [F]                int64   pool page whose tokens the frame holds (-1: empty)
@@ -172,12 +175,10 @@ class PoolShape:
 
     def pages_per_frame(self, model_dtype: torch.dtype) -> int:
         """k: pool pages whose packed codes hold one model-dtype frame (a frame's K over k pages' k_codes, its V
-        over their v_codes)."""
+        over their v_codes). Rounded up where a frame is no whole number of pages (3 bits: a 128-byte bf16 row of
+        64 channels over 24-byte code rows, 5.33 pages: k = 6, the last page's remaining bytes unused)."""
         frame_row = self.head_dim * torch.empty((), dtype=model_dtype).element_size()
-        if frame_row % self.Dp:
-            raise AssertionError(f"sgl_kvq: a {model_dtype} row of {self.head_dim} channels is not a whole number of "
-                                 f"{self.Dp}-byte code rows")
-        return frame_row // self.Dp
+        return -(-frame_row // self.Dp)
 
     def frame_page_bytes(self, model_dtype: torch.dtype) -> int:
         """Budget bytes one pooled frame takes: its k pages, codes, scales and extras alike."""

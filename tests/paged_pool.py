@@ -11,12 +11,23 @@ from sgl_kvq.plan import LayerKV, PagedPlan
 from sgl_kvq.quant import gear_page, kivi_page, logquant_page, zipcache_page
 
 
-def make_pool(G, H, D, VG, bits, reqs, dtype, seed, gear=None, salient=0, rows=None):
+def frames_apart(x: torch.Tensor, gap: int) -> torch.Tensor:
+    """Frames x [F, G, H, D] laid `gap` elements apart with NaN between them, as pooled kivi3 frames lie k pages'
+    codes apart (sgl_kvq/frames.py frame_view); gap 0: x itself."""
+    if not gap:
+        return x
+    buf = torch.full((x.shape[0], x[0].numel() + gap), float("nan"), dtype=x.dtype)
+    out = buf[:, :x[0].numel()].view(x.shape)
+    out.copy_(x)
+    return out
+
+
+def make_pool(G, H, D, VG, bits, reqs, dtype, seed, gear=None, salient=0, rows=None, frame_gap=0):
     """A layer whose pages hold quantized random K/V, and a PagedPlan giving each request shuffled pages/frames.
     gear=(rank, NK, NV): the pages are GEAR pages (sgl_kvq/quant/gear_page.py) carrying their correction.
     salient=NS > 0: zipcache2 pages (sgl_kvq/quant/zipcache_page.py) with NS random salient rows per page-head.
     rows=M: LogQuant pages (sgl_kvq/quant/logquant_page.py) with M row slots at random distinct offsets, about a
-    quarter of them empty (255)."""
+    quarter of them empty (255). frame_gap: the overlay frames lie that many elements apart (frames_apart)."""
     gen = torch.Generator().manual_seed(seed)
     n_base = [math.ceil(b / G) for b, _ in reqs]
     n_ov = [math.ceil(o / G) for _, o in reqs]
@@ -40,8 +51,8 @@ def make_pool(G, H, D, VG, bits, reqs, dtype, seed, gear=None, salient=0, rows=N
         k_codes=pages.k_codes.reshape(P * G, H, -1), k_scale=pages.k_scale, k_zero=pages.k_zero,
         v_codes=pages.v_codes.reshape(P * G, H, -1), v_scale=pages.v_scale.reshape(P * G, H, -1),
         v_zero=pages.v_zero.reshape(P * G, H, -1),
-        ov_k=(torch.randn(F, G, H, D, generator=gen) * 1.5).to(dtype),
-        ov_v=torch.randn(F, G, H, D, generator=gen).to(dtype),
+        ov_k=frames_apart((torch.randn(F, G, H, D, generator=gen) * 1.5).to(dtype), frame_gap),
+        ov_v=frames_apart(torch.randn(F, G, H, D, generator=gen).to(dtype), frame_gap),
         bits=bits, extras=corr if corr is not None else sal,
     )
     if rows is not None:

@@ -1,6 +1,6 @@
 """kvq_torch's batched decode (sgl_kvq/attention_batched.py) against its oracle attention_ref.ref_decode on random
 pools: batch sizes 1..9, contexts shorter than a page, partial last pages, empty overlays, GQA groups 1..4,
-1/2/4 bits, fp32 within 1e-5."""
+1/2/3/4 bits, fp32 within 1e-5."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ SHAPES = [  # (G, H, D, VG)
 
 @pytest.mark.parametrize("B", range(1, 10))
 @pytest.mark.parametrize("group", [1, 2, 3, 4])
-@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
 def test_batched_decode_matches_reference(B, group, bits):
     rng = random.Random(B * 100 + group * 10 + bits)
     G, H, D, VG = SHAPES[(B + group + bits) % len(SHAPES)]
@@ -50,6 +50,18 @@ def test_batched_decode_matches_reference(B, group, bits):
     out = attention_batched.decode(q, kv, attention_batched.prepare(plan, G, H), D ** -0.5)
     assert not out.isnan().any(), "a position past a context's end (NaN in the pool) reached the output"
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("B", [1, 5])
+def test_frames_apart_as_pooled_kivi3(B):
+    """Pooled kivi3 frames lie k pages' codes apart (sgl_kvq/frames.py frame_view): read in place, not reshaped."""
+    G, H, D, VG = SHAPES[1]
+    reqs = random_requests(random.Random(B), B, G)
+    kv, plan = make_pool(G, H, D, VG, 3, reqs, torch.bfloat16, seed=B, frame_gap=3 * D)
+    assert not kv.ov_k.is_contiguous()
+    q = torch.randn(B, H * 3, D, generator=torch.Generator().manual_seed(B))
+    out = attention_batched.decode(q, kv, attention_batched.prepare(plan, G, H), D ** -0.5)
+    torch.testing.assert_close(out, ref_decode(q, kv, plan, D ** -0.5), rtol=1e-5, atol=1e-5)
 
 
 def test_reads_only_the_batch_pages():

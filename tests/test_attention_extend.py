@@ -1,6 +1,6 @@
 """kvq_torch's extend (sgl_kvq/attention_extend.py) against its oracle attention_ref.ref_extend on random pools:
 batch sizes 1..6, requests with and without a cached prefix, prefixes shorter than a page or ending mid-page, empty
-extends, GQA groups 1..4, 1/2/4 bits, contexts from elsewhere (SpeCache's host rows), fp32 within 1e-5."""
+extends, GQA groups 1..4, 1/2/3/4 bits, contexts from elsewhere (SpeCache's host rows), fp32 within 1e-5."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def inputs(B: int, group: int, bits: int, dtype=torch.float32):
 
 @pytest.mark.parametrize("B", range(1, 7))
 @pytest.mark.parametrize("group", [1, 2, 3, 4])
-@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
 def test_extend_matches_reference(B, group, bits):
     q, k, v, qo, kv, plan, scale = inputs(B, group, bits)
     out = attention_extend.extend(q, k, v, qo, kv, plan, scale)

@@ -1,6 +1,6 @@
 """kvq_torch's page-by-page decode (sgl_kvq/attention_pages.py) against its oracle attention_ref.ref_decode and the
 padded path (attention_batched) on random pools: batch sizes 1..9, contexts shorter than a page, partial last pages
-and frames (NaN past each end), empty overlays or bases, GQA groups 1..4, 1/2/4 bits, 1..4 value groups per head,
+and frames (NaN past each end), empty overlays or bases, GQA groups 1..4, 1/2/3/4 bits, 1..4 value groups per head,
 fp32 within 1e-5."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def decode(q, kv, plan, G, H, ws=None):
 
 @pytest.mark.parametrize("B", range(1, 10))
 @pytest.mark.parametrize("group", [1, 2, 3, 4])
-@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
 def test_page_decode_matches_reference(B, group, bits):
     rng = random.Random(B * 100 + group * 10 + bits + 1)
     G, H, D, VG = SHAPES[(B + group + bits) % len(SHAPES)]
@@ -36,6 +36,16 @@ def test_page_decode_matches_reference(B, group, bits):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     padded = attention_batched.decode(q, kv, attention_batched.prepare(plan, G, H), D ** -0.5)
     torch.testing.assert_close(out, padded, rtol=1e-5, atol=1e-5)
+
+
+def test_frames_apart_as_pooled_kivi3():
+    """Pooled kivi3 frames lie k pages' codes apart (sgl_kvq/frames.py frame_view): read in place, not reshaped."""
+    G, H, D, VG = SHAPES[1]
+    kv, plan = make_pool(G, H, D, VG, 3, random_requests(random.Random(4), 6, G), torch.bfloat16, seed=4,
+                         frame_gap=3 * D)
+    assert not kv.ov_k.is_contiguous()
+    q = torch.randn(6, H * 2, D, generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(decode(q, kv, plan, G, H), ref_decode(q, kv, plan, D ** -0.5), rtol=1e-5, atol=1e-5)
 
 
 def decode_pages(q, kv, plan):

@@ -24,10 +24,10 @@ MODELS = {
     "qwen2.5-7b": (28, 4, 128, torch.bfloat16),
 }
 BUDGETS_GIB = (0.05, 0.25, 0.5, 1, 4, 16, 64)
-# The issue's targets at SGLang's default flags (packed ratios: kivi2 6.40x, kivi4 3.56x, kivi1 10.67x; SmolLM2:
-# gear2 4.13x, gearl2 4.57x, logquant2 5.82x, zipcache2 3.46x).
-TARGET = {"kivi4": 3.2, "kivi2": 5.0, "kivi1": 9.0, "specache2": 5.0, "specache1": 9.0, "gear2": 3.7, "gearl2": 4.1,
-          "logquant2": 5.0, "zipcache2": 3.1}
+# The issue's targets at SGLang's default flags (packed ratios: kivi2 6.40x, kivi4 3.56x, kivi1 10.67x, kivi3 4.57x;
+# SmolLM2: gear2 4.13x, gearl2 4.57x, logquant2 5.82x, zipcache2 3.46x).
+TARGET = {"kivi4": 3.2, "kivi3": 4.1, "kivi2": 5.0, "kivi1": 9.0, "specache2": 5.0, "specache1": 9.0, "gear2": 3.7,
+          "gearl2": 4.1, "logquant2": 5.0, "zipcache2": 3.1}
 GIB = 2**30
 
 
@@ -109,7 +109,7 @@ def test_static_split_over_budgets(model, name, host_is_device):
             assert s.ratio >= TARGET[shape.cfg.name], (model, name, gib, s.describe(name))
 
 
-@pytest.mark.parametrize("name", ["kivi2", "kivi4"])
+@pytest.mark.parametrize("name", ["kivi2", "kivi3", "kivi4"])
 @pytest.mark.parametrize("gib", [0.25, 0.3, 1, 4])
 def test_smollm2_static_frames_meet_the_targets_from_a_few_hundred_mb(name, gib):
     shape, model_dtype = shape_of("smollm2-135m", name)
@@ -165,7 +165,7 @@ def test_the_charge_is_what_the_pool_allocates(name, pooled):
     """per_request_bytes / per_token_bytes must equal what QuantizedKVStore (and SpeCache's state) allocate."""
     cfg = KVQConfig(method=parse_kv_cache_dtype(name).method, bits=parse_kv_cache_dtype(name).bits, group_size=16,
                     value_group=16, residual=16, top_k=8)
-    shape = PoolShape(layers=2, heads=2, head_dim=32, num_pages=31, cfg=cfg)
+    shape = PoolShape(layers=2, heads=2, head_dim=32, num_pages=47, cfg=cfg)  # 48 pages: whole frames of 4..16
     slots = 5
     store = QuantizedKVStore(cfg, shape, slots, torch.float16, "cpu", frames_pooled=pooled)
     per_slot = 0 if pooled else store.overlay_bytes()

@@ -129,11 +129,12 @@ def assert_same_pool(a: QuantizedKVStore, b: QuantizedKVStore):
 
 
 DEVICE_CASES = [(16, 2, 0, "kivi"), (16, 1, 16, "kivi"), (32, 4, 64, "kivi"), (16, 2, 32, "kivi"), (16, 2, 16, "gear"),
-                (16, 2, 16, "zipcache"), (16, 2, 16, "logquant")]
+                (16, 2, 16, "zipcache"), (16, 2, 16, "logquant"), (16, 3, 16, "kivi")]
 
 
-# CI: no window (R = 0), G = 32 with a two-page window, and each format; the 1-bit and R = 32 walks repeat what those
-# cover (20-30 s each under the interpreter)
+# CI: no window (R = 0), G = 32 with a two-page window, and each format; the 1-bit, 3-bit and R = 32 walks repeat
+# what those cover (20-30 s each under the interpreter; a width changes only the page write, bit-exact in
+# test_kernels_quantize.py and walked with kivi3's pooled frames in test_frames_pooled.py)
 @pytest.mark.parametrize("G,bits,residual,method", ci_slice(DEVICE_CASES, [DEVICE_CASES[i] for i in (0, 2, 4, 5, 6)]))
 def test_device_decode_metadata_matches_the_host_path(G, bits, residual, method, triton_interpret):
     torch.manual_seed(G * bits + residual)

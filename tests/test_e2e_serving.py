@@ -82,6 +82,17 @@ def test_kvq_triton_gives_the_same_tokens_as_kvq_torch(tiny, prompts, prefill, c
         assert triton_out == torch_out, path
 
 
+def test_kivi3_gives_kvq_torchs_tokens_on_kvq_triton(tiny, prompts):
+    """kivi3's two code planes per row and its pooled frames, k pages' codes apart (sgl_kvq/frames.py), read alike by
+    the Triton kernels and kvq_torch's default decode (the C kernel where a compiler is found); one engine each,
+    the default prefill (kivi2's case above covers the prefill modes and the torch paths)."""
+    triton_out, _ = run_engine(tiny, "kivi3", prompts[:3], attention_backend="kvq_triton", max_total_tokens=16384,
+                               env={"TRITON_INTERPRET": "1"})
+    torch_out, stats = run_engine(tiny, "kivi3", prompts[:3], attention_backend="kvq_torch", max_total_tokens=16384)
+    assert stats["kv_cache_dtype"] == "kivi3" and stats["frames_pooled"], stats
+    assert triton_out == torch_out
+
+
 def test_pool_too_small_completes_every_request_like_an_uncontended_run(capfd):
     """12 requests x 160 tokens against a pool that holds a few (tests/contended.py) with SGLang's retraction test
     mode on: requests are retracted (their complete pages checkpointed into the tree, patches/retraction.py), pages
@@ -148,7 +159,7 @@ def test_http_server_multiturn_radix_hits_abort_and_frontend_language(tiny, tmp_
 
 
 BAD_ENGINE_ARGS = [
-    ({"kv_cache_dtype": "kivi3"}, "unknown kv cache dtype 'kivi3'"),
+    ({"kv_cache_dtype": "kivi5"}, "unknown kv cache dtype 'kivi5'"),
     ({"kv_cache_dtype": "kivi2", "page_size": 16}, "conflicts with kivi2's quantization group G=64"),
     ({"kv_cache_dtype": "kivi2", "speculative_algorithm": "NGRAM"}, "speculative decoding is not supported"),
     ({"kv_cache_dtype": "kivi2", "attention_backend": "triton"}, "cannot read kivi2 KV"),
@@ -201,9 +212,9 @@ def test_mla_and_unpackable_head_dim_are_refused(tiny, tmp_path):
 
 def test_launch_server_cli_refuses_unknown_dtype_and_lists_choices(tiny):
     proc = subprocess.run([sys.executable, "-m", "sgl_kvq.cli", "serve", "--model-path", str(tiny),
-                           "--kv-cache-dtype", "kivi3"], capture_output=True, text=True, timeout=300)
+                           "--kv-cache-dtype", "kivi5"], capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
-    assert "invalid choice: 'kivi3'" in proc.stderr and "kivi2" in proc.stderr and "specache2" in proc.stderr
+    assert "invalid choice: 'kivi5'" in proc.stderr and "kivi2" in proc.stderr and "specache2" in proc.stderr
     assert "Load weight" not in proc.stderr + proc.stdout
 
 

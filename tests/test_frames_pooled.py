@@ -271,9 +271,11 @@ class Life:
 
 
 @pytest.mark.parametrize("G,bits,residual,method", [(16, 2, 16, "kivi"), (16, 4, 32, "kivi"), (16, 2, 0, "kivi"),
-                                                    (16, 2, 16, "zipcache"), (16, 2, 16, "logquant")])
+                                                    (16, 3, 32, "kivi"), (16, 2, 16, "zipcache"),
+                                                    (16, 2, 16, "logquant")])
 def test_pooled_frames_serve_what_static_frames_serve(G, bits, residual, method, triton_interpret):
-    static, pooled, dev = make_pair(G, bits, residual, method, num_pages=127)
+    # whole frames, page 0 included: 8 pages a frame at 2 bits, 6 at 3 (5.33 used: frames lie apart), 4 at 4
+    static, pooled, dev = make_pair(G, bits, residual, method, num_pages=131 if bits == 3 else 127)
     alloc = make_allocator(pooled)
     life = Life(G, seed=7 * G + bits + residual, alloc=alloc, ring=static.ring)
     alloc.req_to_token_pool = types.SimpleNamespace(req_to_token=life.req_to_token)

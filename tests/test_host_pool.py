@@ -37,7 +37,7 @@ def page_bytes(pool, pages: list[int]) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-@pytest.mark.parametrize("name", ["kivi2", "gear2", "logquant2", "zipcache2"])
+@pytest.mark.parametrize("name", ["kivi2", "kivi3", "gear2", "logquant2", "zipcache2"])
 def test_pages_come_back_exact(name, layout):
     cfg = parse_kv_cache_dtype(name)
     G = cfg.group_size
@@ -79,8 +79,8 @@ def test_pages_come_back_exact(name, layout):
     assert all(torch.equal(page_bytes(pool, [12])[n], want[n][:, 1:2]) for n in want)
 
 
-@pytest.mark.parametrize("name,min_ratio", [("kivi2", 6.0), ("kivi4", 3.5), ("gear2", 4.0), ("logquant2", 5.5),
-                                            ("zipcache2", 3.4)])
+@pytest.mark.parametrize("name,min_ratio", [("kivi2", 6.0), ("kivi4", 3.5), ("kivi3", 4.5), ("gear2", 4.0),
+                                            ("logquant2", 5.5), ("zipcache2", 3.4)])
 def test_host_tier_holds_more_tokens_than_bf16(name, min_ratio):
     """Tokens per host byte against SGLang's bf16 MHA host pool (its own get_size_per_token), from the bytes this
     host pool really allocates."""

@@ -51,7 +51,7 @@ def assert_close_written(out, ref, dtype):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_matches_reference(case, bits, dtype):
     G, H, group, D, VG, reqs = CASES[case]
@@ -127,7 +127,7 @@ EXTEND_CASES = {
 
 
 @pytest.mark.parametrize("case", list(EXTEND_CASES))
-@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_extend_matches_reference(case, bits, dtype):
     G, H, group, D, VG, reqs = EXTEND_CASES[case]

@@ -72,12 +72,18 @@ SCRIPT = textwrap.dedent('''
          fmt("logquant", (8,))),
         (_extend_attention_kernel, extend, dict(GROUP=3, GP=4, BLOCK_M=16, BLOCK_N=64, D=64, G=64, BITS=2, VG=64),
          fmt("logquant", (1,))),
+        # kivi3 (two code planes per row) at SmolLM2's geometry
+        (_decode_attention_kernel, decode, dict(GROUP=3, BLOCK_H=16, D=64, G=64, BITS=3, VG=64), fmt("")),
+        (_extend_attention_kernel, extend, dict(GROUP=3, GP=4, BLOCK_M=16, BLOCK_N=64, D=64, G=64, BITS=3, VG=64),
+         fmt("")),
     ]:
         jobs.append((kernel, {**ptrs, **x}, {**consts, **fc, "DOT_FP32": False}, {}))
     pool = dict(KC="*u8", KS="*fp16", KZ="*fp16", VC="*u8", VS="*fp16", VZ="*fp16", OVK="*bf16", OVV="*bf16")
     jobs += [
         (_quantize_pages_kernel, dict(K="*bf16", V="*bf16", src_ids="*i32", dst_pages="*i32", **pool),
          dict(G=32, D=128, VG=32, BITS=4, SPECACHE_ONE_BIT=True), dict(enable_fp_fusion=False)),
+        (_quantize_pages_kernel, dict(K="*bf16", V="*bf16", src_ids="*i32", dst_pages="*i32", **pool),
+         dict(G=64, D=64, VG=64, BITS=3, SPECACHE_ONE_BIT=True), dict(enable_fp_fusion=False)),
         (_merge_state_kernel, dict(O_part="*fp32", LSE_part="*fp32", num_splits="*i32", O="*bf16", LSE="*fp32"),
          dict(D=128, BLOCK_S=8, WRITE_LSE=True), {}),
         (_store_overlay_kernel, dict(K="*bf16", V="*bf16", frames="*i64", offsets="*i64", OVK="*bf16",
@@ -106,4 +112,4 @@ def test_kernels_compile_for_sm90():
     env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=root, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
-    assert r.stdout.count("compiled") == 12, r.stdout
+    assert r.stdout.count("compiled") == 15, r.stdout

@@ -1,5 +1,5 @@
 """The CPU decode kernel (kernels/cpu_decode_attention.c) against its oracle attention_ref.ref_decode on random pools:
-batch sizes 1..9, GQA groups 1..4, 1/2/4 bits, pages of 8..128 tokens, head dims 24..128, 1..4 value groups,
+batch sizes 1..9, GQA groups 1..4, 1/2/3/4 bits, pages of 8..128 tokens, head dims 24..128, 1..4 value groups,
 contexts shorter than a page, partial last pages and frames (NaN past each end), empty overlays or bases; fp32
 within 1e-5, one thread and two, tasks split down to one unit (the partial merge); the engine's 16-bit dtypes; the
 layout check; the build cache. Skipped only where no C compiler is on PATH (then kvq_torch keeps its torch paths)."""
@@ -46,7 +46,7 @@ def decode(q, kv, plan):
 
 @pytest.mark.parametrize("B", range(1, 10))
 @pytest.mark.parametrize("group", [1, 2, 3, 4])
-@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
 def test_matches_reference(B, group, bits):
     rng = random.Random(B * 100 + group * 10 + bits + 2)
     G, H, D, VG = SHAPES[(B + group + bits) % len(SHAPES)]
@@ -55,6 +55,16 @@ def test_matches_reference(B, group, bits):
     out = decode(q, kv, plan)
     assert not out.isnan().any(), "a position past a context's end (NaN in the pool) reached the output"
     torch.testing.assert_close(out, ref_decode(q, kv, plan, D ** -0.5), rtol=1e-5, atol=1e-5)
+
+
+def test_frames_apart_as_pooled_kivi3():
+    """Pooled kivi3 frames lie k pages' codes apart (sgl_kvq/frames.py frame_view): the kernel takes their stride."""
+    G, H, D, VG = SHAPES[1]
+    kv, plan = make_pool(G, H, D, VG, 3, random_requests(random.Random(5), 6, G), torch.bfloat16, seed=5,
+                         frame_gap=3 * D)
+    assert not kv.ov_k.is_contiguous()
+    q = torch.randn(6, H * 3, D, generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(decode(q, kv, plan), ref_decode(q, kv, plan, D ** -0.5), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("reqs", EDGE_BATCHES, ids=EDGE_IDS)

@@ -55,7 +55,7 @@ def assert_untouched(kv: LayerKV, dst: list[int], G: int) -> None:
     assert kv.k_scale.cpu()[keep].isnan().all() and kv.v_scale.cpu()[slots].isnan().all()
 
 
-@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
 @pytest.mark.parametrize("G,H,D,VG", [(16, 2, 64, 64), (32, 1, 128, 32), (64, 2, 64, 16)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_quantize_pages_bit_exact(bits, G, H, D, VG, dtype):
@@ -72,7 +72,7 @@ def test_quantize_pages_bit_exact(bits, G, H, D, VG, dtype):
     assert_untouched(kv, dst, G)
 
 
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4])
 def test_quantize_rounds_half_to_even(bits):
     # Channel values 0..L and the halves between them: with scale 1 and zero 0 every half is an exact tie, where
     # torch.round (half to even) and floor(x + 0.5) disagree.
@@ -95,8 +95,9 @@ def fill_frames(kv: LayerKV, seed: int) -> None:
     kv.ov_v.copy_(torch.randn(kv.ov_v.shape, generator=gen).to(kv.ov_v.dtype))
 
 
-def test_quantize_pages_from_overlay_frames():
-    G, H, D, VG, bits = 32, 2, 64, 32, 2
+@pytest.mark.parametrize("bits", [2, 3])
+def test_quantize_pages_from_overlay_frames(bits):
+    G, H, D, VG = 32, 2, 64, 32
     kv = empty_layer(4, G, H, D, bits, VG, frames=5)
     fill_frames(kv, seed=7)
     frames, dst = [4, 0], [2, 4]

@@ -202,7 +202,7 @@ class Episode:
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 2**31), bits=st.sampled_from([1, 2, 4]), G=st.sampled_from([8, 16]),
+@given(seed=st.integers(0, 2**31), bits=st.sampled_from([1, 2, 3, 4]), G=st.sampled_from([8, 16]),
        window_pages=st.sampled_from([0, 1, 2]))
 def test_pool_through_radix_tree(seed, bits, G, window_pages):
     rng = random.Random(seed)

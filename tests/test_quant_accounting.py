@@ -21,6 +21,7 @@ FORMATS = {
     "fp16": lambda: fp16_baseline(K, V),
     "kivi2": lambda: kivi(K, V, bits=2, residual=32, **KW),
     "kivi1": lambda: kivi(K, V, bits=1, residual=32, **KW),
+    "kivi3": lambda: kivi(K, V, bits=3, residual=32, **KW),
     "per_token4": lambda: per_token(K, V, bits=4, residual=32, **KW),
     "gear": lambda: gear(K, V, residual=32, outlier_ratio=0.05, **KW),
     "gear_l": lambda: gear_l(K, V, residual=32, **KW),

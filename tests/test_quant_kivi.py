@@ -56,7 +56,7 @@ def test_hand_computed_bytes_small_kivi():
     assert b.keys == pytest.approx(3200 * 8 / (128 * 32)) and b.values == pytest.approx(3584 * 8 / (128 * 32))
 
 
-@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
 @pytest.mark.parametrize("T,G,VG,R", [(256, 64, 64, 0), (300, 32, 16, 64), (64, 64, 32, 64), (77, 16, 8, 32)])
 def test_accounting_agrees_with_the_pool_formula(bits, T, G, VG, R):
     D = 64

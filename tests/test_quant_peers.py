@@ -46,7 +46,7 @@ def test_bitpack_round_trips_and_is_pack_py_layout_where_both_exist(bits):
     packed = pack_bits(codes, bits)
     assert packed.shape == (3, 5, 64 * bits // 8)
     assert torch.equal(unpack_bits(packed, bits, 64), codes)
-    if bits in pack.PACK_BITS:
+    if bits in pack.PACK_BITS and bits != 3:  # pack.py stores 3 bits as two planes, not a stream
         assert torch.equal(packed, pack.pack(codes, bits))
 
 
@@ -59,7 +59,7 @@ def test_three_bit_codes_are_a_little_endian_stream():
         pack_bits(torch.zeros(1, 4, dtype=torch.uint8), 3)
 
 
-@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
 def test_kivi_bits_is_kivi_where_kivi_packs(bits):
     k, v = _kv(300, 3, 64)
     a, b = kivi(k, v, bits=bits), kivi_bits(k, v, bits=bits)

@@ -14,10 +14,10 @@ FAST = settings(max_examples=40, deadline=None)
 
 
 @FAST
-@given(bits=st.sampled_from([1, 2, 4, 8]), lead=st.lists(st.integers(1, 5), min_size=0, max_size=3),
+@given(bits=st.sampled_from([1, 2, 3, 4, 8]), lead=st.lists(st.integers(1, 5), min_size=0, max_size=3),
        chunks=st.integers(1, 9), seed=st.integers(0, 2**31 - 1))
 def test_pack_round_trip_is_bit_exact(bits, lead, chunks, seed):
-    n = chunks * (8 // bits)
+    n = chunks * (8 if bits == 3 else 8 // bits)  # a 3-bit row: its 1-bit plane is whole bytes
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 1 << bits, (*lead, n), generator=g, dtype=torch.int32).to(torch.uint8)
     packed = pack.pack(codes, bits)
@@ -28,6 +28,15 @@ def test_pack_round_trip_is_bit_exact(bits, lead, chunks, seed):
 def test_pack_layout_is_little_endian_in_the_byte():
     codes = torch.tensor([1, 0, 3, 2], dtype=torch.uint8)
     assert pack.pack(codes, 2).tolist() == [1 | 0 << 2 | 3 << 4 | 2 << 6]
+
+
+def test_three_bit_rows_are_a_two_bit_plane_then_a_one_bit_plane():
+    codes = torch.tensor([5, 0, 7, 2, 1, 6, 3, 4], dtype=torch.uint8)
+    low, high = codes & 3, codes >> 2
+    assert pack.pack(codes, 3).tolist() == pack.pack(low, 2).tolist() + pack.pack(high, 1).tolist()
+    assert pack.packed_dim(64, 3) == 24 and pack.low_plane_bytes(64) == 16
+    with pytest.raises(ValueError, match="multiple of 8"):
+        pack.pack(torch.zeros(4, dtype=torch.uint8), 3)
 
 
 def _slack(x: torch.Tensor) -> torch.Tensor:
@@ -43,7 +52,7 @@ def _bound(bits: int, lo: torch.Tensor, hi: torch.Tensor, specache: bool) -> tor
 
 
 @FAST
-@given(bits=st.sampled_from([1, 2, 4]), specache=st.booleans(), T=st.integers(1, 150),
+@given(bits=st.sampled_from([1, 2, 3, 4]), specache=st.booleans(), T=st.integers(1, 150),
        G=st.sampled_from([8, 16, 32]), windows=st.integers(0, 2), H=st.integers(1, 3),
        D=st.sampled_from([8, 16, 32]), magnitude=st.floats(1e-3, 1e3), seed=st.integers(0, 2**31 - 1))
 def test_kivi_error_is_within_half_a_step(bits, specache, T, G, windows, H, D, magnitude, seed):
@@ -67,7 +76,7 @@ def test_kivi_error_is_within_half_a_step(bits, specache, T, G, windows, H, D, m
     assert torch.equal(c.k_hat[n:], k[n:].half().float()) and torch.equal(c.v_hat[n:], v[n:].half().float())
 
 
-@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
 @pytest.mark.parametrize("specache", [True, False])
 def test_constant_groups_come_back_up_to_fp16_rounding(bits, specache):
     # keys constant along tokens (one value per channel) and values constant along channels

@@ -9,7 +9,7 @@ from sgl_kvq.formats.base import Format
 
 class Kivi(Format):
     family = "kivi"
-    bits = (1, 2, 4)
+    bits = (1, 2, 3, 4)
 
 
 FORMAT = Kivi()

@@ -38,7 +38,8 @@ def quantize_span(k: torch.Tensor, v: torch.Tensor, bits: int, group_size: int, 
 
 def kivi(k: torch.Tensor, v: torch.Tensor, *, bits: int = 2, group_size: int = 64, value_group: int = 64,
          residual: int = 64, specache_one_bit: bool = True) -> CompressedKV:
-    """KIVI at `bits` in {1, 2, 4}. 1-bit uses SpeCache's zero/scale unless specache_one_bit=False (plain min/max)."""
+    """KIVI at `bits` in {1, 2, 3, 4}. 1-bit uses SpeCache's zero/scale unless specache_one_bit=False (plain
+    min/max)."""
     T, H, D = check_kv(k, v)
     n_q = quantized_len(T, group_size, residual)
     k_q, v_q, stored = quantize_span(k[:n_q], v[:n_q], bits, group_size, value_group,

@@ -1,7 +1,8 @@
-"""Sequence-level KIVI at any bit width 1..8 (kivi3 is the one the pool's format lacks).
+"""Sequence-level KIVI at any bit width 1..8, its codes in one bit stream per row.
 
-sgl_kvq.quant.kivi.kivi takes a bit width, but its pages go through sgl_kvq.quant.pack, which holds 1/2/4/8-bit codes
-only. This is the same quantizer (sgl_kvq.quant.uniform: keys per channel over each page of G tokens, values per
+sgl_kvq.quant.kivi.kivi takes a bit width, but its pages go through sgl_kvq.quant.pack, which holds 1/2/3/4/8-bit
+codes only (3 bits as a 2-bit and a 1-bit plane: the served kivi3's layout, the same values and bytes as here). This
+is the same quantizer (sgl_kvq.quant.uniform: keys per channel over each page of G tokens, values per
 token in groups of VG channels, fp16 scale and zero each, SpeCache's zero/scale at 1 bit) and the same split of the
 sequence (complete pages outside the fp16 window are quantized; the R // G window pages and the open page stay fp16,
 see kivi.quantized_len), with codes packed by sgl_kvq.quant.bitpack, a bit stream that equals pack.py's layout at
