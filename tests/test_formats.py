@@ -31,7 +31,7 @@ def shape_of(name: str) -> PoolShape:
 # ---- names ----
 
 def test_every_dtype_name_resolves_to_its_format():
-    assert DTYPE_NAMES == ("kivi1", "kivi2", "kivi4", "specache1", "specache2", "gear2", "gearl2", "logquant2",
+    assert DTYPE_NAMES == ("kivi1", "kivi2", "kivi3", "kivi4", "specache1", "specache2", "gear2", "gearl2", "logquant2",
                            "zipcache2")
     for name in DTYPE_NAMES:
         cfg = parse_kv_cache_dtype(name)
