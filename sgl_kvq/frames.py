@@ -29,8 +29,10 @@ from sgl_kvq.layout import PoolShape, frame_of
 
 
 def can_pool(shape: PoolShape, model_dtype: torch.dtype) -> bool:
-    """Whether the padded rows' writes to dummy frame 0 (its first row) stay inside page 0: k <= G."""
-    return shape.pages_per_frame(model_dtype) <= shape.G
+    """Whether a frame is whole pages' code bytes (a model-dtype row is a whole number of code rows: not a 3-bit
+    code of 64 channels) and the padded rows' writes to dummy frame 0 (its first row) stay inside page 0: k <= G."""
+    row = shape.head_dim * torch.empty((), dtype=model_dtype).element_size()
+    return row % shape.Dp == 0 and shape.pages_per_frame(model_dtype) <= shape.G
 
 
 def pooled_frames(shape: PoolShape, model_dtype: torch.dtype, disaggregation_mode: str, hicache: bool) -> bool:

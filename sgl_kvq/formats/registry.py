@@ -11,6 +11,8 @@ FORMATS: tuple[Format, ...] = (kivi.FORMAT, specache.FORMAT, gear.GEAR, gear.GEA
 BY_FAMILY = {f.family: f for f in FORMATS}
 # The dtype names SGLang's --kv-cache-dtype gains (the CLI choices), in FORMATS' order.
 DTYPE_NAMES = tuple(name for f in FORMATS for name in f.dtype_names())
+# Each dtype name's format and code width.
+BY_NAME = {f.dtype_name(b): (f, b) for f in FORMATS for b in f.bits}
 # The format whose extras are a NamedTuple type: how a layer view (LayerKV.extras) names its format.
 _BY_EXTRAS = {f.extras: f for f in FORMATS if f.extras is not None}
 # The kernels' extras tensors per FORMAT constexpr (kernels/format_extras.py checks a layer view against them).
