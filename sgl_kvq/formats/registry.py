@@ -3,11 +3,11 @@ sgl_kvq/formats/ and one entry in FORMATS (docs/formats.md)."""
 
 from __future__ import annotations
 
-from sgl_kvq.formats import gear, kivi, logquant, specache, zipcache
+from sgl_kvq.formats import gear, kivi, logquant, peers, specache, zipcache
 from sgl_kvq.formats.base import Format
 
 FORMATS: tuple[Format, ...] = (kivi.FORMAT, specache.FORMAT, gear.GEAR, gear.GEARL, logquant.FORMAT,
-                               zipcache.FORMAT)
+                               zipcache.FORMAT, *peers.FORMATS)
 BY_FAMILY = {f.family: f for f in FORMATS}
 # The dtype names SGLang's --kv-cache-dtype gains (the CLI choices), in FORMATS' order.
 DTYPE_NAMES = tuple(name for f in FORMATS for name in f.dtype_names())
