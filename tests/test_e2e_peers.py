@@ -38,7 +38,9 @@ def test_peer_int4_serves_two_turns_with_a_radix_hit(tiny):
         stats = llm.get_server_info()["internal_states"][0]["kv_pool"]
     finally:
         llm.shutdown()
-    assert stats["kv_cache_dtype"] == "peer_int4"
+    assert stats["kv_cache_dtype"] == "peer_int4" and stats["frames_pooled"]
+    # tiny: 2 layers x 2 KV heads x D 16: per token, head and layer 8 code bytes + an fp32 scale, K and V
+    assert stats["base_bytes_per_token"] == 2 * 2 * 2 * (8 + 4)
     assert all(len(o["output_ids"]) == SAMPLING["max_new_tokens"] for o in outs + outs2)
     # the first turn's complete pages are reused from the radix tree
     assert outs2[0]["meta_info"]["cached_tokens"] >= 128
