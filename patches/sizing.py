@@ -86,8 +86,8 @@ def frames_pooled(shape, model_dtype) -> bool:
     pooled = pooled_frames(shape, model_dtype, get_disagg().disaggregation_mode,
                            bool(get_memory().enable_hierarchical_cache))
     if not pooled:
-        logger.info("sgl_kvq: static fp16 frames per request slot (prefill/decode disaggregation, HiCache, or a "
-                    "frame of %d pages over pages of %d tokens)", shape.pages_per_frame(model_dtype), shape.G)
+        logger.info("sgl_kvq: static fp16 frames per request slot (prefill/decode disaggregation, HiCache, KVQ_FRAMES, "
+                    "or a frame of more pages than the %d tokens of a page: frames.can_pool)", shape.G)
     return pooled
 
 

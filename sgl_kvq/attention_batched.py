@@ -148,14 +148,16 @@ def _unpack_words(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 def context(kv: LayerKV, ctx: BatchedContext, ws: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch's keys and values in the padded layout, k, v [H, B, T, D] fp32: base tokens read as the format
-    reads them (Format.read_padded), overlay tokens copied, zeros at padding; in ws's buffers when given (valid
+    reads them (Format.read_padded), overlay tokens as it reads those (Format.read_overlay), zeros at padding; in ws's buffers when given (valid
     until the next call)."""
     G, H, D = kv.G, kv.ov_k.shape[2], kv.ov_k.shape[3]
     B, units = ctx.pages.shape
-    k, v = of_extras(kv.extras).read_padded(kv, ctx, ws)
+    fmt = of_extras(kv.extras)
+    k, v = fmt.read_padded(kv, ctx, ws)
     if ctx.ov_dst.numel():
-        for dst, ov in ((k, kv.ov_k), (v, kv.ov_v)):
-            dst.index_copy_(1, ctx.ov_dst, frame_rows(ov, ctx.ov_head_rows).float())
+        k_ov, v_ov = fmt.read_overlay(frame_rows(kv.ov_k, ctx.ov_head_rows), frame_rows(kv.ov_v, ctx.ov_head_rows))
+        k.index_copy_(1, ctx.ov_dst, k_ov)
+        v.index_copy_(1, ctx.ov_dst, v_ov)
     return k.view(H, B, units * G, D), v.view(H, B, units * G, D)
 
 

@@ -16,16 +16,16 @@ from sgl_kvq.plan import LayerKV, PagedPlan
 
 def gather_context(kv: LayerKV, plan: PagedPlan, b: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Request b's keys and values, [T, H, D] fp32, dequantized from its own pages only (as its format reads
-    them: Format.read_pages)."""
+    them: Format.read_pages; its overlay tokens through Format.read_overlay)."""
     G = kv.G
     pages = plan.kv_indices[plan.kv_indptr[b]:plan.kv_indptr[b + 1]].long()
     n = pages.numel()
     H, D = kv.ov_k.shape[2], kv.ov_k.shape[3]
-    k_base, v_base = of_extras(kv.extras).read_pages(kv, pages)
+    fmt = of_extras(kv.extras)
+    k_base, v_base = fmt.read_pages(kv, pages)
     k_base, v_base = k_base.reshape(n * G, H, D), v_base.reshape(n * G, H, D)
     frames = plan.ov_indices[plan.ov_indptr[b]:plan.ov_indptr[b + 1]].long()
-    k_ov = kv.ov_k[frames].float().reshape(-1, H, D)
-    v_ov = kv.ov_v[frames].float().reshape(-1, H, D)
+    k_ov, v_ov = fmt.read_overlay(kv.ov_k[frames].reshape(-1, H, D), kv.ov_v[frames].reshape(-1, H, D))
     nb, no = plan.base_len(b, G), plan.overlay_len(b, G)
     k = torch.cat([k_base[:nb], k_ov[:no]])
     v = torch.cat([v_base[:nb], v_ov[:no]])

@@ -9,7 +9,6 @@ residual window R = 64 (SpeCache's G and R; KIVI's paper uses G = 32 and R = 32.
 from __future__ import annotations
 
 import functools
-import re
 from dataclasses import dataclass
 
 from sgl_kvq import env
@@ -27,8 +26,6 @@ DTYPE_NAMES = registry.DTYPE_NAMES
 
 PREFILL_MODES = ("full", "paged")
 FRAME_MODES = ("pooled", "static")
-
-_NAME = re.compile(r"^(?P<method>[a-z]+)(?P<bits>\d+)$")
 
 
 @dataclass(frozen=True)
@@ -142,7 +139,7 @@ class KVQConfig:
 
     @property
     def name(self) -> str:
-        return f"{self.method}{self.bits}"
+        return self.format.dtype_name(self.bits)
 
     @property
     def page_size(self) -> int:
@@ -163,6 +160,7 @@ class KVQConfig:
             if d % self.value_group_for(d):
                 raise KVQConfigError(
                     f"sgl_kvq: {what}={d} is not a multiple of the value group {self.value_group_for(d)}")
+            self.format.check_head_dim(self, d)
 
 
 def is_kvq_dtype(name: object) -> bool:
@@ -183,10 +181,10 @@ def parse_kv_cache_dtype(name: str) -> KVQConfig:
 
 @functools.lru_cache(maxsize=None)
 def _parse(name: str, knob_values: tuple) -> KVQConfig:
-    m = _NAME.match(name or "")
-    if not m or name not in DTYPE_NAMES:
+    if name not in registry.BY_NAME:
         raise KVQConfigError(f"sgl_kvq: unknown kv cache dtype {name!r}; choose one of {', '.join(DTYPE_NAMES)}")
+    fmt, bits = registry.BY_NAME[name]
     knobs = env.knobs()
-    for knob, value in registry.BY_FAMILY[m["method"]].default_knobs(int(m["bits"])).items():
+    for knob, value in fmt.default_knobs(bits).items():
         knobs.setdefault(knob, value)
-    return KVQConfig(method=m["method"], bits=int(m["bits"]), **knobs)
+    return KVQConfig(method=fmt.family, bits=bits, **knobs)

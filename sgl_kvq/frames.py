@@ -29,7 +29,8 @@ from sgl_kvq.layout import PoolShape, frame_of
 
 
 def can_pool(shape: PoolShape, model_dtype: torch.dtype) -> bool:
-    """Whether the padded rows' writes to dummy frame 0 (its first row) stay inside page 0: k <= G."""
+    """Whether the padded rows' writes to dummy frame 0 (its first row) stay inside page 0: k <= G. (A frame that is
+    no whole number of pages, 3-bit codes of 64 channels, takes k rounded up: frame_view lays frames k pages apart.)"""
     return shape.pages_per_frame(model_dtype) <= shape.G
 
 

@@ -167,26 +167,22 @@ class QuantizedKVStore:
         self._store(layer, k, v, PageWrite(pages, lpages, received, group))
 
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, w: PageWrite) -> None:
-        pages, G, n = w.pages, self.G, w.pages.numel()
-        p, extras = self.format.pack(self.cfg, self.shape.VG, k, v, w, self.tables)
-        slots = (pages[:, None] * G + torch.arange(G, device=pages.device)).reshape(-1)
-        self.k_codes[layer, slots] = p.k_codes.reshape(n * G, *p.k_codes.shape[2:])
-        self.v_codes[layer, slots] = p.v_codes.reshape(n * G, *p.v_codes.shape[2:])
-        self.v_scale[layer, slots] = p.v_scale.reshape(n * G, *p.v_scale.shape[2:])
-        self.v_zero[layer, slots] = p.v_zero.reshape(n * G, *p.v_zero.shape[2:])
-        self.k_scale[layer, pages] = p.k_scale
-        self.k_zero[layer, pages] = p.k_zero
+        base, extras = self.format.pack(self.cfg, self.shape.VG, k, v, w, self.tables)
+        self._store_named(layer, w.pages, base._fields, base)
         if extras is not None:
-            self._store_extras(layer, pages, extras)
+            self._store_named(layer, w.pages, self.extra_names, extras)
 
     def _store_extras(self, layer: int, pages: torch.Tensor, extras: tuple | None) -> None:
-        """A format's extras of pages `pages` [N] in the pages' form ([N, ...]; per-slot ones [N, G, ...]) into the
-        pool's tensors of the same names."""
-        if extras is None:
-            return
+        if extras is not None:
+            self._store_named(layer, pages, self.extra_names, extras)
+
+    def _store_named(self, layer: int, pages: torch.Tensor, names: tuple[str, ...], tensors: tuple) -> None:
+        """Pages `pages` [N] of a format's tensors in the pages' form ([N, ...]; per-slot ones [N, G, ...]) into the
+        pool's tensors of the same names: the base a format's pack returns (KIVI's PackedPages or a format's own,
+        named as its base_shapes) and its extras go the same way."""
         G, n = self.G, pages.numel()
         slots = None
-        for name, t in zip(self.extra_names, extras):
+        for name, t in zip(names, tensors):
             if name in self.per_slot:
                 if slots is None:
                     slots = (pages[:, None] * G + torch.arange(G, device=pages.device)).reshape(-1)
@@ -198,7 +194,12 @@ class QuantizedKVStore:
         extras = None
         if self.format.extras is not None:
             extras = self.format.extras(*(getattr(self, n)[layer] for n in self.extra_names))
-        return LayerKV(self.k_codes[layer], self.k_scale[layer], self.k_zero[layer], self.v_codes[layer],
-                       self.v_scale[layer], self.v_zero[layer], self.ov_k[layer], self.ov_v[layer],
+
+        def kivi(name):  # a base that is not KIVI's has no scales or zeros of these names (Format.base_shapes)
+            t = getattr(self, name, None)
+            return None if t is None else t[layer]
+
+        return LayerKV(self.k_codes[layer], kivi("k_scale"), kivi("k_zero"), self.v_codes[layer],
+                       kivi("v_scale"), kivi("v_zero"), self.ov_k[layer], self.ov_v[layer],
                        self.format.code_bits(self.cfg.bits),
                        extras)

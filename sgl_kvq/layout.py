@@ -133,7 +133,8 @@ class PoolShape:
 
     @property
     def Dp(self) -> int:
-        return packed_dim(self.head_dim, self.cfg.format.code_bits(self.cfg.bits))
+        """Bytes of one token-head's key codes, as the format declares k_codes (pooled frames are their bytes)."""
+        return self.cfg.format.base_shapes(self.geometry, self.cfg.bits)["k_codes"][0][-1]
 
     @property
     def VG(self) -> int:

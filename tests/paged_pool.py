@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import torch
 
+from sgl_kvq.config import parse_kv_cache_dtype
 from sgl_kvq.plan import LayerKV, PagedPlan
 from sgl_kvq.quant import gear_page, kivi_page, logquant_page, zipcache_page
 
@@ -22,19 +24,26 @@ def frames_apart(x: torch.Tensor, gap: int) -> torch.Tensor:
     return out
 
 
-def make_pool(G, H, D, VG, bits, reqs, dtype, seed, gear=None, salient=0, rows=None, frame_gap=0):
+def make_pool(G, H, D, VG, bits, reqs, dtype, seed, gear=None, salient=0, rows=None, frame_gap=0, peer=None):
     """A layer whose pages hold quantized random K/V, and a PagedPlan giving each request shuffled pages/frames.
     gear=(rank, NK, NV): the pages are GEAR pages (sgl_kvq/quant/gear_page.py) carrying their correction.
     salient=NS > 0: zipcache2 pages (sgl_kvq/quant/zipcache_page.py) with NS random salient rows per page-head.
     rows=M: LogQuant pages (sgl_kvq/quant/logquant_page.py) with M row slots at random distinct offsets, about a
-    quarter of them empty (255). frame_gap: the overlay frames lie that many elements apart (frames_apart)."""
+    quarter of them empty (255). frame_gap: the overlay frames lie that many elements apart (frames_apart).
+    peer=a dtype name of sgl_kvq/formats/peers.py: its own base and per-slot extras (no KIVI scales)."""
     gen = torch.Generator().manual_seed(seed)
     n_base = [math.ceil(b / G) for b, _ in reqs]
     n_ov = [math.ceil(o / G) for _, o in reqs]
     P, F = sum(n_base) + 2, sum(n_ov) + 2  # spare page 0 and a page/frame nobody references
     k_pages, v_pages = torch.randn(P, G, H, D, generator=gen) * 1.5, torch.randn(P, G, H, D, generator=gen)
     corr = sal = None
-    if salient:
+    if peer is not None:
+        fmt = parse_kv_cache_dtype(peer).format
+        base, ex = fmt.pack(None, VG, k_pages, v_pages, None, {})
+        pages = SimpleNamespace(k_codes=base.k_codes, v_codes=base.v_codes, k_scale=None, k_zero=None,
+                                v_scale=None, v_zero=None)
+        sal = ex._make(t.reshape(P * G, *t.shape[2:]) for t in ex)  # per token slot
+    elif salient:
         v_pages[:, :, :, 1] *= 8  # an outlier value channel, for the channel scale c to matter
         idx = zipcache_page.select_salient(torch.rand(P, G, H, generator=gen), salient)
         pages, sal = zipcache_page.pack_zipcache_pages(k_pages, v_pages, idx, bits, VG)
@@ -49,8 +58,9 @@ def make_pool(G, H, D, VG, bits, reqs, dtype, seed, gear=None, salient=0, rows=N
                              v_out_idx=corr.v_out_idx.reshape(P * G, H, -1))
     kv = LayerKV(
         k_codes=pages.k_codes.reshape(P * G, H, -1), k_scale=pages.k_scale, k_zero=pages.k_zero,
-        v_codes=pages.v_codes.reshape(P * G, H, -1), v_scale=pages.v_scale.reshape(P * G, H, -1),
-        v_zero=pages.v_zero.reshape(P * G, H, -1),
+        v_codes=pages.v_codes.reshape(P * G, H, -1),
+        v_scale=None if pages.v_scale is None else pages.v_scale.reshape(P * G, H, -1),
+        v_zero=None if pages.v_zero is None else pages.v_zero.reshape(P * G, H, -1),
         ov_k=frames_apart((torch.randn(F, G, H, D, generator=gen) * 1.5).to(dtype), frame_gap),
         ov_v=frames_apart(torch.randn(F, G, H, D, generator=gen).to(dtype), frame_gap),
         bits=bits, extras=corr if corr is not None else sal,
@@ -78,6 +88,11 @@ def make_pool(G, H, D, VG, bits, reqs, dtype, seed, gear=None, salient=0, rows=N
             kv.ov_v[f, int(ovl[b]):] = float("nan")
         elif n_base[b]:
             tail = slice(int(kvx[kvi[b + 1] - 1]) * G + int(kvl[b]), (int(kvx[kvi[b + 1] - 1]) + 1) * G)
+            if peer is not None:  # its float per-slot scales or norms
+                for t in kv.extras:
+                    if t.is_floating_point():
+                        t[tail] = float("nan")
+                continue
             kv.v_scale[tail] = float("nan")
             kv.v_zero[tail] = float("nan")
             if corr is not None:

@@ -134,6 +134,24 @@ def test_batched_decode_with_logquant_rows_matches_reference(B, M):
         assert not torch.allclose(ref_decode(q, kv, plan, D ** -0.5), ref, atol=1e-4) or not plan.kv_indices.numel()
 
 
+PEERS = ["peer_fp8_e4m3", "peer_fp4_mx_block16", "peer_nvfp4", "peer_int4", "peer_tq3", "peer_tq4"]
+
+
+@pytest.mark.parametrize("B", [1, 4, 9])
+@pytest.mark.parametrize("peer", PEERS)
+def test_batched_decode_of_peer_formats_matches_reference(B, peer):
+    """A base that is not KIVI's (sgl_kvq/formats/peers.py), and overlay tokens read through the format's quantizer."""
+    rng = random.Random(B * 17 + len(peer))
+    for G, H, D, VG in SHAPES:
+        reqs = random_requests(rng, B, G)
+        kv, plan = make_pool(G, H, D, VG, 4, reqs, torch.float32, seed=B, peer=peer)
+        q = torch.randn(B, H * 2, D, generator=torch.Generator().manual_seed(B))
+        ref = ref_decode(q, kv, plan, D ** -0.5)
+        out = attention_batched.decode(q, kv, attention_batched.prepare(plan, G, H), D ** -0.5)
+        assert not out.isnan().any()
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_workspace_reuse_across_batches():
     """One Workspace through batches that grow and shrink (the backend keeps one for its life): every output equals
     the one computed with fresh buffers, and a layer's K/V never leak into the next batch's padding."""

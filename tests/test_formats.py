@@ -31,8 +31,9 @@ def shape_of(name: str) -> PoolShape:
 # ---- names ----
 
 def test_every_dtype_name_resolves_to_its_format():
-    assert DTYPE_NAMES == ("kivi1", "kivi2", "kivi3", "kivi4", "specache1", "specache2", "gear2", "gearl2", "logquant2",
-                           "zipcache2")
+    assert DTYPE_NAMES == ("kivi1", "kivi2", "kivi3", "kivi4", "specache1", "specache2", "gear2", "gearl2",
+                           "logquant2", "zipcache2", "peer_fp8_e4m3", "peer_fp4_mx_block16", "peer_nvfp4", "peer_int4",
+                           "peer_tq3", "peer_tq4")
     for name in DTYPE_NAMES:
         cfg = parse_kv_cache_dtype(name)
         assert cfg.name == name and cfg.format is registry.family(cfg.method)
@@ -44,7 +45,8 @@ def test_dtype_names_are_unique_and_families_declared_once():
     assert len(registry.BY_FAMILY) == len(registry.FORMATS)
 
 
-@pytest.mark.parametrize("name", ["kivi8", "gear4", "zipcache", "fp8_e4m3", "", "kivi02x"])
+@pytest.mark.parametrize("name", ["kivi8", "gear4", "zipcache", "fp8_e4m3", "", "kivi02x", "peer_fp8_e4m38",
+                                  "peer_tq", "peer_int44"])
 def test_unknown_names_are_refused(name):
     with pytest.raises(KVQConfigError, match="unknown kv cache dtype"):
         parse_kv_cache_dtype(name)
@@ -94,10 +96,14 @@ def test_a_constraint_of_one_format_binds_only_that_format():
 # ---- layout, bytes and state derive from the declaration ----
 
 @pytest.mark.parametrize("name", DTYPE_NAMES)
-def test_pool_tensors_are_kivis_plus_the_declared_extras(name):
+def test_pool_tensors_are_the_declared_base_plus_the_declared_extras(name):
     shape = shape_of(name)
     fmt, g = shape.cfg.format, shape.geometry
-    declared = {**kivi_shapes(g, shape.cfg.bits), **fmt.page_shapes(g, **fmt.sizes(shape.cfg, g))}
+    base = fmt.base_shapes(g, shape.cfg.bits)
+    if fmt.kernel is not None:  # what the kernels read
+        assert base == kivi_shapes(g, fmt.code_bits(shape.cfg.bits))
+    assert {"k_codes", "v_codes"} <= set(base)  # the pooled frames' bytes
+    declared = {**base, **fmt.page_shapes(g, **fmt.sizes(shape.cfg, g))}
     assert shape.base_shapes() == {n: ((L, *dims), dt) for n, (dims, dt) in declared.items()}
     if fmt.extras is not None:
         assert tuple(fmt.page_shapes(g, **fmt.sizes(shape.cfg, g))) == fmt.extras._fields

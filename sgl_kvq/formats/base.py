@@ -50,8 +50,12 @@ class Format:
     strategy: DecodeStrategy = POOL_ONLY
 
     # ---- names and knobs ----
+    def dtype_name(self, bits: int) -> str:
+        """The --kv-cache-dtype name of width `bits` (KVQConfig.name)."""
+        return f"{self.family}{bits}"
+
     def dtype_names(self) -> tuple[str, ...]:
-        return tuple(f"{self.family}{b}" for b in self.bits)
+        return tuple(self.dtype_name(b) for b in self.bits)
 
     def default_knobs(self, bits: int) -> dict:
         """Knob values this dtype defaults to where no KVQ_* variable sets them."""
@@ -64,6 +68,9 @@ class Format:
     def check(self, cfg: KVQConfig) -> None:
         """Refuse a config this format cannot serve (run when it is the one served)."""
 
+    def check_head_dim(self, cfg: KVQConfig, head_dim: int) -> None:
+        """Refuse a head_dim this format cannot store (beside KVQConfig.check_head_dim's packing rules)."""
+
     # ---- what a page and a frame hold ----
     def code_bits(self, bits: int) -> int:
         """The width of the base's packed codes (LayerKV.bits) for dtype width `bits`: the same for KIVI; a
@@ -73,8 +80,9 @@ class Format:
     def base_shapes(self, g: PageGeometry, bits: int) -> Shapes:
         """The base tensors every page holds, one layer's: KIVI's codes, scales and zeros, which the kernels, the
         pooled frames (a frame is k pages' code bytes) and the quantize kernel read. A format that is not KIVI's
-        base (served through kvq_torch only, Format.kernel None) declares its own here and reads them in correct /
-        correct_padded from LayerKV.extras."""
+        base (served through kvq_torch only, Format.kernel None) declares its own here, k_codes and v_codes
+        [S, H, Dp] among them (the pooled frames' bytes), returns them from pack under these names and reads them
+        in read_pages / read_padded (LayerKV's KIVI scales and zeros are then None)."""
         return kivi_shapes(g, self.code_bits(bits))
 
     def sizes(self, cfg: KVQConfig, g: PageGeometry) -> dict[str, int]:
@@ -102,7 +110,9 @@ class Format:
     # ---- writes ----
     def pack(self, cfg: KVQConfig, value_group: int, k: torch.Tensor, v: torch.Tensor, w: PageWrite,
              tables: dict) -> tuple[kivi_page.PackedPages, tuple | None]:
-        """Complete pages k, v [N, G, H, D] -> (KIVI's packed base, the extras in the pages' form or None)."""
+        """Complete pages k, v [N, G, H, D] -> (the packed base, the extras in the pages' form or None). The base is
+        a NamedTuple whose fields are base_shapes' names (KIVI's PackedPages), each [N, ...] per page or
+        [N, G, ...] per token slot; the store writes both by name."""
         return kivi_page.pack_pages(k, v, self.code_bits(cfg.bits), value_group,
                                     specache_one_bit=cfg.specache_one_bit), None
 
@@ -150,6 +160,12 @@ class Format:
         H, D = k.shape[0], k.shape[-1]
         self.correct_padded(k.view(H, B, U, kv.G, D), v.view(H, B, U, kv.G, D), kv.extras, ctx)
         return k, v
+
+    def read_overlay(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The overlay frames' tokens k, v [..., D] (model dtype) as attention reads them, fp32: as stored for KIVI's
+        family (the fp16 window is the format); a format that quantizes every token reads them through its
+        quantizer, so a token of the open page reads the same before and after its page is packed."""
+        return k.float(), v.float()
 
     def correct(self, k: torch.Tensor, v: torch.Tensor, extras: tuple | None,
                 pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

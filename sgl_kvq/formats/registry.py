@@ -3,14 +3,16 @@ sgl_kvq/formats/ and one entry in FORMATS (docs/formats.md)."""
 
 from __future__ import annotations
 
-from sgl_kvq.formats import gear, kivi, logquant, specache, zipcache
+from sgl_kvq.formats import gear, kivi, logquant, peers, specache, zipcache
 from sgl_kvq.formats.base import Format
 
 FORMATS: tuple[Format, ...] = (kivi.FORMAT, specache.FORMAT, gear.GEAR, gear.GEARL, logquant.FORMAT,
-                               zipcache.FORMAT)
+                               zipcache.FORMAT, *peers.FORMATS)
 BY_FAMILY = {f.family: f for f in FORMATS}
 # The dtype names SGLang's --kv-cache-dtype gains (the CLI choices), in FORMATS' order.
 DTYPE_NAMES = tuple(name for f in FORMATS for name in f.dtype_names())
+# Each dtype name's format and code width.
+BY_NAME = {f.dtype_name(b): (f, b) for f in FORMATS for b in f.bits}
 # The format whose extras are a NamedTuple type: how a layer view (LayerKV.extras) names its format.
 _BY_EXTRAS = {f.extras: f for f in FORMATS if f.extras is not None}
 # The kernels' extras tensors per FORMAT constexpr (kernels/format_extras.py checks a layer view against them).

@@ -64,7 +64,7 @@ def _round_half_away(x: torch.Tensor) -> torch.Tensor:
 
 def _e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     """uint8 4-bit E2M1 codes -> float32 values (sign in bit 3)."""
-    mag = torch.tensor(E2M1_VALUES, dtype=torch.float32)[(codes & 0x07).long()]
+    mag = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)[(codes & 0x07).long()]
     return torch.where((codes & 0x08) != 0, -mag, mag)
 
 
@@ -106,7 +106,7 @@ def fp4_mx_block16_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     scale = (scale_exp + 127).squeeze(-1).to(torch.uint8)
     scaled = blocks / torch.exp2(scale_exp)
     sign = (scaled < 0).to(torch.uint8) << 3
-    bounds = torch.tensor(E2M1_BOUNDS, dtype=torch.float32)
+    bounds = torch.tensor(E2M1_BOUNDS, dtype=torch.float32, device=x.device)
     mag = torch.sum(scaled.abs().unsqueeze(-1) >= bounds, dim=-1).to(torch.uint8)
     codes = (sign + mag).reshape(b, m, n)
     packed = (codes[..., 1::2] << 4) + codes[..., 0::2]
@@ -116,7 +116,7 @@ def fp4_mx_block16_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 def fp4_mx_block16_dequantize(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Inverse of fp4_mx_block16_quantize -> float32 [B, M, N] (SGLang's batched_dequantize before its final cast)."""
     b, m, nh = packed.shape
-    codes = torch.empty(b, m, 2 * nh, dtype=torch.uint8)
+    codes = torch.empty(b, m, 2 * nh, dtype=torch.uint8, device=packed.device)
     codes[..., 0::2] = packed & 0x0F
     codes[..., 1::2] = (packed >> 4) & 0x0F
     vals = _e2m1_decode(codes).reshape(b, m * 2 * nh // 16, 16)
@@ -141,8 +141,8 @@ def e2m1_round(y: torch.Tensor) -> torch.Tensor:
     """float -> 4-bit E2M1 codes, round to nearest with ties to the even code, saturating at +-6
     (cvt.rn.satfinite.e2m1x2.f32). A tie at boundary i goes to the even one of codes i and i + 1."""
     a = y.abs().unsqueeze(-1)
-    b = torch.tensor(E2M1_BOUNDS, dtype=torch.float32)
-    even_low = torch.arange(len(E2M1_BOUNDS)) % 2 == 0  # tie at b_i -> code i (strict >) when i is even
+    b = torch.tensor(E2M1_BOUNDS, dtype=torch.float32, device=y.device)
+    even_low = torch.arange(len(E2M1_BOUNDS), device=y.device) % 2 == 0  # tie at b_i -> code i (strict >) when i is even
     mag = torch.where(even_low, a > b, a >= b).sum(-1).to(torch.uint8)
     return mag | (torch.signbit(y).to(torch.uint8) << 3)
 
