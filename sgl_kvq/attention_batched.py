@@ -148,8 +148,8 @@ def _unpack_words(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 def context(kv: LayerKV, ctx: BatchedContext, ws: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch's keys and values in the padded layout, k, v [H, B, T, D] fp32: base tokens read as the format
-    reads them (Format.read_padded), overlay tokens as it reads those (Format.read_overlay), zeros at padding; in ws's buffers when given (valid
-    until the next call)."""
+    reads them (Format.read_padded), overlay tokens as it reads those (Format.read_overlay), zeros at padding; in
+    ws's buffers when given (valid until the next call)."""
     G, H, D = kv.G, kv.ov_k.shape[2], kv.ov_k.shape[3]
     B, units = ctx.pages.shape
     fmt = of_extras(kv.extras)
