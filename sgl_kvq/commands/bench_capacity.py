@@ -74,7 +74,7 @@ def measure(model, dtype: str, budget: dict, log_path: Path, burst_requests: int
     from sgl_kvq.commands.serving_stats import scheduler_log_stats
     from sgl_kvq.launch import ServerProcess, baseline_page_size
 
-    args = ["--model-path", str(model), "--decode-log-interval", "1"]
+    args = ["--model-path", str(model)] + (["--decode-log-interval", "1"] if burst_requests else [])
     args += ["--page-size", str(baseline_page_size())] if not dtype.startswith(("kivi", "specache")) else []
     args += [] if dtype == "auto" else ["--kv-cache-dtype", dtype]
     env = dict(os.environ)
