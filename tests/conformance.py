@@ -1,7 +1,8 @@
 """Shared by the conformance test modules: which dtypes run, one SmolLM2 server per dtype at the same pinned KV
 budget, and the rule that a kvq dtype passes every check its bf16 baseline passes.
 
-CI runs kivi2 and specache2 (the KIVI pool; SpeCache's host tier and two decode lanes).
+CI runs kivi2 and specache2 (the KIVI pool; SpeCache's host tier and two decode lanes) through the kits, kivi2 through
+the clients.
 KVQ_TEST_CONFORMANCE_DTYPES=all runs every kvq name in sgl_kvq.config.DTYPE_NAMES, so a dtype added there is covered
 without edits (or give a comma list). bf16 is the baseline of whichever dtypes run, measured where it is needed:
 a check a kvq dtype passes needs no baseline, nor does a documented failure (measured where bf16 passes), so bf16's
@@ -20,6 +21,11 @@ from sgl_kvq.commands import bench_conformance as bc
 from sgl_kvq.config import DTYPE_NAMES
 
 CI_DTYPES = ["kivi2", "specache2"]
+# The client checks and frontend programs exercise SGLang's HTTP and frontend layers over whatever pool serves them:
+# CI runs them on kivi2. On specache2 they took 1,000 s of a loaded CI worker (two decode lanes per token on 2 cores)
+# to repeat what kivi2's run and tests/test_e2e_specache.py's HTTP and frontend test cover; the matrix
+# (KVQ_TEST_CONFORMANCE_DTYPES) runs them on every dtype.
+CI_CLIENT_DTYPES = ["kivi2"]
 # The kit tests CI runs: the ones measured on every CI dtype (bench/results/conformance-smollm2.json: the API
 # contract, a one-token decode, abort-all, both KL tests, the multi-turn cache hit; bench/results/
 # conformance-full-smollm2.json: the cheap matched-stop tests, which pass on bf16, kivi2 and specache2). Left out:
@@ -60,13 +66,14 @@ def kit_tests(dtype: str | None = None) -> list[str]:
     return [t for t in CI_KIT_TESTS if t not in left_out]
 
 
-def dtypes() -> list[str]:
-    """The kvq dtypes whose servers run (bf16 is the baseline, LazyBaseline)."""
+def dtypes(ci: list[str] = CI_DTYPES) -> list[str]:
+    """The kvq dtypes whose servers run (bf16 is the baseline, LazyBaseline): KVQ_TEST_CONFORMANCE_DTYPES's, else
+    `ci`."""
     chosen = os.environ.get("KVQ_TEST_CONFORMANCE_DTYPES", "")
     if chosen == "all":
         picked = list(DTYPE_NAMES)
     else:
-        picked = [d for d in chosen.split(",") if d] or CI_DTYPES
+        picked = [d for d in chosen.split(",") if d] or ci
     return [d for d in picked if d not in ("bf16", "auto")]
 
 

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from conformance import LazyBaseline, against_baseline, dtypes, pinned_server, record
+from conformance import CI_CLIENT_DTYPES, LazyBaseline, against_baseline, dtypes, pinned_server, record
 from sgl_kvq.commands import conformance_clients as cc
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
@@ -37,7 +37,7 @@ def bf16_program_rows(tmp_path_factory):
 
 
 @pytest.mark.parametrize("check", list(cc.CLIENT_CHECKS))
-@pytest.mark.parametrize("conformance_server", dtypes(), indirect=True)
+@pytest.mark.parametrize("conformance_server", dtypes(CI_CLIENT_DTYPES), indirect=True)
 def test_openai_client_streaming_and_not_give_the_same_answer(conformance_server, check):
     """Each call on a flushed cache, so both read the same cold prefill: the streamed deltas must join to the
     non-streamed text, with the same finish reason and completion token count (no baseline excuse)."""
@@ -48,7 +48,7 @@ def test_openai_client_streaming_and_not_give_the_same_answer(conformance_server
 
 
 @pytest.mark.parametrize("program", RUN_PROGRAMS)
-@pytest.mark.parametrize("conformance_server", dtypes(), indirect=True)
+@pytest.mark.parametrize("conformance_server", dtypes(CI_CLIENT_DTYPES), indirect=True)
 def test_frontend_program_passes_where_bf16_passes(conformance_server, bf16_program_rows, program):
     dtype, server = conformance_server
     row = cc.run_program(server.base, program)

@@ -22,7 +22,9 @@ def tiny():
     return tiny_llama()
 
 
-@pytest.mark.parametrize("window,rows", ci_slice([("10", 1), ("21", 8)], [("10", 1)]))  # 10: the default window
+# Matrix only (KVQ_TEST_MATRIX=all), as zipcache2's pair (tests/test_e2e_zipcache.py says why); 10: the default
+# window.
+@pytest.mark.parametrize("window,rows", ci_slice([("10", 1), ("21", 8)], []))
 def test_kvq_triton_gives_the_same_tokens_as_kvq_torch(tiny, window, rows):
     # Longer than (1 + ring) pages: page 0 and its rows are read from the base.
     prompts = contended_prompts(3, words=200)
