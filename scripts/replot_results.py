@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sgl_kvq.commands import bench_capacity, bench_decode, bench_soak, serving_stats  # noqa: E402
+from sgl_kvq.tools.commands import bench_capacity, bench_decode, bench_soak, serving_stats  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import re
 
-from sgl_kvq.models import tiny_llama
+from sgl_kvq.tools.models import tiny_llama
 from test_e2e_serving import GREEDY, agreement, run_engine
 
 # Every token's KV a function of the tokens alone: the mode in which a contended run must agree with its

@@ -10,7 +10,7 @@ import types
 import pytest
 
 from sgl_kvq.cli import COMMANDS, main
-from sgl_kvq.commands import _subcommands, bench, bench_kernels, eval as eval_cmd
+from sgl_kvq.tools.commands import _subcommands, bench, bench_kernels, eval as eval_cmd
 
 
 def _sgl_kvq(venv_bin, *args):

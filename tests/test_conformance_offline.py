@@ -6,15 +6,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from sgl_kvq.commands import bench_conformance as bc
-from sgl_kvq.commands import conformance_clients as cc
-from sgl_kvq.commands import conformance_table
+from sgl_kvq.tools.commands import bench_conformance as bc
+from sgl_kvq.tools.commands import conformance_clients as cc
+from sgl_kvq.tools.commands import conformance_table
 
 
 def test_kl_kit_reads_the_essay_prompts_offline(tmp_path, monkeypatch):
     from sglang.test import kl_test_utils
 
-    from sgl_kvq.models import smollm2
+    from sgl_kvq.tools.models import smollm2
 
     model = smollm2()
     files = bc.prepare_offline_data(model, tmp_path)

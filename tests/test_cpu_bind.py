@@ -71,7 +71,7 @@ def test_a_users_binding_wins_and_an_automatic_one_follows_the_rank_count(clean_
 
 
 def test_engine_kwargs_and_server_argv_bind_on_the_cpu_engine(clean_env, monkeypatch):
-    from sgl_kvq import launch
+    from sgl_kvq.tools import launch
 
     monkeypatch.setattr(launch, "has_gpu", lambda: False)
     monkeypatch.setattr(cpu_engine, "cpus_by_node", lambda: [[0, 1]])

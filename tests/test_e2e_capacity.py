@@ -10,10 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from sgl_kvq import data
-from sgl_kvq.commands.serving_stats import scheduler_log_stats
-from sgl_kvq.launch import ServerProcess, baseline_page_size
-from sgl_kvq.models import smollm2, tiny_llama
+from sgl_kvq.tools import data
+from sgl_kvq.tools.commands.serving_stats import scheduler_log_stats
+from sgl_kvq.tools.launch import ServerProcess, baseline_page_size
+from sgl_kvq.tools.models import smollm2, tiny_llama
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 

@@ -11,8 +11,8 @@ import random
 
 import pytest
 
-from sgl_kvq.launch import engine_kwargs
-from sgl_kvq.models import tiny_llama
+from sgl_kvq.tools.launch import engine_kwargs
+from sgl_kvq.tools.models import tiny_llama
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 

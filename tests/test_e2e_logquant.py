@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from sgl_kvq.models import tiny_llama
+from sgl_kvq.tools.models import tiny_llama
 from multiturn import radix_hits_over_http
 from slices import ci_slice
 from contended import contended_agreement_in_the_deterministic_mode, contended_prompts

@@ -17,8 +17,8 @@ import random
 import pytest
 
 from sgl_kvq.config import DTYPE_NAMES
-from sgl_kvq.launch import ServerProcess
-from sgl_kvq.models import tiny_llama
+from sgl_kvq.tools.launch import ServerProcess
+from sgl_kvq.tools.models import tiny_llama
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from sgl_kvq.models import tiny_llama
+from sgl_kvq.tools.models import tiny_llama
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -24,7 +24,7 @@ def tiny():
 def test_peer_int4_serves_two_turns_with_a_radix_hit(tiny):
     import sglang
 
-    from sgl_kvq.launch import engine_kwargs
+    from sgl_kvq.tools.launch import engine_kwargs
 
     rng = random.Random(30)
     words = "def class return import from self lambda yield while for if else try except".split()

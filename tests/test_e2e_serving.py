@@ -13,10 +13,10 @@ import urllib.request
 
 import pytest
 
-from sgl_kvq.launch import ServerProcess, engine_kwargs
+from sgl_kvq.tools.launch import ServerProcess, engine_kwargs
 from multiturn import multiturn_cached_tokens
-from sgl_kvq.models import tiny_llama
-from sgl_kvq.workload import common_prefix_share
+from sgl_kvq.tools.models import tiny_llama
+from sgl_kvq.tools.workload import common_prefix_share
 from slices import full_matrix
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]

@@ -13,8 +13,8 @@ import pytest
 
 from slices import ci_slice, full_matrix
 from sgl_kvq.formats.specache import SPECACHE_TOP_K
-from sgl_kvq.launch import engine_kwargs
-from sgl_kvq.models import tiny_llama
+from sgl_kvq.tools.launch import engine_kwargs
+from sgl_kvq.tools.models import tiny_llama
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -97,7 +97,7 @@ def test_long_contended_run_completes_and_the_host_tier_does_not_grow(tiny, capf
 def test_http_server_and_frontend_language_on_specache2(tiny, tmp_path, frontend_fork):
     """`sgl-kvq serve --kv-cache-dtype specache2` (SGLang's launch_server with the plugin): /generate with a shared
     prefix hits the radix cache, the frontend language forks on it, and the lanes ran in the server's scheduler."""
-    from sgl_kvq.launch import ServerProcess
+    from sgl_kvq.tools.launch import ServerProcess
 
     args = ["--model-path", str(tiny), "--kv-cache-dtype", "specache2", "--dtype", "float32", "--max-total-tokens",
             "4096", "--mem-fraction-static", "0.3", "--max-running-requests", "8"]
@@ -211,8 +211,8 @@ def test_smollm2_two_turn_chat_on_specache1(monkeypatch):
     cache, answers with text, and measures the speculative lane's recall on real attention."""
     from transformers import AutoTokenizer
 
-    from sgl_kvq import data
-    from sgl_kvq.models import smollm2
+    from sgl_kvq.tools import data
+    from sgl_kvq.tools.models import smollm2
 
     monkeypatch.setenv("KVQ_SPECACHE_RECALL", "1")
     path = smollm2()

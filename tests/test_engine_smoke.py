@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from sgl_kvq import data
+from sgl_kvq.tools import data
 from sgl_kvq.cpu_engine import cpu_engine_env, engine_kwargs
-from sgl_kvq.models import smollm2
+from sgl_kvq.tools.models import smollm2
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 

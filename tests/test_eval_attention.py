@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from sgl_kvq.commands import eval_attention
-from sgl_kvq.eval import attention
+from sgl_kvq.tools.commands import eval_attention
+from sgl_kvq.tools.eval import attention
 
 EXPECTED = {"fp16", "per-token-2", "kivi4", "kivi2", "kivi1", "kivi1-plain", "gear-l-2", "gear-2", "zipcache",
             "zipcache-0.6", "logquant-2", "logquant-2-w21",

@@ -13,9 +13,9 @@ from collections import Counter
 
 import pytest
 
-from sgl_kvq.commands import eval_agree, eval_niah
-from sgl_kvq.eval import engine_eval as ee
-from sgl_kvq.eval import needles
+from sgl_kvq.tools.commands import eval_agree, eval_niah
+from sgl_kvq.tools.eval import engine_eval as ee
+from sgl_kvq.tools.eval import needles
 
 TINY = ["--model", "tiny", "--max-total-tokens", "4096", "--max-running-requests", "4"]
 
@@ -76,7 +76,7 @@ def test_flush_tail_covers_the_overlay_ring():
 
 
 def _tiny_niah_prompts(length: int):
-    from sgl_kvq import models
+    from sgl_kvq.tools import models
 
     tok = ee.tokenizer(models.tiny_llama())
     return tok, eval_niah.Prompts(tok, length)

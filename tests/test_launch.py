@@ -1,4 +1,4 @@
-"""sgl_kvq/launch.py's process groups: a server started through start_process_group does not outlive the process
+"""sgl_kvq/tools/launch.py's process groups: a server started through start_process_group does not outlive the process
 that started it, whether that process exits or is sent SIGTERM (a killed benchmark or test run)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 # or waits to be killed.
 PARENT = """
 import sys, time
-from sgl_kvq.launch import start_process_group
+from sgl_kvq.tools.launch import start_process_group
 child = start_process_group([sys.executable, "-c", "import time; time.sleep(300)"])
 print(child.pid, flush=True)
 if sys.argv[1] == "exit":

@@ -114,8 +114,8 @@ def test_every_metric_is_named_in_sglang_style_and_documented(repo_root: Path):
 def test_a_kivi2_server_exports_its_pool_stats_on_metrics(tmp_path):
     """One kivi2 server with --enable-metrics: two requests, then /metrics against /get_server_info's kv_pool.
     --decode-log-interval 1: SGLang publishes its scheduler metrics (and kvq's) after every decode batch."""
-    from sgl_kvq.launch import ServerProcess
-    from sgl_kvq.models import tiny_llama
+    from sgl_kvq.tools.launch import ServerProcess
+    from sgl_kvq.tools.models import tiny_llama
 
     args = ["--model-path", str(tiny_llama()), "--kv-cache-dtype", "kivi2", "--dtype", "float32",
             "--max-total-tokens", "4096", "--mem-fraction-static", "0.3", "--enable-metrics",

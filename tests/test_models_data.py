@@ -1,4 +1,5 @@
-"""Embedded models (sgl_kvq.models) and data (sgl_kvq.data): built offline from installed packages, sane content."""
+"""Embedded models (sgl_kvq.tools.models) and data (sgl_kvq.tools.data): built offline from installed packages, sane
+content."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sgl_kvq import data, env
+from sgl_kvq import env
+from sgl_kvq.tools import data
 
 
 def _slow_unless_built(name: str):
@@ -39,7 +41,7 @@ def test_smollm2_folder_is_bf16_llama_with_gqa():
     from safetensors import safe_open
     from transformers import AutoTokenizer
 
-    from sgl_kvq.models import smollm2
+    from sgl_kvq.tools.models import smollm2
 
     folder = smollm2()
     cfg = json.loads((folder / "config.json").read_text())

@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from sgl_kvq.eval import attention
+from sgl_kvq.tools.eval import attention
 from sgl_kvq.quant import pack, peers
 from sgl_kvq.quant.accounting import bits_per_element, kivi_expected_bits, stored_bytes
 from sgl_kvq.quant.bitpack import pack_bits, unpack_bits

@@ -1,11 +1,11 @@
-"""The soak's resident-memory summary (sgl_kvq/soak.py rss_growth): warm-up excluded, growth and the slope over the
-rest of the run, on synthetic curves whose answer is known."""
+"""The soak's resident-memory summary (sgl_kvq/tools/soak.py rss_growth): warm-up excluded, growth and the slope over
+the rest of the run, on synthetic curves whose answer is known."""
 
 from __future__ import annotations
 
 import pytest
 
-from sgl_kvq.soak import rss_growth
+from sgl_kvq.tools.soak import rss_growth
 
 MIB = 2 ** 20
 

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
-from sgl_kvq.launch import ServerProcess, free_port, post_json, start_process_group, stop_process_group
+from sgl_kvq.tools.launch import ServerProcess, free_port, post_json, start_process_group, stop_process_group
 
 INSTALL_HINT = ("mooncake's transfer engine is missing: apt-get install -y libibverbs1 && pip install "
                 "mooncake-transfer-engine-non-cuda==0.3.13.post1 msgpack (`make setup` installs both)")
@@ -39,7 +39,7 @@ def pd_argv(args: list[str], mode: str, bootstrap_port: int) -> list[str]:
     ARGS choose one: SGLang infers `host_pool` for its own pool, a HiCache host pool that pins memory with
     cudaHostRegister ("Torch not compiled with CUDA enabled"); kvq dtypes default to none anyway
     (patches/resolution.py)."""
-    from sgl_kvq.launch import has_gpu
+    from sgl_kvq.tools.launch import has_gpu
 
     argv = list(args) + ["--disaggregation-mode", mode, "--disaggregation-transfer-backend", "mooncake_tcp"]
     if mode == "prefill":

@@ -35,7 +35,8 @@ def run(args) -> int:
 
 
 def standalone_main(module_name: str, argv: list[str] | None = None) -> int:
-    """`python -m sgl_kvq.commands.<name> ARGS`: one evaluation's parser and run, without the sgl-kvq dispatcher."""
+    """`python -m sgl_kvq.tools.commands.<name> ARGS`: one evaluation's parser and run, without the sgl-kvq
+    dispatcher."""
     module = sys.modules[module_name]
     name = module.__spec__.name if module.__spec__ else module_name
     argv = sys.argv[1:] if argv is None else argv

@@ -71,8 +71,8 @@ def burst(server, vocab_size: int, requests: int, prompt_tokens: int) -> None:
 def measure(model, dtype: str, budget: dict, log_path: Path, burst_requests: int = 0,
             burst_prompt_tokens: int = 512) -> dict:
     """One server: its pool statistics (with the peak of running requests of a burst), or why it did not start."""
-    from sgl_kvq.commands.serving_stats import scheduler_log_stats
-    from sgl_kvq.launch import ServerProcess, baseline_page_size
+    from sgl_kvq.tools.commands.serving_stats import scheduler_log_stats
+    from sgl_kvq.tools.launch import ServerProcess, baseline_page_size
 
     args = ["--model-path", str(model)] + (["--decode-log-interval", "1"] if burst_requests else [])
     args += ["--page-size", str(baseline_page_size())] if not dtype.startswith(("kivi", "specache")) else []
@@ -144,7 +144,7 @@ def plot(rows: list[dict], path: str):
     where no server reported a capacity)."""
     import matplotlib.ticker
 
-    from sgl_kvq.plots import finite, pyplot, ticks_at
+    from sgl_kvq.tools.plots import finite, pyplot, ticks_at
 
     plt = pyplot()
     panels = []
@@ -187,7 +187,7 @@ def plot(rows: list[dict], path: str):
 
 
 def run(args) -> int:
-    from sgl_kvq.commands import bench_multiturn
+    from sgl_kvq.tools.commands import bench_multiturn
 
     model = bench_multiturn.resolve_model(args.model)
     log_dir = Path(tempfile.mkdtemp(prefix="sgl-kvq-capacity-"))

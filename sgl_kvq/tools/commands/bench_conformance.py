@@ -4,8 +4,8 @@ and one server per kvq dtype; a kvq dtype must pass every kit test bf16 passes.
 The kits are unittest mixins written for SGLang's CI: a test class mixes one in and exposes `base_url`, `process`
 and `model`. Here one class per kit is built over a running `ServerProcess`, with only the kits' size attributes
 set smaller (a 2-core CPU runs them) and, where a kit would download, an offline substitute from the embedded data
-(sgl_kvq/data.py): the KL kit's LongBench-v2 prompts become essay token ids in the kit's own cache file format, the
-cache-hit kit's ShareGPT file is the embedded ShareGPT. Every kit test's outcome, run time and (for the KL kit) its
+(sgl_kvq/tools/data.py): the KL kit's LongBench-v2 prompts become essay token ids in the kit's own cache file format,
+the cache-hit kit's ShareGPT file is the embedded ShareGPT. Every kit test's outcome, run time and (for the KL kit) its
 measured average KL are recorded; the KL kit compares at the kit's own threshold for every dtype.
 
 Kits run here: basic API contract, basic decode correctness, matched stop, abort-all, basic scheduler stress,
@@ -133,7 +133,7 @@ KITS_NOT_RUN = {
 
 def server_args(model, dtype: str) -> list[str]:
     from sgl_kvq.config import is_kvq_dtype
-    from sgl_kvq.launch import baseline_page_size
+    from sgl_kvq.tools.launch import baseline_page_size
 
     args = ["--model-path", str(model)]
     if is_kvq_dtype(dtype):
@@ -147,7 +147,7 @@ def prepare_offline_data(model, workdir: Path) -> dict:
     workdir) and a ShareGPT JSON (the cache-hit kit's dataset_path). Returns their paths."""
     from transformers import AutoTokenizer
 
-    from sgl_kvq import data
+    from sgl_kvq.tools import data
 
     workdir.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(str(model))
@@ -325,7 +325,7 @@ GROUPS = ("kits", "clients", "programs")
 
 def group_names(group: str) -> list[str]:
     """Every row name a group records per dtype (kits: "kit.test")."""
-    from sgl_kvq.commands import conformance_clients as cc
+    from sgl_kvq.tools.commands import conformance_clients as cc
 
     return {"kits": kit_test_names, "clients": lambda: list(cc.CLIENT_CHECKS),
             "programs": lambda: list(cc.PROGRAMS)}[group]()
@@ -353,7 +353,7 @@ def run_groups(server, model, files: dict, todo: dict[str, list[str]], skip=froz
     """The kits, client checks and programs in todo (less the names in skip) against one running server, handing
     each kit's, the clients' and each program's rows to on_rows(group, rows) as they come. Clients and programs run
     before the kits: they are bounded (24 and at most 128 new tokens), the kits' matched stop is not."""
-    from sgl_kvq.commands import conformance_clients as cc
+    from sgl_kvq.tools.commands import conformance_clients as cc
 
     if todo.get("clients"):
         on_rows("clients", cc.client_rows(server.base, todo["clients"]))
@@ -389,7 +389,7 @@ def add_arguments(p) -> None:
 
 def report_from_tests(doc: dict, command: str) -> dict:
     """The report of `run` from a test run's rows ({group: {dtype: {test: row}}}), bf16 as the baseline per group."""
-    from sgl_kvq.commands import conformance_clients as cc
+    from sgl_kvq.tools.commands import conformance_clients as cc
 
     sizes = {**SANITY_NEW_TOKENS, "kl_samples": KL_SAMPLES, "kl_prompt_pages": KL_PROMPT_PAGES,
              "kl_prompt_tail": KL_PROMPT_TAIL,
@@ -413,13 +413,13 @@ def run(args) -> int:
     import sys
 
     if args.table:
-        from sgl_kvq.commands import conformance_table
+        from sgl_kvq.tools.commands import conformance_table
 
         report = json.loads(Path(args.json).read_text())
         print(conformance_table.readme_tables(report))  # stdout: docs/conformance.md; stderr: what to copy
         entries = conformance_table.kl_entries(report)
         print("KL_OVER_KIT_THRESHOLD from this report" + ("" if entries == KL_OVER_KIT_THRESHOLD else
-              " (differs from sgl_kvq/commands/bench_conformance.py: copy it there)") + ":\n"
+              " (differs from sgl_kvq/tools/commands/bench_conformance.py: copy it there)") + ":\n"
               + json.dumps(entries, indent=1), file=sys.stderr)
         return 0
     if args.from_tests:
@@ -430,8 +430,8 @@ def run(args) -> int:
         return 0
     import tempfile
 
-    from sgl_kvq.launch import ServerProcess
-    from sgl_kvq.models import BUILDERS
+    from sgl_kvq.tools.launch import ServerProcess
+    from sgl_kvq.tools.models import BUILDERS
 
     model = BUILDERS[args.model]() if args.model in BUILDERS else Path(args.model)
     dtypes = ["bf16"] + [d for d in args.dtypes.split(",") if d and d != "bf16"]
@@ -489,6 +489,6 @@ def run(args) -> int:
 
 
 if __name__ == "__main__":
-    from sgl_kvq.commands._subcommands import standalone_main
+    from sgl_kvq.tools.commands._subcommands import standalone_main
 
     raise SystemExit(standalone_main(__name__))

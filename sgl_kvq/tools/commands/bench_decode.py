@@ -34,7 +34,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from sgl_kvq.commands.machine import describe
+from sgl_kvq.tools.commands.machine import describe
 
 DEFAULT_DTYPES = "auto,kivi4,kivi2,specache2"
 
@@ -170,7 +170,7 @@ def time_point(server, batch: int, context: int, steps: int, reps: int, vocab: i
 
 def measure(model: Path, label: str, dtype: str, tree: str | None, points, args, budget_gb: float, geo: dict,
             log_dir: Path) -> list[dict]:
-    from sgl_kvq.launch import ServerProcess, baseline_page_size
+    from sgl_kvq.tools.launch import ServerProcess, baseline_page_size
 
     # A 2-hour watchdog: bf16's torch_native extend computes every request's whole-context attention (its queries
     # padded to the full length), so the re-sent batch's one-page extend at B=8 x 16k tokens is one forward of about
@@ -251,7 +251,7 @@ def plot(rows: list[dict], path: str):
     """Decode ms/step (top) and output tok/s against bf16's in the same run (bottom) against context, one column per
     batch, one line per dtype; writes `path` and returns the Figure (None, and nothing written, where no row has a
     step time)."""
-    from sgl_kvq.plots import finite, pyplot, ticks_at
+    from sgl_kvq.tools.plots import finite, pyplot, ticks_at
 
     plt = pyplot()
     batches = sorted({r["batch"] for r in rows})
@@ -293,7 +293,7 @@ def equal_budget(model: Path, dtypes: list[str], points, steps: int) -> int:
     dtype's pool holds those tokens with the largest batch's request slots and its running requests' fp16 frames
     (SpeCache's per-request top-k state on the CPU engine needs more than bf16's tokens alone: capacity.split_budget's
     rule)."""
-    from sgl_kvq.commands.serving_workloads import ModelShape, predicted_pool
+    from sgl_kvq.tools.commands.serving_workloads import ModelShape, predicted_pool
 
     shape = ModelShape.of(model)
     top = max(b for b, _ in points)
@@ -311,7 +311,7 @@ def equal_budget(model: Path, dtypes: list[str], points, steps: int) -> int:
 
 
 def run(args) -> int:
-    from sgl_kvq.commands.bench_multiturn import resolve_model
+    from sgl_kvq.tools.commands.bench_multiturn import resolve_model
 
     model = resolve_model(args.model)
     geo = model_geometry(model)
@@ -324,7 +324,7 @@ def run(args) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="sgl-kvq-decode-"))
     print(f"[decode] {len(runs)} servers x {len(points)} points {points}; KV budget {budget_gb:.2f} GiB; "
           f"logs in {log_dir}", flush=True)
-    from sgl_kvq.commands.bench_capacity import startup_error
+    from sgl_kvq.tools.commands.bench_capacity import startup_error
 
     machine = describe()
     rows, refused = [], []

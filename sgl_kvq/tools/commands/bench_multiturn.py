@@ -27,14 +27,14 @@ def add_arguments(p) -> None:
 
 
 def resolve_model(name: str) -> Path:
-    from sgl_kvq.models import BUILDERS
+    from sgl_kvq.tools.models import BUILDERS
 
     return BUILDERS[name]() if name in BUILDERS else Path(name)
 
 
 def serve_and_run(model: Path, dtype: str, args, conversations, tokenizer, reference=None, log_dir=None):
-    from sgl_kvq.launch import ServerProcess
-    from sgl_kvq.workload import run_multiturn
+    from sgl_kvq.tools.launch import ServerProcess
+    from sgl_kvq.tools.workload import run_multiturn
 
     server_args = ["--model-path", str(model)]
     if args.max_running_requests is not None:
@@ -42,7 +42,7 @@ def serve_and_run(model: Path, dtype: str, args, conversations, tokenizer, refer
     if dtype != "auto":
         server_args += ["--kv-cache-dtype", dtype]
     else:
-        from sgl_kvq.launch import baseline_page_size
+        from sgl_kvq.tools.launch import baseline_page_size
 
         server_args += ["--page-size", str(baseline_page_size())]
     os.environ["KVQ_KV_CACHE_GB"] = str(args.kv_cache_gb)
@@ -58,8 +58,8 @@ def serve_and_run(model: Path, dtype: str, args, conversations, tokenizer, refer
 def run(args) -> int:
     from transformers import AutoTokenizer
 
-    from sgl_kvq import data
-    from sgl_kvq.workload import agreement
+    from sgl_kvq.tools import data
+    from sgl_kvq.tools.workload import agreement
 
     model = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model)

@@ -18,9 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from sgl_kvq.commands import serving_stats as stats
-from sgl_kvq.commands import serving_workloads as wl
-from sgl_kvq.commands.machine import describe
+from sgl_kvq.tools.commands import serving_stats as stats
+from sgl_kvq.tools.commands import serving_workloads as wl
+from sgl_kvq.tools.commands.machine import describe
 
 DEFAULT_DTYPES = "auto,kivi4,kivi2,specache2"
 REGIMES = ("tight", "generous")
@@ -136,7 +136,7 @@ def measure(server, model: Path, load: wl.Workload, concurrency: int, out_file: 
 
 
 def serve_dtype(model: Path, dtype: str, budget: int, max_running: int | None, extra: list[str], log: Path):
-    from sgl_kvq.launch import ServerProcess, baseline_page_size
+    from sgl_kvq.tools.launch import ServerProcess, baseline_page_size
 
     server_args = ["--model-path", str(model), "--decode-log-interval", "1", *extra]
     server_args += [] if max_running is None else ["--max-running-requests", str(max_running)]
@@ -146,8 +146,8 @@ def serve_dtype(model: Path, dtype: str, budget: int, max_running: int | None, e
 
 
 def run(args) -> int:
-    from sgl_kvq.commands.bench_capacity import startup_error
-    from sgl_kvq.commands.bench_multiturn import resolve_model
+    from sgl_kvq.tools.commands.bench_capacity import startup_error
+    from sgl_kvq.tools.commands.bench_multiturn import resolve_model
 
     apply_quick(args)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -1,4 +1,4 @@
-"""`sgl-kvq bench soak`: sgl_kvq/soak.py's load against one server per dtype and mode, for a fixed time, at a KV
+"""`sgl-kvq bench soak`: sgl_kvq/tools/soak.py's load against one server per dtype and mode, for a fixed time, at a KV
 budget that forces eviction and retraction. Per run: requests served by kind, server errors (5xx, exceptions in
 the server log, the server dying), retractions and evicted tokens (SGLang's own counters, --enable-metrics), the
 replay agreement, the pool's live counts after /flush_cache against their startup values, and the resident memory
@@ -49,9 +49,9 @@ def soak_one(model, dtype: str, mode: str, seconds: float, clients: int, max_tot
     """One server, one soak, every check's numbers (no assertion: the caller judges)."""
     from transformers import AutoConfig
 
-    from sgl_kvq import soak
+    from sgl_kvq.tools import soak
     from sgl_kvq.config import is_kvq_dtype
-    from sgl_kvq.launch import ServerProcess, baseline_page_size
+    from sgl_kvq.tools.launch import ServerProcess, baseline_page_size
 
     cfg = AutoConfig.from_pretrained(str(model))
     args = ["--model-path", str(model), "--max-total-tokens", str(max_total_tokens), "--enable-metrics"]
@@ -141,7 +141,7 @@ def verdict(row: dict) -> list[str]:
 def plot(rows: list[dict], path: str):
     """The server processes' resident memory against time under load, one line per dtype x mode; writes `path` and
     returns the Figure (None, and nothing written, where no run has a memory curve)."""
-    from sgl_kvq.plots import finite, pyplot
+    from sgl_kvq.tools.plots import finite, pyplot
 
     curves = [(f"{'bf16' if row['dtype'] == 'auto' else row['dtype']} {row['mode']}",
                finite((t, rss / 2**20) for t, rss in row.get("rss_curve") or [])) for row in rows]
@@ -166,7 +166,7 @@ def run(args) -> int:
     import sys
     import tempfile
 
-    from sgl_kvq.models import BUILDERS
+    from sgl_kvq.tools.models import BUILDERS
 
     model = BUILDERS[args.model]() if args.model in BUILDERS else Path(args.model)
     logs = Path(args.logs or tempfile.mkdtemp(prefix="kvq-soak-"))
@@ -206,6 +206,6 @@ def run(args) -> int:
 
 
 if __name__ == "__main__":
-    from sgl_kvq.commands._subcommands import standalone_main
+    from sgl_kvq.tools.commands._subcommands import standalone_main
 
     raise SystemExit(standalone_main(__name__))

@@ -78,7 +78,7 @@ def _not_run(base: dict, names: list[str]) -> str:
 def kits_table(report: dict) -> str:
     """Documented KL bounds are the ones the tests assert (bench_conformance.KL_OVER_KIT_THRESHOLD), not the copy a
     report was written with."""
-    from sgl_kvq.commands.bench_conformance import KL_OVER_KIT_THRESHOLD as documented_all
+    from sgl_kvq.tools.commands.bench_conformance import KL_OVER_KIT_THRESHOLD as documented_all
 
     kits = report["groups"].get("kits", {})
     base = kits.get("bf16", {}).get("tests", {})
@@ -133,8 +133,8 @@ def clients_table(report: dict) -> str:
 
 def not_run_lists() -> str:
     """One line per kit and per program that does not run here, and why (the code's lists, which the report copies)."""
-    from sgl_kvq.commands.bench_conformance import KITS_NOT_RUN
-    from sgl_kvq.commands.conformance_clients import PROGRAMS_NOT_RUN
+    from sgl_kvq.tools.commands.bench_conformance import KITS_NOT_RUN
+    from sgl_kvq.tools.commands.conformance_clients import PROGRAMS_NOT_RUN
 
     return "\n".join(["Kits not run:", ""] + [f"- `{k}`: {why}" for k, why in KITS_NOT_RUN.items()]
                      + ["", "Programs of test_programs.py not run:", ""]

@@ -1,10 +1,10 @@
 """`sgl-kvq demo`: the main job. Starts the SGLang server (CPU engine when there is no GPU) with the embedded
 SmolLM2 twice, bf16 KV then kivi2, at the same KV memory budget, runs the same small multi-turn ShareGPT workload
-against each, and prints what it measured (sgl_kvq/commands/bench_multiturn.py does the work)."""
+against each, and prints what it measured (sgl_kvq/tools/commands/bench_multiturn.py does the work)."""
 
 from __future__ import annotations
 
-from sgl_kvq.commands import bench_multiturn
+from sgl_kvq.tools.commands import bench_multiturn
 
 
 def add_arguments(p) -> None:

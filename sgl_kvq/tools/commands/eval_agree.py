@@ -12,7 +12,7 @@ whole continuation is identical (the table reports their means over the prompts)
 reference together with the reference's top-1 minus top-2 logprob there: greedy decoding of a small model flips at
 near-ties (bf16 logits are coarse), so a flip at a ~0.1 nat margin is noise and one at several nats is an error.
 
-Standalone: python -m sgl_kvq.commands.eval_agree [--prompts 4] [--prompt-tokens 320] [--new-tokens 64] ...
+Standalone: python -m sgl_kvq.tools.commands.eval_agree [--prompts 4] [--prompt-tokens 320] [--new-tokens 64] ...
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import argparse
 import sys
 import time
 
-from sgl_kvq.eval import engine_eval as ee
+from sgl_kvq.tools.eval import engine_eval as ee
 
 
 def add_arguments(p) -> None:
@@ -34,7 +34,7 @@ def add_arguments(p) -> None:
 
 
 def essay_prompts(tok, n: int, length: int) -> list[dict]:
-    from sgl_kvq.data import essays
+    from sgl_kvq.tools.data import essays
 
     out = []
     for i, text in enumerate(essays()):
@@ -48,7 +48,7 @@ def essay_prompts(tok, n: int, length: int) -> list[dict]:
 
 def sharegpt_prompts(tok, n: int, length: int) -> list[dict]:
     """First human turns with enough tokens, cut to fit `length` tokens once wrapped in the chat template."""
-    from sgl_kvq.data import sharegpt
+    from sgl_kvq.tools.data import sharegpt
 
     slot = "\x00MSG\x00"
     if tok.chat_template:
@@ -164,7 +164,7 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sgl_kvq.commands._subcommands import standalone_main
+    from sgl_kvq.tools.commands._subcommands import standalone_main
 
     return standalone_main(__name__, argv)
 

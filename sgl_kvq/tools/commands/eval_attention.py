@@ -1,6 +1,6 @@
-"""`sgl-kvq eval attention`: attention fidelity of every KV format on real Q/K/V (sgl_kvq.eval.attention).
+"""`sgl-kvq eval attention`: attention fidelity of every KV format on real Q/K/V (sgl_kvq.tools.eval.attention).
 
-Standalone: python -m sgl_kvq.commands.eval_attention [--tokens N] [--layers 0,5,10-12] [--methods fp16,kivi3,...]
+Standalone: python -m sgl_kvq.tools.commands.eval_attention [--tokens N] [--layers 0,5,10-12] [--methods fp16,kivi3,...]
 [--json [PATH]] ...
 """
 
@@ -62,7 +62,7 @@ def select_methods(table: dict, spec: str | None, reference: str) -> dict:
 def _text(path: Path | None, tokens: int) -> str:
     if path is not None:
         return path.read_text(encoding="utf-8", errors="replace")
-    from sgl_kvq.data import essay_text
+    from sgl_kvq.tools.data import essay_text
 
     return essay_text(min_chars=8 * tokens)
 
@@ -70,7 +70,7 @@ def _text(path: Path | None, tokens: int) -> str:
 def run(args) -> int:
     import torch
 
-    from sgl_kvq.eval import attention
+    from sgl_kvq.tools.eval import attention
 
     t0 = time.time()
     log = (lambda msg: print(msg, file=sys.stderr)) if args.json == "-" else print
@@ -88,7 +88,7 @@ def run(args) -> int:
     result = attention.evaluate(captured, table, tail=args.tail, log=log)
     first = captured[layers[0]]
     result.update({
-        "command": "python -m sgl_kvq.commands.eval_attention " + shlex.join(getattr(args, "_argv", [])),
+        "command": "python -m sgl_kvq.tools.commands.eval_attention " + shlex.join(getattr(args, "_argv", [])),
         "model": path, "tokens": int(ids.shape[1]), "layers": layers, "model_layers": model_layers,
         "shape": {"q_heads": first.q.shape[1], "kv_heads": first.k.shape[1], "head_dim": first.k.shape[2]},
         "settings": {"group_size": args.group_size, "value_group": args.value_group, "residual": args.residual,
@@ -112,7 +112,7 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sgl_kvq.commands._subcommands import standalone_main
+    from sgl_kvq.tools.commands._subcommands import standalone_main
 
     return standalone_main(__name__, argv)
 

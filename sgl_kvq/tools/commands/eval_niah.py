@@ -4,17 +4,18 @@ For each context length and depth: request 1 sends the chat-templated haystack (
 sentence inserted at a sentence boundary near `depth`) with max_new_tokens=1, so its pages enter the radix cache
 (quantized under kvq); request 2 sends haystack + question and must report cached_tokens > 0: the question and the
 answer then attend to the haystack from the prefix cache. Request 1 carries the overlay-flush tail
-(sgl_kvq/eval/engine_eval.py) so every cached page, the needle's included, is read from the packed base. A trial is
-a hit when the key fact appears in the greedy answer (case-insensitive substring).
+(sgl_kvq/tools/eval/engine_eval.py) so every cached page, the needle's included, is read from the packed base. A trial
+is a hit when the key fact appears in the greedy answer (case-insensitive substring).
 
 The assistant turn starts with an answer prefix so a few new tokens suffice (decode is the slow part on CPU).
 
-The needles (sgl_kvq/eval/needles.py): twelve facts of three kinds (digits, names, phrases) at contexts of 1k-4k
+The needles (sgl_kvq/tools/eval/needles.py): twelve facts of three kinds (digits, names, phrases) at contexts of 1k-4k
 tokens, each (needle, length) at its own depth; `--needle-set choose` is the half that chooses defaults,
 `--needle-set report` the half their results are read from, `all` both. `--needle-set single` runs one needle (the
 `--needle`, `--question`, `--answer` options) at every `--depths` value.
 
-Standalone: python -m sgl_kvq.commands.eval_niah [--needle-set report] [--lengths 1024,2048,4096] [--kv-cache-dtype ...]
+Standalone: python -m sgl_kvq.tools.commands.eval_niah [--needle-set report] [--lengths 1024,2048,4096]
+    [--kv-cache-dtype ...]
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from __future__ import annotations
 import sys
 import time
 
-from sgl_kvq.eval import engine_eval as ee
-from sgl_kvq.eval import needles as nd
+from sgl_kvq.tools.eval import engine_eval as ee
+from sgl_kvq.tools.eval import needles as nd
 
 NEEDLE = nd.NEEDLES[0]  # --needle-set single's default
 INSTRUCTION = "Answer the question using the text above. Question: "
@@ -76,7 +77,7 @@ class Prompts:
         else:
             self._head, self._tail = "", "\nAnswer:"
         self.head = tok(self._head, add_special_tokens=False).input_ids
-        from sgl_kvq.data import essay_text
+        from sgl_kvq.tools.data import essay_text
 
         self.essays = tok(essay_text(min_chars=8 * max_length), add_special_tokens=False).input_ids
 
@@ -168,7 +169,7 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sgl_kvq.commands._subcommands import standalone_main
+    from sgl_kvq.tools.commands._subcommands import standalone_main
 
     return standalone_main(__name__, argv)
 

@@ -1,13 +1,13 @@
 """`sgl-kvq eval ppl`: perplexity scored turn by turn through the engine, so later turns read cached quantized KV.
 
 The text's first turns*turn_tokens + 1 tokens are split into turns; request t sends tokens[:end_t + 1] (plus the
-overlay-flush tail, sgl_kvq/eval/engine_eval.py) with logprob_start_len = start_t and max_new_tokens=1, and scores
+overlay-flush tail, sgl_kvq/tools/eval/engine_eval.py) with logprob_start_len = start_t and max_new_tokens=1, and scores
 tokens start_t+1 .. end_t (SGLang reports no logprob for the first position). Its prefix tokens[:start_t] comes from
 the radix cache (quantized pages under kvq) and the scored tokens attend to it. A single prefill of the whole text
 would never read the pool: extend attention uses the batch's own fresh keys/values and only writes them (quantized)
 afterwards, so a plain prefill scores bf16 KV whatever the cache dtype.
 
-Standalone: python -m sgl_kvq.commands.eval_ppl [--turns 8] [--turn-tokens 192] [--kv-cache-dtype auto,kivi2] ...
+Standalone: python -m sgl_kvq.tools.commands.eval_ppl [--turns 8] [--turn-tokens 192] [--kv-cache-dtype auto,kivi2] ...
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from sgl_kvq.eval import engine_eval as ee
+from sgl_kvq.tools.eval import engine_eval as ee
 
 
 def add_arguments(p) -> None:
@@ -31,7 +31,7 @@ def text_ids(tok, path: Path | None, n: int) -> list[int]:
     if path is not None:
         text = path.read_text(encoding="utf-8", errors="replace")
     else:
-        from sgl_kvq.data import essay_text
+        from sgl_kvq.tools.data import essay_text
 
         text = essay_text(min_chars=8 * n)
     ids = tok(text, add_special_tokens=False).input_ids[:n]
@@ -106,7 +106,7 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sgl_kvq.commands._subcommands import standalone_main
+    from sgl_kvq.tools.commands._subcommands import standalone_main
 
     return standalone_main(__name__, argv)
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 
 def add_arguments(p) -> None:
-    from sgl_kvq.models import BUILDERS
+    from sgl_kvq.tools.models import BUILDERS
 
     p.add_argument("name", choices=sorted(BUILDERS))
 
 
 def run(args) -> int:
-    from sgl_kvq.models import BUILDERS
+    from sgl_kvq.tools.models import BUILDERS
 
     print(BUILDERS[args.name]())
     return 0

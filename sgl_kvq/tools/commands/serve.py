@@ -1,5 +1,5 @@
 """`sgl-kvq serve ARGS...`: SGLang's launch_server with ARGS; without a GPU the CPU engine settings are added
-(sgl_kvq/launch.py: server_argv), so the same command serves on a laptop and on a GPU box. With --tp-size or
+(sgl_kvq/tools/launch.py: server_argv), so the same command serves on a laptop and on a GPU box. With --tp-size or
 --dp-size above 1 on the CPU engine it also sets the OpenMP thread binding SGLang requires (or checks the user's)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def run(args) -> int:
 
 def run_raw(argv: list[str]) -> int:
     from sgl_kvq.cpu_engine import ThreadBindError
-    from sgl_kvq.launch import server_argv
+    from sgl_kvq.tools.launch import server_argv
 
     try:
         full = server_argv(argv)

@@ -92,7 +92,7 @@ def plot(runs: list[dict], workload: str, regime: str, title: str, path: Path):
     """Output throughput, p99 TTFT and p99 ITL against concurrency, one line per server (dtype, flags), one axes per
     number the load generator reported; writes `path` and returns the Figure (None, and nothing written, where no run
     of this workload and regime has a load generator result)."""
-    from sgl_kvq.plots import finite, pyplot, ticks_at
+    from sgl_kvq.tools.plots import finite, pyplot, ticks_at
 
     mine = [r for r in runs if r["workload"] == workload and r["regime"] == regime and r.get("loadgen")]
     names = list(dict.fromkeys(series(r) for r in mine))

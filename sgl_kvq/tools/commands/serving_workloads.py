@@ -62,10 +62,10 @@ def sharegpt_workload(dataset_path: Path, prompts: int, output_len: int, context
 
 
 def write_sharegpt_file(path: Path, records: int) -> Path:
-    """The embedded ShareGPT data (sgl_kvq.data, offline) as the ShareGPT-format JSON the load generator reads with
-    --dataset-path; without a path it would download the dataset. The load generator shuffles with its seed and
+    """The embedded ShareGPT data (sgl_kvq.tools.data, offline) as the ShareGPT-format JSON the load generator reads
+    with --dataset-path; without a path it would download the dataset. The load generator shuffles with its seed and
     filters by length, so `records` only needs to be well above the prompts asked for."""
-    from sgl_kvq import data
+    from sgl_kvq.tools import data
 
     convs = [r for r in data.sharegpt() if len(r.get("conversations", [])) >= 2][:records]
     path.write_text(json.dumps([{"id": r.get("id", str(i)), "conversations": r["conversations"][:2]}
@@ -104,7 +104,7 @@ def predicted_pool(shape: ModelShape, dtype: str, budget_bytes: int, concurrency
     from sgl_kvq.capacity import (config_pools, largest_fitting_requests, per_request_bytes, per_token_bytes,
                                   split_budget)
     from sgl_kvq.config import KVQConfigError, is_kvq_dtype, parse_kv_cache_dtype
-    from sgl_kvq.launch import baseline_page_size, has_gpu
+    from sgl_kvq.tools.launch import baseline_page_size, has_gpu
     from sgl_kvq.layout import PoolShape
 
     if not is_kvq_dtype(dtype):

@@ -131,7 +131,7 @@ def load_model(name: str):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sgl_kvq.models import BUILDERS
+    from sgl_kvq.tools.models import BUILDERS
 
     path = BUILDERS[name]() if name in BUILDERS else name
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

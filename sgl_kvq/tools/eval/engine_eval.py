@@ -58,7 +58,7 @@ def dtypes(args) -> list[str]:
 
 
 def model_path(name: str) -> Path:
-    from sgl_kvq import models
+    from sgl_kvq.tools import models
 
     if name in models.BUILDERS:
         return models.BUILDERS[name]()
@@ -93,7 +93,7 @@ def engine(path: Path, kv_cache_dtype: str, args):
     """A started sglang.Engine for one dtype; shut down on exit (even on error)."""
     import sglang as sgl
 
-    from sgl_kvq.launch import engine_kwargs
+    from sgl_kvq.tools.launch import engine_kwargs
 
     over = {"max_total_tokens": args.max_total_tokens, "max_running_requests": args.max_running_requests}
     if model_dtype(args):
