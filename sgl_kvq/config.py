@@ -36,7 +36,7 @@ class KVQConfig:
     value_group: int = 64  # channels per value quantization group (values per-token); clipped to head_dim
     residual: int = 64  # R: most recent complete tokens kept fp16 in the overlay, a multiple of G
     # 1-bit codes use SpeCache's zero-point (3 min + max)/4 and scale (max - min)/2 (eq. 3), which halves the
-    # reconstruction error of plain min/max 1-bit (tests/test_quant_uniform.py measures it).
+    # reconstruction error of plain min/max 1-bit (tests/unit/test_quant_properties.py measures it).
     specache_one_bit: bool = True
     # How an extend (prefill, multi-turn continuation) attends to its own new tokens:
     #   "full"  KIVI's prefill: the new tokens attend each other in full precision; only the cached prefix is

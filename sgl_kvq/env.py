@@ -1,7 +1,7 @@
 """Every environment variable sgl_kvq reads, under one prefix: KVQ_. (Not SGL_KVQ_: SGLang treats every SGL_*
 variable as a deprecated spelling of SGLANG_* and warns about it in each of its processes.)
 
-The knobs, their meaning and defaults are the README's knob table, the one table of them (tests/test_readme.py
+The knobs, their meaning and defaults are the README's knob table, the one table of them (tests/project/test_readme.py
 holds its rows equal to the KVQ_ names this module reads: add a row there with a knob here). _CONFIG_KNOBS below
 maps each knob KVQConfig reads to its field.
 

@@ -92,7 +92,7 @@ class QuantizedKVStore:
                     kernels: bool = False, q: torch.Tensor | None = None, sm_scale: float | None = None) -> None:
         """k, v: [T, H, D] this batch's fresh keys/values for `layer` (q [T, Hq, D] its queries, for formats whose
         write needs them). kernels=True quantizes and scatters with the Triton kernels (bit-exact with the torch
-        path, tests/test_kernels_quantize.py) where the format's codes are the quantize kernel's."""
+        path, tests/kernels/test_kernels_quantize.py) where the format's codes are the quantize kernel's."""
         self._need_q(q, sm_scale)
         fmt = self.format
         kernels = kernels and fmt.quantize_kernel
@@ -130,7 +130,7 @@ class QuantizedKVStore:
                            q: torch.Tensor | None = None, sm_scale: float | None = None) -> None:
         """A decode batch's write with the Triton kernels, static shapes and no host sync (CUDA graphs): every row
         into its frame, then each page a row completed quantized from that frame (dw: metadata.device.build_decode).
-        Bit-exact with write_layer on the same batch (tests/test_decode_metadata.py)."""
+        Bit-exact with write_layer on the same batch (tests/unit/test_decode_metadata.py)."""
         from sgl_kvq.kernels.quantize_pages import quantize_pages
         from sgl_kvq.kernels.store_overlay import store_overlay
 

@@ -95,8 +95,8 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Deselect the kit tests a dtype leaves out in CI (tests/conformance.py: kit_tests(dtype)). Parametrizing over
-    (dtype, kit test) pairs instead would give each pair its own server key, and pytest would stop grouping the
+    """Deselect the kit tests a dtype leaves out in CI (tests/helpers/conformance.py: kit_tests(dtype)). Parametrizing
+    over (dtype, kit test) pairs instead would give each pair its own server key, and pytest would stop grouping the
     kit and client tests of one dtype around its one server."""
     from conformance import kit_tests
 

@@ -5,7 +5,7 @@ gets mixed in: streaming clients that disconnect mid-answer, explicit /abort_req
 Afterwards: every completed turn is replayed one at a time on the idle server (uncontended) and its tokens
 compared; the pool's live counts (patches/observability.py live_counts) after /flush_cache are compared with
 their values at startup; the server processes' resident memory is sampled throughout. `sgl-kvq bench soak`
-runs it per dtype and mode; tests/test_soak.py runs a short one.
+runs it per dtype and mode; tests/engine/test_soak.py runs a short one.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Real clients against SmolLM2 served in bf16 and in kvq dtypes (tests/conformance.py: which dtypes, one server each
-at the same pinned KV budget): the `openai` Python client on /v1/chat/completions and /v1/completions, streaming and
-not, and the frontend-language programs of sglang/test/test_programs.py through a RuntimeEndpoint, unmodified, each
+"""Real clients against SmolLM2 served in bf16 and in kvq dtypes (tests/helpers/conformance.py: which dtypes, one server
+each at the same pinned KV budget): the `openai` Python client on /v1/chat/completions and /v1/completions, streaming
+and not, and the frontend-language programs of sglang/test/test_programs.py through a RuntimeEndpoint, unmodified, each
 passing on a kvq dtype exactly where it passes on bf16 (sgl_kvq/tools/commands/conformance_clients.py: the checks, the
 programs and why the others are left out; `sgl-kvq bench conformance` runs the same over the matrix)."""
 

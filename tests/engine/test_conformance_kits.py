@@ -1,6 +1,6 @@
 """SGLang's own server test kits (sglang/test/kits/, unmodified; sgl_kvq/tools/commands/bench_conformance.py says which,
 with what sizes and offline data) against SmolLM2 served in bf16 and in kvq dtypes, each server at the same pinned
-KV budget: a kvq dtype passes every kit test bf16 passes (tests/conformance.py: the dtypes and the rule). A kit
+KV budget: a kvq dtype passes every kit test bf16 passes (tests/helpers/conformance.py: the dtypes and the rule). A kit
 test bf16 fails (SmolLM2-135M is small: it does not answer 17 x 23) is an expected failure for every dtype.
 `sgl-kvq bench conformance` runs the same kits over the full matrix and writes the JSON."""
 

@@ -5,7 +5,6 @@ loads, and the pool's bytes per token."""
 
 from __future__ import annotations
 
-import re
 
 import pytest
 
@@ -13,7 +12,7 @@ from sgl_kvq.tools.models import tiny_llama
 from multiturn import radix_hits_over_http
 from slices import ci_slice
 from contended import contended_agreement_in_the_deterministic_mode, contended_prompts
-from test_e2e_serving import run_engine
+from engine_runs import refused_before_load, run_engine
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -23,18 +22,6 @@ GEAR_DTYPES = ["gear2", "gearl2"]
 @pytest.fixture(scope="module")
 def tiny():
     return tiny_llama()
-
-
-def refused_before_load(model, kv_cache_dtype: str, env: dict, message: str, monkeypatch) -> None:
-    """An Engine with `env` set raises KVQConfigError matching `message` before any model loads."""
-    import sglang
-
-    from sgl_kvq.config import KVQConfigError
-
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    with pytest.raises(KVQConfigError, match=re.escape(message)):
-        sglang.Engine(model_path=str(model), device="cpu", log_level="error", kv_cache_dtype=kv_cache_dtype)
 
 
 @pytest.mark.parametrize("dtype", ci_slice(GEAR_DTYPES, ["gearl2"]))  # CI: each gear dtype in one engine test
@@ -58,7 +45,7 @@ def test_http_server_multiturn_and_forked_program_hit_the_radix_cache(tiny, tmp_
 
 
 def test_pool_too_small_completes_every_request_and_is_exact_in_the_deterministic_mode(capfd):
-    """As tests/test_e2e_serving.py's kivi2 case, for gear2: 12 requests x 160 tokens against a 16-page pool with
+    """As tests/engine/test_e2e_serving.py's kivi2 case, for gear2: 12 requests x 160 tokens against a 16-page pool with
     retraction forced. With KVQ_PREFILL=paged and KVQ_RESIDUAL=0 a page's compression is a function of its tokens
     alone (power iteration from a fixed start), so the contended run must agree with the uncontended one at least
     as well as bf16's does."""

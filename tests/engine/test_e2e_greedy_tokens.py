@@ -3,7 +3,7 @@ peers' formats), equal the ones recorded in tests/data/greedy_tokens.json (scrip
 second a radix hit whose extend reads packed pages with their extras). The record was taken before the kernels'
 format interface changed; a change meant to keep every dtype's output runs this with KVQ_TEST_MATRIX=all. 18 engine
 runs (over an hour on 2 cores) are too slow for CI, where
-tests/test_e2e_{serving,gear,logquant,zipcache,specache}.py compare kvq_triton with kvq_torch per format."""
+tests/engine/test_e2e_{serving,gear,logquant,zipcache,specache}.py compare kvq_triton with kvq_torch per format."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 
 from sgl_kvq.config import DTYPE_NAMES
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECORD = ROOT / "tests/data/greedy_tokens.json"
 
 
@@ -39,7 +39,7 @@ def test_the_record_covers_every_dtype_and_its_backends():
 @pytest.mark.slow
 @pytest.mark.engine
 @pytest.mark.skipif(os.environ.get("KVQ_TEST_MATRIX") != "all",
-                    reason="an engine per dtype and backend: KVQ_TEST_MATRIX=all runs them (tests/slices.py)")
+                    reason="an engine per dtype and backend: KVQ_TEST_MATRIX=all runs them (tests/helpers/slices.py)")
 @pytest.mark.parametrize("dtype", DTYPE_NAMES)
 def test_greedy_tokens_equal_the_record(dtype):
     want = json.loads(RECORD.read_text())["tokens"][dtype]

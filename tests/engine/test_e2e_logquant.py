@@ -11,8 +11,7 @@ from sgl_kvq.tools.models import tiny_llama
 from multiturn import radix_hits_over_http
 from slices import ci_slice
 from contended import contended_agreement_in_the_deterministic_mode, contended_prompts
-from test_e2e_gear import refused_before_load
-from test_e2e_serving import run_engine
+from engine_runs import refused_before_load, run_engine
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -22,7 +21,7 @@ def tiny():
     return tiny_llama()
 
 
-# Matrix only (KVQ_TEST_MATRIX=all), as zipcache2's pair (tests/test_e2e_zipcache.py says why); 10: the default
+# Matrix only (KVQ_TEST_MATRIX=all), as zipcache2's pair (tests/engine/test_e2e_zipcache.py says why); 10: the default
 # window.
 @pytest.mark.parametrize("window,rows", ci_slice([("10", 1), ("21", 8)], []))
 def test_kvq_triton_gives_the_same_tokens_as_kvq_torch(tiny, window, rows):
@@ -46,7 +45,7 @@ def test_http_server_multiturn_and_forked_program_hit_the_radix_cache(tiny, tmp_
 
 
 def test_pool_too_small_completes_every_request_and_is_exact_in_the_deterministic_mode(capfd):
-    """As tests/test_e2e_gear.py's case, for logquant2: 12 requests x 160 tokens against a 16-page pool with
+    """As tests/engine/test_e2e_gear.py's case, for logquant2: 12 requests x 160 tokens against a 16-page pool with
     retraction forced. With KVQ_PREFILL=paged and KVQ_RESIDUAL=0 a page's codes and rows are a function of its
     tokens and position alone, so the contended run must agree with the uncontended one at least as well as
     bf16's does."""

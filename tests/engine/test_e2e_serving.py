@@ -5,7 +5,6 @@ eviction + retraction under a pool too small for the workload, and bad input ref
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import sys
@@ -13,15 +12,13 @@ import urllib.request
 
 import pytest
 
-from sgl_kvq.tools.launch import ServerProcess, engine_kwargs
+from engine_runs import agreement, run_engine
+from sgl_kvq.tools.launch import ServerProcess
 from multiturn import multiturn_cached_tokens
 from sgl_kvq.tools.models import tiny_llama
-from sgl_kvq.tools.workload import common_prefix_share
 from slices import full_matrix
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
-
-GREEDY = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -34,30 +31,6 @@ def prompts():
     rng = random.Random(0)
     words = "def class return import from self lambda yield while for if else try except with as print".split()
     return [" ".join(rng.choice(words) for _ in range(120)) for _ in range(6)]
-
-
-def run_engine(model, kv_cache_dtype, prompts, sampling=GREEDY, env=None, **kw):
-    import sglang
-
-    saved = dict(os.environ)
-    os.environ.update(env or {})
-    kw = {"dtype": "float32", "mem_fraction_static": 0.3, **kw}
-    try:
-        llm = sglang.Engine(**engine_kwargs(model, kv_cache_dtype, **kw))
-        try:
-            outs = llm.generate(prompts, sampling)
-            stats = llm.get_server_info()["internal_states"][0]["kv_pool"]
-        finally:
-            llm.shutdown()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    return [o["output_ids"] for o in outs], stats
-
-
-def agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    """Mean share of positions before the first differing token."""
-    return sum(common_prefix_share(x, y) for x, y in zip(a, b)) / len(a)
 
 
 @pytest.mark.parametrize("prefill,contexts,torch_paths", [("full", "equal", ["padded", "cpu_kernel"]),
@@ -73,7 +46,7 @@ def test_kvq_triton_gives_the_same_tokens_as_kvq_torch(tiny, prompts, prefill, c
                                env={"KVQ_PREFILL": prefill, "TRITON_INTERPRET": "1"})
     for path in torch_paths:
         if path == "cpu_kernel" and compiler() is None:
-            continue  # no C compiler: kvq_torch keeps its torch paths (tests/test_kernels_cpu_decode.py skips too)
+            continue  # no C compiler: kvq_torch keeps its torch paths (tests/kernels/test_kernels_cpu_decode.py too)
         env = {"KVQ_PREFILL": prefill, "KVQ_CPU_KERNEL": "1" if path == "cpu_kernel" else "0"}
         torch_out, stats = run_engine(tiny, "kivi2", batch, attention_backend="kvq_torch", max_total_tokens=16384,
                                       env=env)
@@ -94,8 +67,8 @@ def test_kivi3_gives_kvq_torchs_tokens_on_kvq_triton(tiny, prompts):
 
 
 def test_pool_too_small_completes_every_request_like_an_uncontended_run(capfd):
-    """12 requests x 160 tokens against a pool that holds a few (tests/contended.py) with SGLang's retraction test
-    mode on: requests are retracted (their complete pages checkpointed into the tree, patches/retraction.py), pages
+    """12 requests x 160 tokens against a pool that holds a few (tests/helpers/contended.py) with SGLang's retraction
+    test mode on: requests are retracted (their complete pages checkpointed into the tree, patches/retraction.py), pages
     evicted and reused, requests resumed. Every request must complete; outputs are compared with an uncontended run
     of the same requests, and
     bf16's own contended/uncontended agreement is the baseline.

@@ -121,7 +121,8 @@ def _two_turns(model, dtype, backend, prompts):
     both turns, the second turn's cached tokens, the pool's specache stats). One request at a time: batched, kvq_torch
     against itself diverged once (recall 0.569 vs 0.614), most likely because which requests share a batch depends
     on timing and a batch's numerics can flip a near-tie top-k pick, whose 16-bit rows then change the output;
-    batched lanes are compared in tests/test_kernels_specache.py and tests/test_specache_decode_metadata.py."""
+    batched lanes are compared in tests/kernels/test_kernels_specache.py and
+    tests/unit/test_specache_decode_metadata.py."""
     rng = random.Random(4)
     sampling = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
     llm = engine(model, dtype, attention_backend=backend, max_total_tokens=16384)
@@ -203,8 +204,9 @@ def test_bad_specache_arguments_fail_before_the_model_loads(tiny, kwargs, env, m
         sglang.Engine(model_path=str(tiny), device="cpu", log_level="error", **kwargs)
 
 
-# SmolLM2 on specache2 runs in CI through the conformance servers (tests/test_conformance_*.py); this 1-bit chat with
-# the recall diagnostic (a full-context host read per step) repeats that start and prefill at 1 bit: the matrix runs it.
+# SmolLM2 on specache2 runs in CI through the conformance servers (tests/engine/test_conformance_*.py); this 1-bit chat
+# with the recall diagnostic (a full-context host read per step) repeats that start and prefill at 1 bit: the matrix
+# runs it.
 @pytest.mark.skipif(not full_matrix(), reason="KVQ_TEST_MATRIX=all: SmolLM2 on specache1 (CI serves specache2)")
 def test_smollm2_two_turn_chat_on_specache1(monkeypatch):
     """The embedded real model on 1-bit SpeCache: a two-turn chat over an essay excerpt reads turn 1 from the radix

@@ -11,8 +11,7 @@ from sgl_kvq.tools.models import tiny_llama
 from multiturn import radix_hits_over_http
 from slices import ci_slice
 from contended import contended_agreement_in_the_deterministic_mode, contended_prompts
-from test_e2e_gear import refused_before_load
-from test_e2e_serving import run_engine
+from engine_runs import refused_before_load, run_engine
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -23,8 +22,8 @@ def tiny():
 
 
 # Matrix only (KVQ_TEST_MATRIX=all): the Triton interpreter takes 2-5 minutes of a CI worker for this engine pair;
-# in CI zipcache's kernels are checked against the reference in tests/test_kernels_format_extras.py and
-# tests/test_decode_metadata.py, and its greedy tokens through both backends in the matrix's greedy record.
+# in CI zipcache's kernels are checked against the reference in tests/kernels/test_kernels_format_extras.py and
+# tests/unit/test_decode_metadata.py, and its greedy tokens through both backends in the matrix's greedy record.
 @pytest.mark.parametrize("prefill", ci_slice(["full", "paged"], []))
 def test_kvq_triton_gives_the_same_tokens_as_kvq_torch(tiny, prefill):
     prompts = contended_prompts(3)

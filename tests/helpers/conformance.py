@@ -23,7 +23,7 @@ from sgl_kvq.config import DTYPE_NAMES
 CI_DTYPES = ["kivi2", "specache2"]
 # The client checks and frontend programs exercise SGLang's HTTP and frontend layers over whatever pool serves them:
 # CI runs them on kivi2. On specache2 they took 1,000 s of a loaded CI worker (two decode lanes per token on 2 cores)
-# to repeat what kivi2's run and tests/test_e2e_specache.py's HTTP and frontend test cover; the matrix
+# to repeat what kivi2's run and tests/engine/test_e2e_specache.py's HTTP and frontend test cover; the matrix
 # (KVQ_TEST_CONFORMANCE_DTYPES) runs them on every dtype.
 CI_CLIENT_DTYPES = ["kivi2"]
 # The kit tests CI runs: the ones measured on every CI dtype (bench/results/conformance-smollm2.json: the API
@@ -33,7 +33,7 @@ CI_CLIENT_DTYPES = ["kivi2"]
 # stop-string tests (bf16: 144 s / 377 s loaded), the decode-correctness probes (not yet run on the kvq dtypes) and
 # the radix-cache server: its tree generator's root always decodes 217 tokens at batch 1 whatever the tree's size
 # (140-370 s per dtype on 2 loaded cores, the rest of the tree under a minute of it); radix sharing is checked by the
-# multi-turn cache-hit kit here, tests/test_pool_radix.py and every e2e module's multi-turn test, and the kit passes
+# multi-turn cache-hit kit here, tests/unit/test_pool.py and every e2e module's multi-turn test, and the kit passes
 # on bf16, kivi2 and specache2 in the committed matrix. KVQ_TEST_CONFORMANCE_KITS=all runs every kit test.
 CI_KIT_TESTS = [
     "api_contract.test_get_model_info", "api_contract.test_get_server_info", "api_contract.test_health",
@@ -46,8 +46,8 @@ CI_KIT_TESTS = [
 
 
 # specache2 runs CI_KIT_TESTS but the multi-turn cache hit and the decode-hit KL test (250 s of CI here): they read
-# kivi2's pages through the same radix tree, and tests/test_e2e_specache.py serves specache2's radix hits and host
-# tier; its prefix-hit KL test stays (the host tier and both lanes under logprobs). The matrix (`sgl-kvq bench
+# kivi2's pages through the same radix tree, and tests/engine/test_e2e_specache.py serves specache2's radix hits and
+# host tier; its prefix-hit KL test stays (the host tier and both lanes under logprobs). The matrix (`sgl-kvq bench
 # conformance`, KVQ_TEST_CONFORMANCE_KITS=all) runs every kit test on every dtype.
 CI_KIT_TESTS_LEFT_OUT = {
     "specache2": {"cache_hit.test_multiturn_cache_hit",

@@ -11,7 +11,7 @@ import random
 import re
 
 from sgl_kvq.tools.models import tiny_llama
-from test_e2e_serving import GREEDY, agreement, run_engine
+from engine_runs import GREEDY, agreement, run_engine
 
 # Every token's KV a function of the tokens alone: the mode in which a contended run must agree with its
 # uncontended run at least as well as bf16's does.

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import random
 from types import SimpleNamespace
 
 import torch
@@ -11,6 +12,29 @@ import torch
 from sgl_kvq.config import parse_kv_cache_dtype
 from sgl_kvq.plan import LayerKV, PagedPlan
 from sgl_kvq.quant import gear_page, kivi_page, logquant_page, zipcache_page
+
+
+def random_requests(rng: random.Random, B: int, G: int) -> list[tuple[int, int]]:
+    """(base tokens, overlay tokens) per request; the base is whole pages whenever an overlay follows it."""
+    reqs = []
+    for _ in range(B):
+        kind = rng.choice(["short", "base_only", "overlay_only", "both"])
+        if kind == "short":  # less than a page, in the open page's frame
+            reqs.append((0, rng.randint(1, G - 1)))
+        elif kind == "base_only":  # no overlay: the last base page may be partial
+            reqs.append((rng.randint(1, 4 * G), 0))
+        elif kind == "overlay_only":
+            reqs.append((0, rng.randint(1, 2 * G)))
+        else:
+            reqs.append((rng.randint(1, 4) * G, rng.randint(1, 2 * G)))
+    return reqs
+
+
+SHAPES = [  # (G, H, D, VG)
+    (16, 2, 64, 64),
+    (64, 3, 64, 64),  # SmolLM2's KV geometry
+    (32, 1, 128, 32),
+]
 
 
 def frames_apart(x: torch.Tensor, gap: int) -> torch.Tensor:

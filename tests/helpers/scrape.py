@@ -1,5 +1,5 @@
-"""Reading a Prometheus text scrape with prometheus_client's parser: kvq's families (tests/test_metrics.py,
-tests/test_e2e_pd.py)."""
+"""Reading a Prometheus text scrape with prometheus_client's parser: kvq's families (tests/unit/test_metrics.py,
+tests/engine/test_e2e_pd.py)."""
 
 from __future__ import annotations
 

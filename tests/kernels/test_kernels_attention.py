@@ -19,11 +19,9 @@ from sgl_kvq.attention_ref import ref_decode, ref_extend  # noqa: E402
 from sgl_kvq.kernels import decode_attention as dec  # noqa: E402
 from sgl_kvq.kernels.extend_attention import extend_attention  # noqa: E402
 from sgl_kvq.kernels.merge_state import merge_state  # noqa: E402
+from kernel_checks import DEVICE, DTYPES, assert_close_written, to_device  # noqa: E402
 from paged_pool import make_pool  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 1e-3), torch.bfloat16: (1e-2, 1e-2)}
-DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
 # (G, H, group, D, VG, requests as (base tokens, overlay tokens)); base tokens are whole pages whenever the request
 # has overlay frames (only a context's last page may be partial).
@@ -33,21 +31,6 @@ CASES = {
     "G64-gqa4-short": (64, 2, 4, 64, 16, [(128, 73), (0, 3), (61, 0)]),
     "G16-gqa4-d256": (16, 1, 4, 256, 64, [(32, 10), (17, 0)]),
 }
-
-
-def to_device(obj):
-    def move(x):
-        if torch.is_tensor(x):
-            return x.to(DEVICE)
-        return type(x)(*(t.to(DEVICE) for t in x)) if isinstance(x, tuple) else x  # GEAR's PageCorrection
-
-    return type(obj)(**{f: move(getattr(obj, f)) for f in obj.__dataclass_fields__})
-
-
-def assert_close_written(out, ref, dtype):
-    assert not out.isnan().any(), "some output elements were never written (NaN poison survived)"
-    rtol, atol = TOL[dtype]
-    torch.testing.assert_close(out.cpu().float(), ref.float(), rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("case", list(CASES))

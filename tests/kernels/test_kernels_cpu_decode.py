@@ -12,10 +12,9 @@ import pytest
 import torch
 
 from paged_pool import (EDGE_BATCHES, EDGE_IDS, check_edge_batch, check_reads_only_the_batch_pages,
-                        check_scales_are_read, make_pool)
+                        check_scales_are_read, make_pool, random_requests)
 from sgl_kvq.attention_ref import ref_decode
 from sgl_kvq.kernels import cpu_decode_attention as cda
-from test_attention_batched import random_requests
 
 pytestmark = pytest.mark.skipif(cda.compiler() is None, reason="no C compiler on PATH: the kernel cannot be built")
 

@@ -1,7 +1,7 @@
 """SpeCache's fused decode lanes (kernels/specache_decode.py) against the torch lanes (sgl_kvq/specache/attention.py,
 the semantic oracle) on the same quantized pool: output rows, speculative rows, and the next top-k positions.
 
-Tolerances are the kernel's arithmetic only, as in tests/test_kernels_attention.py.
+Tolerances are the kernel's arithmetic only, as in tests/kernels/test_kernels_attention.py.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import pytest  # noqa: E402
 from sgl_kvq.attention_ref import attention_probs, gather_context  # noqa: E402
 from sgl_kvq.kernels import specache_decode as sd  # noqa: E402
 from sgl_kvq.specache.attention import output_rows, speculative_rows, with_topk  # noqa: E402
+from kernel_checks import DEVICE, TOL, assert_close_written, to_device  # noqa: E402
 from paged_pool import make_pool  # noqa: E402
-from test_kernels_attention import DEVICE, TOL, assert_close_written, to_device  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
@@ -197,7 +197,7 @@ print("compiled", flush=True)
 
 
 def test_specache_kernel_compiles_for_sm90():
-    """The interpreter never lowers a kernel: compile both for sm_90 as tests/test_kernels_compile.py does."""
+    """The interpreter never lowers a kernel: compile both for sm_90 as tests/kernels/test_kernels_compile.py does."""
     import subprocess
     import sys
     from pathlib import Path
@@ -208,7 +208,7 @@ def test_specache_kernel_compiles_for_sm90():
         pytest.skip("this triton build has no NVIDIA backend")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
     r = subprocess.run([sys.executable, "-c", COMPILE], env=env, cwd=root, capture_output=True, text=True,
                        timeout=900)

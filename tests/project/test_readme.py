@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from urllib.parse import unquote
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 MAX_LINES = 300
 SETUP_COMMANDS = ["make demo", "make test"]

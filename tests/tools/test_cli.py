@@ -1,4 +1,5 @@
-"""The `sgl-kvq` console script and the eval/bench dispatchers (`sgl-kvq model tiny`: tests/test_models_data.py)."""
+"""The `sgl-kvq` console script and the eval/bench dispatchers (`sgl-kvq model tiny`:
+tests/tools/test_models_data.py)."""
 
 from __future__ import annotations
 

@@ -112,7 +112,7 @@ def test_the_lazy_baseline_starts_bf16_once_at_the_first_miss_and_stops_it(tmp_p
     assert json.loads((tmp_path / "rows.json").read_text())["kits"]["bf16"].keys() == {"k.a", "k.b"}
 
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MATRIX = ROOT / "bench/results/conformance-full-smollm2.json"
 TABLES_START = "<!-- conformance tables: sgl-kvq bench conformance --table --json " \
                "bench/results/conformance-full-smollm2.json -->"

@@ -18,7 +18,7 @@ matplotlib.use("Agg")
 from sgl_kvq import plots  # noqa: E402
 from sgl_kvq.tools.commands import bench_capacity, bench_decode, bench_soak, serving_stats  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 UNIT = re.compile(r"\(.+\)")  # "context (tokens)", "decode step (ms)", "tokens per GiB of budget (x bf16's)"
 
 

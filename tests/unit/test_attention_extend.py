@@ -9,10 +9,9 @@ import random
 import pytest
 import torch
 
-from paged_pool import make_pool
+from paged_pool import SHAPES, make_pool, random_requests
 from sgl_kvq import attention_extend
 from sgl_kvq.attention_ref import ref_extend
-from test_attention_batched import SHAPES, random_requests
 
 
 def new_tokens(rng: random.Random, B: int, G: int) -> torch.Tensor:

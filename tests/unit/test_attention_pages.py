@@ -10,11 +10,10 @@ import random
 import pytest
 import torch
 
-from paged_pool import (EDGE_BATCHES, EDGE_IDS, check_edge_batch, check_reads_only_the_batch_pages,
-                        check_scales_are_read, make_pool)
+from paged_pool import (EDGE_BATCHES, EDGE_IDS, SHAPES, check_edge_batch, check_reads_only_the_batch_pages,
+                        check_scales_are_read, make_pool, random_requests)
 from sgl_kvq import attention_batched, attention_pages
 from sgl_kvq.attention_ref import ref_decode
-from test_attention_batched import SHAPES, random_requests
 
 
 def decode(q, kv, plan, G, H, ws=None):

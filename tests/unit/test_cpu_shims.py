@@ -37,7 +37,7 @@ def test_calling_a_shimmed_op_raises():
 
 def test_sglang_cpu_engine_modules_import_with_the_shims():
     """The modules the CPU engine loads for a Llama model import, in a fresh process with SGLang's CPU platform
-    (the full engine run is tests/test_engine_smoke.py)."""
+    (the full engine run is tests/engine/test_engine_smoke.py)."""
     code = (
         "import sglang.srt.models.llama, sglang.srt.model_executor.model_runner, sglang.srt.managers.scheduler\n"
         "import sglang.srt.layers.attention.torch_native_backend, sglang.srt.entrypoints.engine\n"

@@ -179,7 +179,7 @@ _IDENTITY = re.compile(r"cfg\.method\b|\.method\s*(==|!=|in\b)|is_specache|is_zi
 def test_no_product_code_tests_a_formats_identity():
     """The product (the package less its tooling, kernels/, patches/) asks the format's declaration, never its
     name; sgl_kvq/formats/ is where the formats are named."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     files = [*(root / "sgl_kvq").rglob("*.py"), *(root / "kernels").rglob("*.py"), *(root / "patches").rglob("*.py")]
     hits = []
     for f in files:

@@ -159,7 +159,7 @@ def test_each_peer_names_its_format_by_its_extras():
 
 def test_served_fp4_mx_block16_is_sglangs_quantizer():
     """SGLang's FP4MXBlock16KVQuantizeUtil on this CPU (its original Python, which on fp32 computes what its
-    compiled kernel does; tests/test_quant_peers.py compares the compiled one with the reference): the pool's codes
+    compiled kernel does; tests/unit/test_quant_peers.py compares the compiled one with the reference): the pool's codes
     and scales of a KV [T, H, D] equal its batched_quantize's bit for bit."""
     kvfp4 = pytest.importorskip("sglang.srt.layers.quantization.kvfp4_tensor")
     fn = getattr(kvfp4.FP4MXBlock16KVQuantizeUtil.batched_quantize, "_torchdynamo_orig_callable", None)

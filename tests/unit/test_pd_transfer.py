@@ -3,7 +3,7 @@ path, in chunks) is moved into a second pool of another size through exactly the
 (get_contiguous_buf_infos: pages; get_request_state_buf_infos: the request's overlay frames), with the addressing of
 SGLang's mooncake backend (its own run grouping; K/V half pairing for the pages, entry to entry for the request
 state, which SGLang sends flat because the pool gives each entry a layer id; the byte copy is a memmove here, the
-engine test tests/test_e2e_pd.py sends through mooncake). The decode pool must then read every context exactly as
+engine test tests/engine/test_e2e_pd.py sends through mooncake). The decode pool must then read every context exactly as
 the prefill pool does, and keep doing so while both decode past the open page.
 """
 

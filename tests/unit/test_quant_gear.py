@@ -83,7 +83,7 @@ def test_hand_computed_bytes_small_gear():
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(128, 2, 16, generator=g), torch.randn(128, 2, 16, generator=g)
     c = gear(k, v, bits=2, group_size=32, value_group=16, residual=32, rank=2, outlier_ratio=0.1)
-    kivi_k, kivi_v = 768 + 384 + 2048, 768 + 768 + 2048  # tests/test_quant_kivi.py
+    kivi_k, kivi_v = 768 + 384 + 2048, 768 + 768 + 2048  # tests/unit/test_quant_kivi.py
     low_rank_bytes = 3 * 2 * 2 * (32 + 16) * 2  # fp16 u [pages, H, r, G] + w [pages, H, r, D] = 1152
     k_outliers = 3 * 2 * 3 * 16 * (2 + 1)  # round(0.1 * 32) = 3 per (page, head, channel): fp16 + uint8 = 864
     v_outliers = 96 * 2 * 2 * (2 + 1)  # round(0.1 * 16) = 2 per (token, head) = 1152

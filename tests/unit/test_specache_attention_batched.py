@@ -11,12 +11,11 @@ import random
 import pytest
 import torch
 
-from paged_pool import make_pool
+from paged_pool import SHAPES, make_pool, random_requests
 from sgl_kvq import attention_batched
 from sgl_kvq.attention_ref import attention_probs, gather_context
 from sgl_kvq.specache import attention as oracle
 from sgl_kvq.specache import attention_batched as lanes
-from test_attention_batched import SHAPES, random_requests
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 

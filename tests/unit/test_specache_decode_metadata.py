@@ -1,5 +1,5 @@
 """SpeCache's two-lane decode on kvq_triton's device-built metadata against the torch lanes on the host-built one,
-at every step of a random request life (tests/test_decode_metadata.py's Life: pages allocated, completed, freed,
+at every step of a random request life (tests/unit/test_decode_metadata.py's Life: pages allocated, completed, freed,
 reused; slots reused; radix-shared prefixes).
 
 Both lanes of a request read one plan entry (kernels/specache_decode.py: rows are lane-major over the n real

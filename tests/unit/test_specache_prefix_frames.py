@@ -17,8 +17,8 @@ from sgl_kvq.attention_ref import ref_extend  # noqa: E402
 from sgl_kvq.kernels.extend_attention import extend_attention  # noqa: E402
 from sgl_kvq.specache import prefix_frames  # noqa: E402
 from sgl_kvq.specache.host_tier import HostTier  # noqa: E402
+from kernel_checks import DEVICE, DTYPES, assert_close_written, to_device  # noqa: E402
 from paged_pool import make_pool  # noqa: E402
-from test_kernels_attention import DEVICE, DTYPES, assert_close_written, to_device  # noqa: E402
 
 # (G, H, group, D, requests as (prefix tokens, new tokens))
 CASES = {

@@ -34,7 +34,7 @@ KIT_KL_THRESHOLD = 0.002
 # Dtypes whose KL exceeds the kit's threshold on SmolLM2, per KL kit test: the measured avg KL (this module's sizes,
 # bench/results/conformance-full-smollm2.json, 3 significant digits) and the bound the test asserts instead,
 # conformance_table.KL_BOUND_FACTOR (1.6) times it, so a regression still fails. `sgl-kvq bench conformance --table`
-# prints these entries from the JSON; tests/test_conformance_offline.py holds them equal. A build's KL repeats exactly
+# prints these entries from the JSON; tests/tools/test_conformance_offline.py holds them equal. A build's KL repeats exactly
 # (two runs: 0.16051 / 0.08148), but a change in rounding moves it, most likely through the greedy text decoded
 # before the hit: kivi2's prefix hit measured 0.101 in the matrix and 0.161 after the fused extend and two-thread
 # decode, whose decode hit fell from 0.156 to 0.081; the JSON keeps the larger of each (kl_runs has both). The machine
@@ -71,7 +71,7 @@ KL_OVER_KIT_THRESHOLD: dict[str, dict[str, dict]] = {
 # Kit tests and programs a kvq dtype fails where bf16 passes because of the text its cache decodes (greedy, so the
 # same every run), not because of SGLang's stop, regex or constrained-decoding machinery, which passes every other such
 # test on these dtypes: measured in the committed matrix (bench/results/conformance-full-smollm2.json), stated here
-# with what the text does, and expected failures in tests/conformance.py as KL_OVER_KIT_THRESHOLD's are.
+# with what the text does, and expected failures in tests/helpers/conformance.py as KL_OVER_KIT_THRESHOLD's are.
 _NO_NEWLINE = "its greedy 3,000-word story runs the 1,000 tokens without the stop '\\n' (bf16's stops)"
 GREEDY_TEXT_FAILURES: dict[str, dict[str, str]] = {
     "gearl2": {"matched_stop.test_finish_stop_str": _NO_NEWLINE},
@@ -116,7 +116,7 @@ KITS_NOT_RUN = {
     "prefix_cache_branching_kit": "checks Mamba's chunked state checkpoints (cache_chunk_size); SmolLM2 has none",
     "spec_decoding_kit / spec_server_kits": "speculative decoding, which kvq dtypes refuse at startup",
     "pd_parity_kit": "needs a prefill and a decode server behind a router; kvq PD parity with one server is "
-    "tests/test_e2e_pd.py",
+    "tests/engine/test_e2e_pd.py",
     "dsa_metadata_kit / fwd_occupancy_kit / attention_unittest": "GPU-only kernels and metadata (DSA, CUDA occupancy)",
     "mmmu_vlm_kit / vlm_perf_kit": "vision-language models; SmolLM2 is text-only",
     "reasoning_kit": "needs a reasoning model and --reasoning-parser (think tokens); SmolLM2 has none",
@@ -382,7 +382,8 @@ def add_arguments(p) -> None:
                    "(bf16 included), only the kits, client checks and programs it has no rows for: a cut-off matrix "
                    "run goes on where it stopped")
     p.add_argument("--from-tests", metavar="PATH", help="build the report from the rows a pytest run of "
-                   "tests/test_conformance_*.py wrote with KVQ_CONFORMANCE_JSON=PATH, instead of starting servers")
+                   "tests/engine/test_conformance_*.py wrote with KVQ_CONFORMANCE_JSON=PATH, instead of starting "
+                   "servers")
     p.add_argument("--table", action="store_true", help="print docs/conformance.md's Markdown tables (stdout) and the "
                    "KL_OVER_KIT_THRESHOLD entries (stderr) from the report in --json, instead of starting servers")
 
@@ -424,7 +425,8 @@ def run(args) -> int:
         return 0
     if args.from_tests:
         report = report_from_tests(json.loads(Path(args.from_tests).read_text()),
-                                   "pytest tests/test_conformance_*.py (rows: sgl-kvq bench conformance --from-tests)")
+                                   "pytest tests/engine/test_conformance_*.py "
+                                   "(rows: sgl-kvq bench conformance --from-tests)")
         text = json.dumps(report, indent=1) + "\n"
         Path(args.json).write_text(text) if args.json else print(text)
         return 0

@@ -1,5 +1,5 @@
 """Real clients against a running server, as rows (`{outcome pass|fail|error, seconds, message?}`) for
-`sgl-kvq bench conformance` (groups "clients" and "programs") and tests/test_conformance_clients.py.
+`sgl-kvq bench conformance` (groups "clients" and "programs") and tests/engine/test_conformance_clients.py.
 
 Clients: the `openai` Python client on /v1/chat/completions and /v1/completions, each streamed and not; on a flushed
 cache the streamed deltas must join to the non-streamed text, with the same finish reason and completion token count.
