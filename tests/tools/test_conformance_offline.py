@@ -57,9 +57,10 @@ def test_regressions_are_the_tests_bf16_passes_and_the_dtype_does_not():
 def test_the_baseline_rule_fails_a_regression_and_reports_a_documented_kl_excess(monkeypatch):
     import pytest
 
+    import conformance
     from conformance import against_baseline
 
-    monkeypatch.setattr(bc, "KL_OVER_KIT_THRESHOLD", {"kivi2": {"t_kl": {"measured": 0.15, "bound": 0.25}}})
+    monkeypatch.setattr(conformance, "KL_OVER_KIT_THRESHOLD", {"kivi2": {"t_kl": {"measured": 0.15, "bound": 0.25}}})
     bf16 = {"k.t": {"outcome": "pass"}, "k.hard": {"outcome": "fail", "message": "no 391"},
             "k.t_kl": {"outcome": "pass", "kl": 0.0009}}
     asked: list[str] = []
@@ -82,7 +83,7 @@ def test_the_baseline_rule_fails_a_regression_and_reports_a_documented_kl_excess
     assert asked == []  # documented rows were measured where bf16 passes: no baseline run
     with pytest.raises(pytest.fail.Exception, match="KL 0.16000"):  # undocumented dtype: a plain failure
         against_baseline(base, "kivi1", "k.t_kl", {"outcome": "fail", "kl": 0.16})
-    monkeypatch.setattr(bc, "GREEDY_TEXT_FAILURES", {"kivi1": {"k.t": "no stop in its text"}})
+    monkeypatch.setattr(conformance, "GREEDY_TEXT_FAILURES", {"kivi1": {"k.t": "no stop in its text"}})
     with pytest.raises(pytest.xfail.Exception, match="no stop in its text"):
         against_baseline(base, "kivi1", "k.t", {"outcome": "fail"})
     with pytest.raises(pytest.fail.Exception, match="which bf16 passes"):  # documented for kivi1 only
@@ -114,15 +115,42 @@ def test_the_lazy_baseline_starts_bf16_once_at_the_first_miss_and_stops_it(tmp_p
 
 ROOT = Path(__file__).resolve().parents[2]
 MATRIX = ROOT / "bench/results/conformance-full-smollm2.json"
-TABLES_START = "<!-- conformance tables: sgl-kvq bench conformance --table --json " \
-               "bench/results/conformance-full-smollm2.json -->"
+TABLE_COMMAND = "sgl-kvq bench conformance --table --json bench/results/conformance-full-smollm2.json " \
+                "--expected tests/data/expected_failures.json"
+TABLES_START = f"<!-- conformance tables: {TABLE_COMMAND} -->"
 TABLES_END = "<!-- end of conformance tables -->"
 
 
 def test_documented_kl_bounds_are_the_committed_matrix():
-    """KL_OVER_KIT_THRESHOLD is what the committed matrix measured (1.6x bounds): `--table` prints the entries."""
+    """The documented KL bounds (tests/data/expected_failures.json) are what the committed matrix measured (1.6x
+    bounds): `--table` prints the entries."""
+    import conformance
+
     expected = conformance_table.kl_entries(json.loads(MATRIX.read_text()))
-    assert bc.KL_OVER_KIT_THRESHOLD == expected, "copy the entries `sgl-kvq bench conformance --table` prints"
+    assert conformance.KL_OVER_KIT_THRESHOLD == expected, \
+        f"copy the entries `{TABLE_COMMAND}` prints into {conformance.EXPECTED_FAILURES}"
+
+
+def test_the_table_command_compares_a_report_with_the_expectations_file(tmp_path, capsys):
+    """`--table --expected PATH` prints the tables and the report's KL entries and exits 1 when PATH's differ."""
+    import argparse
+
+    import conformance
+
+    def table(expected: Path) -> int:
+        p = argparse.ArgumentParser()
+        bc.add_arguments(p)
+        return bc.run(p.parse_args(["--table", "--json", str(MATRIX), "--expected", str(expected)]))
+
+    assert table(conformance.EXPECTED_FAILURES) == 0
+    out, err = capsys.readouterr()
+    assert "| kivi2 |" in out and "differs" not in err
+    assert json.loads(err.split(":\n", 1)[1]) == conformance.KL_OVER_KIT_THRESHOLD
+    doc = json.loads(conformance.EXPECTED_FAILURES.read_text())
+    doc["kl_over_kit_threshold"]["kivi2"]["test_input_output_logprobs_match_prefill_cache_hit"]["bound"] = 0.5
+    (tmp_path / "expected.json").write_text(json.dumps(doc))
+    assert table(tmp_path / "expected.json") == 1
+    assert "differs from" in capsys.readouterr().err
 
 
 def test_documented_text_failures_are_the_committed_matrix():
@@ -137,27 +165,30 @@ def test_documented_text_failures_are_the_committed_matrix():
                 if dtype != "bf16" and test not in conformance_table.KL_TESTS and row["outcome"] != "pass" \
                         and base.get(test, {}).get("outcome") == "pass":
                     failing.setdefault(dtype, set()).add(test)
-    assert failing == {d: set(t) for d, t in bc.GREEDY_TEXT_FAILURES.items()}
+    import conformance
+
+    assert failing == {d: set(t) for d, t in conformance.GREEDY_TEXT_FAILURES.items()}
 
 
 def test_conformance_doc_tables_are_the_committed_matrix():
+    import conformance
+
     doc = (ROOT / "docs" / "conformance.md").read_text()
     assert TABLES_START in doc and TABLES_END in doc
     block = doc.split(TABLES_START)[1].split(TABLES_END)[0].strip()
-    assert block == conformance_table.readme_tables(json.loads(MATRIX.read_text())), \
-        "paste into docs/conformance.md the tables " \
-        "`sgl-kvq bench conformance --table --json bench/results/conformance-full-smollm2.json` prints"
+    tables = conformance_table.readme_tables(json.loads(MATRIX.read_text()), conformance.KL_OVER_KIT_THRESHOLD)
+    assert block == tables, \
+        f"paste into docs/conformance.md the tables `{TABLE_COMMAND}` prints"
 
 
 def _kl(kl: float) -> dict:
     return {"outcome": "pass" if kl < bc.KIT_KL_THRESHOLD else "fail", "kl": kl}
 
 
-def test_the_table_names_each_failure_by_its_kind(monkeypatch):
+def test_the_table_names_each_failure_by_its_kind():
     prefix, decode = conformance_table.KL_TESTS
-    documented = {"measured": 0.1, "bound": 0.16}
-    monkeypatch.setattr(bc, "KL_OVER_KIT_THRESHOLD", {"kivi2": {prefix.split(".")[1]: documented,
-                                                                decode.split(".")[1]: documented}})
+    bounds = {"measured": 0.1, "bound": 0.16}
+    documented = {"kivi2": {prefix.split(".")[1]: bounds, decode.split(".")[1]: bounds}}
     base = {"k.a": {"outcome": "pass"}, "k.model": {"outcome": "fail"}, prefix: _kl(0.0009), decode: _kl(0.0009)}
     doc = {"kits": {"bf16": base,
                     "kivi2": {"k.a": {"outcome": "pass"}, "k.model": {"outcome": "pass"}, prefix: _kl(0.1),
@@ -165,7 +196,8 @@ def test_the_table_names_each_failure_by_its_kind(monkeypatch):
                     "kivi1": {"k.a": {"outcome": "error"}, "k.model": {"outcome": "fail"}, prefix: _kl(0.003)}},
            "programs": {"bf16": {"p": {"outcome": "pass"}}, "kivi1": {"p": {"outcome": "fail"}}}}
     report = bc.report_from_tests(doc, "cmd")
-    rows = {line.split(" | ")[0].strip("| "): line for line in conformance_table.kits_table(report).splitlines()}
+    table = conformance_table.kits_table(report, documented)
+    rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines()}
     assert "`model`" in rows["bf16"] and "0.0009" in rows["bf16"]
     # kivi2: the prefix KL is under its documented bound, the decode KL over it (a regression); it passes `model`
     assert "passes `model`" in rows["kivi2"] and "| `KL prefix hit` |" in rows["kivi2"]
@@ -186,7 +218,7 @@ def test_a_kvq_dtype_skips_what_bf16_fails_and_the_table_counts_it():
     assert bc.baseline_failures(by_dtype) == {"k.model", "k.cpu"}
     del by_dtype["bf16"]["server"]
     report = bc.report_from_tests({"kits": by_dtype}, "cmd")
-    kivi1 = conformance_table.kits_table(report).splitlines()[-1]
+    kivi1 = conformance_table.kits_table(report, {}).splitlines()[-1]
     assert "| `a`, 2 bf16 fails |" in kivi1
 
 

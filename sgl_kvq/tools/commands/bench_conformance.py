@@ -31,56 +31,6 @@ from pathlib import Path
 # is reported with its measured KL, never given a looser threshold).
 KIT_KL_THRESHOLD = 0.002
 
-# Dtypes whose KL exceeds the kit's threshold on SmolLM2, per KL kit test: the measured avg KL (this module's sizes,
-# bench/results/conformance-full-smollm2.json, 3 significant digits) and the bound the test asserts instead,
-# conformance_table.KL_BOUND_FACTOR (1.6) times it, so a regression still fails. `sgl-kvq bench conformance --table`
-# prints these entries from the JSON; tests/tools/test_conformance_offline.py holds them equal. A build's KL repeats exactly
-# (two runs: 0.16051 / 0.08148), but a change in rounding moves it, most likely through the greedy text decoded
-# before the hit: kivi2's prefix hit measured 0.101 in the matrix and 0.161 after the fused extend and two-thread
-# decode, whose decode hit fell from 0.156 to 0.081; the JSON keeps the larger of each (kl_runs has both). The machine
-# moves it too: one commit gave specache2's prefix hit 0.0074 on an earlier CI machine and 0.0143, to every digit, on
-# this AVX2 dev machine and the next CI's.
-# kivi2: 2-bit keys and values move SmolLM2's next-token distribution far more than the kit allows (its cached-turn
-# ppl is +33%, bench/results/quality); logquant2's fp16 sink row cuts that 2-6x. kivi4 misses the kit's value by 20%.
-# specache2: its decode lanes read the 2-bit base plus 64 exact rows, the kit's reference is a 16-bit prefill.
-# gear2: its low-rank and outlier corrections leave the prefix-hit KL within 10% of kivi2's; the decode hit 3.5x lower.
-# gearl2 0.080 / 0.061, zipcache2 0.027 / 0.011 (prefix / decode hit): every 2-bit dtype misses the kit's 0.002 3.5-80x.
-# specache1 0.025 / 0.048: its 1-bit base plus 64 exact rows. kivi1 1.2 / 1.1: 1-bit keys and values move SmolLM2's
-# next-token distribution 1,300x further than bf16's own cache-hit KL.
-KL_OVER_KIT_THRESHOLD: dict[str, dict[str, dict]] = {
-    "kivi2": {"test_input_output_logprobs_match_prefill_cache_hit": {"measured": 0.161, "bound": 0.26},
-              "test_input_output_logprobs_match_decode_cache_hit": {"measured": 0.156, "bound": 0.25}},
-    "specache2": {"test_input_output_logprobs_match_prefill_cache_hit": {"measured": 0.0143, "bound": 0.023},
-                  "test_input_output_logprobs_match_decode_cache_hit": {"measured": 0.00326, "bound": 0.0052}},
-    "kivi4": {"test_input_output_logprobs_match_prefill_cache_hit": {"measured": 0.00242, "bound": 0.0039},
-              "test_input_output_logprobs_match_decode_cache_hit": {"measured": 0.00236, "bound": 0.0038}},
-    "logquant2": {"test_input_output_logprobs_match_prefill_cache_hit": {"measured": 0.0439, "bound": 0.07},
-                  "test_input_output_logprobs_match_decode_cache_hit": {"measured": 0.0239, "bound": 0.038}},
-    "gear2": {"test_input_output_logprobs_match_prefill_cache_hit": {"measured": 0.0925, "bound": 0.15},
-              "test_input_output_logprobs_match_decode_cache_hit": {"measured": 0.0445, "bound": 0.071}},
-    "gearl2": {"test_input_output_logprobs_match_prefill_cache_hit": {"measured": 0.0805, "bound": 0.13},
-               "test_input_output_logprobs_match_decode_cache_hit": {"measured": 0.0613, "bound": 0.098}},
-    "zipcache2": {"test_input_output_logprobs_match_prefill_cache_hit": {"measured": 0.0269, "bound": 0.043},
-                  "test_input_output_logprobs_match_decode_cache_hit": {"measured": 0.0106, "bound": 0.017}},
-    "specache1": {"test_input_output_logprobs_match_prefill_cache_hit": {"measured": 0.0111, "bound": 0.018},
-                  "test_input_output_logprobs_match_decode_cache_hit": {"measured": 0.0151, "bound": 0.024}},
-    "kivi1": {"test_input_output_logprobs_match_prefill_cache_hit": {"measured": 1.22, "bound": 2.0},
-              "test_input_output_logprobs_match_decode_cache_hit": {"measured": 1.06, "bound": 1.7}},
-}
-
-# Kit tests and programs a kvq dtype fails where bf16 passes because of the text its cache decodes (greedy, so the
-# same every run), not because of SGLang's stop, regex or constrained-decoding machinery, which passes every other such
-# test on these dtypes: measured in the committed matrix (bench/results/conformance-full-smollm2.json), stated here
-# with what the text does, and expected failures in tests/helpers/conformance.py as KL_OVER_KIT_THRESHOLD's are.
-_NO_NEWLINE = "its greedy 3,000-word story runs the 1,000 tokens without the stop '\\n' (bf16's stops)"
-GREEDY_TEXT_FAILURES: dict[str, dict[str, str]] = {
-    "gearl2": {"matched_stop.test_finish_stop_str": _NO_NEWLINE},
-    "zipcache2": {"matched_stop.test_finish_stop_str": _NO_NEWLINE},
-    "specache1": {"matched_stop.test_finish_stop_str": _NO_NEWLINE},
-    "kivi1": {"matched_stop.test_finish_stop_regex_str": "no 'and' or 'or' in its 1,000 greedy tokens",
-              "test_decode_json_regex": "its regex-constrained JSON runs a number's digits on until the parse fails"},
-}
-
 # The pinned KV budget of every server: equal memory for bf16 and each kvq dtype, and room for the kits' 8k-token
 # prompt (bf16 holds 46,592 SmolLM2 tokens in 1 GiB).
 KV_CACHE_GB = 1.0
@@ -385,7 +335,11 @@ def add_arguments(p) -> None:
                    "tests/engine/test_conformance_*.py wrote with KVQ_CONFORMANCE_JSON=PATH, instead of starting "
                    "servers")
     p.add_argument("--table", action="store_true", help="print docs/conformance.md's Markdown tables (stdout) and the "
-                   "KL_OVER_KIT_THRESHOLD entries (stderr) from the report in --json, instead of starting servers")
+                   "KL entries over the kit's threshold (stderr) from the report in --json, instead of starting "
+                   "servers")
+    p.add_argument("--expected", metavar="PATH", help="with --table: the documented expected failures (JSON with "
+                   "kl_over_kit_threshold, tests/data/expected_failures.json) the tables classify KL rows by; exit 1 "
+                   "when the report's KL entries differ from them")
 
 
 def report_from_tests(doc: dict, command: str) -> dict:
@@ -398,7 +352,7 @@ def report_from_tests(doc: dict, command: str) -> dict:
              "radix_nodes": RADIX_NODES, "radix_chunk": RADIX_CHUNK, "cache_hit": CACHE_HIT,
              "client_max_tokens": cc.MAX_TOKENS, "program_timeout_s": cc.PROGRAM_TIMEOUT_S}
     report = {"command": command, "kv_cache_gb": KV_CACHE_GB, "sizes": sizes, "kit_kl_threshold": KIT_KL_THRESHOLD,
-              "kl_over_kit_threshold": KL_OVER_KIT_THRESHOLD, "kits_not_run": KITS_NOT_RUN,
+              "kits_not_run": KITS_NOT_RUN,
               "programs_not_run": cc.PROGRAMS_NOT_RUN, "groups": {}}
     for group, by_dtype in doc.items():
         out = report["groups"][group] = {}
@@ -417,12 +371,14 @@ def run(args) -> int:
         from sgl_kvq.tools.commands import conformance_table
 
         report = json.loads(Path(args.json).read_text())
-        print(conformance_table.readme_tables(report))  # stdout: docs/conformance.md; stderr: what to copy
+        expected = json.loads(Path(args.expected).read_text())["kl_over_kit_threshold"] if args.expected else {}
+        print(conformance_table.readme_tables(report, expected))  # stdout: docs/conformance.md; stderr: the entries
         entries = conformance_table.kl_entries(report)
-        print("KL_OVER_KIT_THRESHOLD from this report" + ("" if entries == KL_OVER_KIT_THRESHOLD else
-              " (differs from sgl_kvq/tools/commands/bench_conformance.py: copy it there)") + ":\n"
-              + json.dumps(entries, indent=1), file=sys.stderr)
-        return 0
+        differs = args.expected is not None and entries != expected
+        print("KL over the kit's threshold in this report" + (f" (differs from {args.expected}'s "
+              "kl_over_kit_threshold: copy it there)" if differs else "") + ":\n" + json.dumps(entries, indent=1),
+              file=sys.stderr)
+        return 1 if differs else 0
     if args.from_tests:
         report = report_from_tests(json.loads(Path(args.from_tests).read_text()),
                                    "pytest tests/engine/test_conformance_*.py "
