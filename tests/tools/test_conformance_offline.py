@@ -76,7 +76,7 @@ def test_the_baseline_rule_fails_a_regression_and_reports_a_documented_kl_excess
     with pytest.raises(pytest.xfail.Exception):
         against_baseline(base, "kivi2", "k.hard", {"outcome": "fail"})
     asked.clear()
-    with pytest.raises(pytest.xfail.Exception, match="documented"):
+    with pytest.raises(conformance.DocumentedFailure, match="documented"):
         against_baseline(base, "kivi2", "k.t_kl", {"outcome": "fail", "kl": 0.16})
     with pytest.raises(AssertionError, match="over its documented bound"):
         against_baseline(base, "kivi2", "k.t_kl", {"outcome": "fail", "kl": 0.3})
@@ -84,10 +84,80 @@ def test_the_baseline_rule_fails_a_regression_and_reports_a_documented_kl_excess
     with pytest.raises(pytest.fail.Exception, match="KL 0.16000"):  # undocumented dtype: a plain failure
         against_baseline(base, "kivi1", "k.t_kl", {"outcome": "fail", "kl": 0.16})
     monkeypatch.setattr(conformance, "GREEDY_TEXT_FAILURES", {"kivi1": {"k.t": "no stop in its text"}})
-    with pytest.raises(pytest.xfail.Exception, match="no stop in its text"):
+    with pytest.raises(conformance.DocumentedFailure, match="no stop in its text"):
         against_baseline(base, "kivi1", "k.t", {"outcome": "fail"})
     with pytest.raises(pytest.fail.Exception, match="which bf16 passes"):  # documented for kivi1 only
         against_baseline(base, "kivi4", "k.t", {"outcome": "fail"})
+
+
+def test_every_documented_failure_is_a_strict_xfail_from_collection():
+    """The collection hook marks exactly the (dtype, kit test or program) pairs the expectations file names."""
+    from types import SimpleNamespace
+
+    import conformance
+
+    def item(**params):
+        marks: list = []
+        return SimpleNamespace(callspec=SimpleNamespace(params=params), add_marker=marks.append, marks=marks)
+
+    documented = [item(conformance_server=dtype, kit_test="kl_divergence." + test)
+                  for dtype, tests in conformance.KL_OVER_KIT_THRESHOLD.items() for test in tests]
+    documented += [item(conformance_server=dtype, **{"kit_test" if "." in key else "program": key})
+                   for dtype, keys in conformance.GREEDY_TEXT_FAILURES.items() for key in keys]
+    plain = [item(conformance_server="kivi2", kit_test="abort_all.test_abort_all"),
+             item(conformance_server="bf16", kit_test=documented[0].callspec.params["kit_test"]),
+             item(conformance_server="kivi4", program="test_decode_json_regex"),
+             item(conformance_server="kivi1", check="openai_chat_streaming_and_not")]
+    conformance.mark_documented_failures([*documented, *plain, SimpleNamespace()])
+    assert len(documented) >= 20
+    for it in documented:
+        (mark,) = it.marks
+        assert mark.name == "xfail" and mark.kwargs["strict"] is True, it.callspec.params
+        assert mark.kwargs["raises"] is conformance.DocumentedFailure
+    assert [it.marks for it in plain] == [[]] * len(plain)
+
+
+STRICT_XFAILS = """
+import pytest
+
+from conformance import KL_OVER_KIT_THRESHOLD, against_baseline, documented_xfail
+
+KL = "kl_divergence.test_input_output_logprobs_match_prefill_cache_hit"
+BOUND = KL_OVER_KIT_THRESHOLD["kivi2"][KL.split(".")[1]]["bound"]
+
+
+@pytest.mark.parametrize("kl", [pytest.param(0.001, id="fixed"), pytest.param(BOUND / 2, id="documented"),
+                                pytest.param(BOUND * 2, id="over-its-bound")])
+@documented_xfail("kivi2", KL)
+def test_kl(kl):
+    against_baseline(lambda key: {"outcome": "pass", "kl": 0.0009}, "kivi2", KL,
+                     {"outcome": "pass" if kl < 0.002 else "fail", "kl": kl})
+
+
+@documented_xfail("kivi1", "test_decode_json_regex")
+def test_text():
+    against_baseline(lambda key: {"outcome": "pass"}, "kivi1", "test_decode_json_regex", {"outcome": "fail"})
+"""
+
+
+def test_a_documented_failure_that_passes_or_fails_otherwise_fails_the_run(tmp_path):
+    """Through pytest itself: a documented row that passes is XPASS(strict), one over its bound fails, one that
+    fails as documented is an expected failure."""
+    import os
+    import subprocess
+    import sys
+
+    import conformance
+
+    (tmp_path / "test_strict.py").write_text(STRICT_XFAILS)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(conformance.__file__).parent), str(ROOT)])}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfx", "-p", "no:cacheprovider", "test_strict.py"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    out = run.stdout + run.stderr
+    assert run.returncode == 1, out
+    assert "2 failed, 2 xfailed" in out, out
+    assert "FAILED test_strict.py::test_kl[fixed]" in out and "XPASS(strict)" in out, out
+    assert "FAILED test_strict.py::test_kl[over-its-bound]" in out and "over its documented bound" in out, out
 
 
 def test_the_lazy_baseline_starts_bf16_once_at_the_first_miss_and_stops_it(tmp_path, monkeypatch):
