@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sgl_kvq.config import DTYPE_NAMES, parse_kv_cache_dtype
-from sgl_kvq.layout import PoolShape, counts_as_value, kivi_shapes
+from sgl_kvq.layout import PoolShape, counts_as_value, frame_of, kivi_shapes
 
 L, H, D, PAGES = 2, 2, 32, 6
 
@@ -54,3 +54,18 @@ def test_kv_split_names():
     assert [counts_as_value(n) for n in ("k_codes", "v_codes", "s_k_codes", "s_v_zero", "v_chan", "s_idx",
                                          "row_off", "ov_score", "ov_k", "ov_v", "v_out_idx")] == \
         [False, True, False, True, True, False, False, False, False, True, True]
+
+
+def test_kivi2_bytes_per_token_by_hand():
+    """2 layers x 2 KV heads x D 32 at G 64 (the value group clipped to 32): per layer and head, 8 B of key codes and
+    8 of value codes per token, the keys' fp16 scale and zero per page and channel (2 x 32 x 2 B / 64 tokens = 2 B)
+    and the values' per token and group (2 x 1 x 2 B = 4 B): 22 B, 88 B a token where bf16's K and V take 512."""
+    shape = shape_of("kivi2")
+    assert shape.base_bytes_per_token() == 88
+    assert 2 * L * H * D * 2 / shape.base_bytes_per_token() == pytest.approx(5.818, abs=1e-3)
+
+
+def test_frame_of_gives_each_request_slot_ring_frames_in_turn():
+    assert [frame_of(3, lpage, 2) for lpage in range(5)] == [6, 7, 6, 7, 6]
+    slots, lpages = torch.tensor([[0], [1]]), torch.tensor([[0, 1, 2]])
+    assert frame_of(slots, lpages, 3).tolist() == [[0, 1, 2], [3, 4, 5]]
