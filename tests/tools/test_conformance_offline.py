@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import conformance
 from sgl_kvq.tools.commands import bench_conformance as bc
 from sgl_kvq.tools.commands import conformance_clients as cc
 from sgl_kvq.tools.commands import conformance_table
@@ -57,7 +58,6 @@ def test_regressions_are_the_tests_bf16_passes_and_the_dtype_does_not():
 def test_the_baseline_rule_fails_a_regression_and_reports_a_documented_kl_excess(monkeypatch):
     import pytest
 
-    import conformance
     from conformance import against_baseline
 
     monkeypatch.setattr(conformance, "KL_OVER_KIT_THRESHOLD", {"kivi2": {"t_kl": {"measured": 0.15, "bound": 0.25}}})
@@ -93,8 +93,6 @@ def test_the_baseline_rule_fails_a_regression_and_reports_a_documented_kl_excess
 def test_every_documented_failure_is_a_strict_xfail_from_collection():
     """The collection hook marks exactly the (dtype, kit test or program) pairs the expectations file names."""
     from types import SimpleNamespace
-
-    import conformance
 
     def item(**params):
         marks: list = []
@@ -147,8 +145,6 @@ def test_a_documented_failure_that_passes_or_fails_otherwise_fails_the_run(tmp_p
     import subprocess
     import sys
 
-    import conformance
-
     (tmp_path / "test_strict.py").write_text(STRICT_XFAILS)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(conformance.__file__).parent), str(ROOT)])}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfx", "-p", "no:cacheprovider", "test_strict.py"],
@@ -194,8 +190,6 @@ TABLES_END = "<!-- end of conformance tables -->"
 def test_documented_kl_bounds_are_the_committed_matrix():
     """The documented KL bounds (tests/data/expected_failures.json) are what the committed matrix measured (1.6x
     bounds): `--table` prints the entries."""
-    import conformance
-
     expected = conformance_table.kl_entries(json.loads(MATRIX.read_text()))
     assert conformance.KL_OVER_KIT_THRESHOLD == expected, \
         f"copy the entries `{TABLE_COMMAND}` prints into {conformance.EXPECTED_FAILURES}"
@@ -204,8 +198,6 @@ def test_documented_kl_bounds_are_the_committed_matrix():
 def test_the_table_command_compares_a_report_with_the_expectations_file(tmp_path, capsys):
     """`--table --expected PATH` prints the tables and the report's KL entries and exits 1 when PATH's differ."""
     import argparse
-
-    import conformance
 
     def table(expected: Path) -> int:
         p = argparse.ArgumentParser()
@@ -235,14 +227,10 @@ def test_documented_text_failures_are_the_committed_matrix():
                 if dtype != "bf16" and test not in conformance_table.KL_TESTS and row["outcome"] != "pass" \
                         and base.get(test, {}).get("outcome") == "pass":
                     failing.setdefault(dtype, set()).add(test)
-    import conformance
-
     assert failing == {d: set(t) for d, t in conformance.GREEDY_TEXT_FAILURES.items()}
 
 
 def test_conformance_doc_tables_are_the_committed_matrix():
-    import conformance
-
     doc = (ROOT / "docs" / "conformance.md").read_text()
     assert TABLES_START in doc and TABLES_END in doc
     block = doc.split(TABLES_START)[1].split(TABLES_END)[0].strip()
