@@ -73,10 +73,12 @@ def test_knobs_come_from_the_environment_and_each_process_shares_one_config_per_
     assert parse_kv_cache_dtype("kivi2") == default
 
 
-@pytest.mark.parametrize("var,value,match", [("KVQ_GROUP_SIZE", "sixty-four", "is not a integer"),
-                                             ("KVQ_OVERLAY_SHARE", "a tenth", "is not a number"),
-                                             ("KVQ_FRAMES", "shared", "KVQ_FRAMES='shared'"),
-                                             ("KVQ_OVERLAY_SHARE", "1.5", "must be in \\(0, 1\\)")])
+@pytest.mark.parametrize("var,value,match", [
+    pytest.param("KVQ_GROUP_SIZE", "sixty-four", "is not a integer", id="not-an-integer"),
+    pytest.param("KVQ_OVERLAY_SHARE", "a tenth", "is not a number", id="not-a-number"),
+    pytest.param("KVQ_FRAMES", "shared", "KVQ_FRAMES='shared'", id="not-a-choice"),
+    pytest.param("KVQ_OVERLAY_SHARE", "1.5", "must be in \\(0, 1\\)", id="out-of-range"),
+])
 def test_a_bad_knob_value_is_refused_by_name(monkeypatch, var, value, match):
     monkeypatch.setenv(var, value)
     with pytest.raises(KVQConfigError, match=match):
