@@ -183,6 +183,15 @@ def test_serving_plot_drops_a_number_no_run_reported(tmp_path):
     assert [ax.get_ylabel() for ax in fig.axes] == ["output throughput (tok/s)", "p99 TTFT (ms)"]
 
 
+def test_serving_budget_plot(tmp_path):
+    runs = [dict(r, flags="default", kv_cache_gb=gb, concurrency=16, server={"peak_running_requests": 4 * i + 4})
+            for i, gb in enumerate((0.12, 0.5)) for r in serving_runs()
+            if r["concurrency"] == 4 and r["regime"] == "tight" and r["loadgen"]]
+    fig = serving_stats.plot_budgets(runs, "sharegpt", 16, "t", tmp_path / "b.png")
+    readable(fig, {"bf16", "kivi2"}, axes=2)
+    assert serving_stats.plot_budgets(runs, "sharegpt", 8, "t", tmp_path / "none.png") is None
+
+
 def test_serving_plot_of_flags_default_runs(tmp_path):
     runs = [dict(r, flags="default") for r in serving_runs()]
     readable(serving_stats.plot(runs, "sharegpt", "tight", "t", tmp_path / "s.png"), {"bf16", "kivi2"}, axes=3)
