@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from sgl_kvq import env
 from sgl_kvq.config import KVQConfig
 
 _DEFAULTS = {f.name: f.default for f in KVQConfig.__dataclass_fields__.values()}
@@ -95,6 +96,7 @@ def run(args) -> int:
                      "window": KVQConfig.logquant_window if args.window is None else args.window, "tail": args.tail,
                      "seed": args.seed},
         "seconds": round(time.time() - t0, 1),
+        **env.run_record(),
     })
     check = result["capture_check"]["max_rel_err"]
     table_md = attention.markdown(result)

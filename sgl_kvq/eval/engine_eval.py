@@ -153,7 +153,10 @@ def settings(args, **extra) -> dict:
 
 
 def finish(args, name: str, result: dict, table: str, log) -> None:
+    from sgl_kvq import env
+
     result["command"] = f"sgl-kvq eval {name} " + shlex.join(getattr(args, "_argv", None) or _argv_after(name))
+    result.update(env.run_record())
     log(table)
     if args.json:
         text = json.dumps(result, indent=1)
