@@ -220,6 +220,9 @@ def test_run_measures_only_the_missing_evals_of_the_requested_dtypes(tmp_path, m
     assert kinds["ppl"][kinds["ppl"].index("--kv-cache-dtype") + 1] == "auto,kivi3"  # bf16 in the same file
     assert kinds["attention"][kinds["attention"].index("--methods") + 1] == "kivi2,kivi3,kivi4"
     assert all(a[a.index("--json") + 1] == f"bench/results/quality/{a[2]}-STAMP-smollm2.json" for a in runs)
+    assert [a[2] for a in bench_decision.planned_runs(table, {"kivi3"}, "STAMP", ["agree"])] == ["agree"]
+    with pytest.raises(SystemExit, match="capacity"):
+        bench_decision.planned_runs(table, None, "STAMP", ["capacity"])  # printed for a person, never started
     monkeypatch.setenv("KVQ_TOPK", "256")
     monkeypatch.setenv("KVQ_CPU_KERNEL", "0")
     env = bench_decision.default_knob_env()

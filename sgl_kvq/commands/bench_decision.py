@@ -34,6 +34,8 @@ def add_arguments(p) -> None:
                    help="first run the `sgl-kvq eval` commands that measure the missing cells (engines: minutes each)")
     p.add_argument("--kv-cache-dtype", default="",
                    help="--run: comma list of the dtypes to measure (default: every dtype with a missing cell)")
+    p.add_argument("--evals", default="attention,ppl,niah,agree",
+                   help="--run: comma list of the evaluations to run where cells are missing (default: all four)")
 
 
 def input_paths(inputs: list[Path] | None) -> list[Path]:
@@ -52,15 +54,19 @@ def build(paths: list[Path]):
     return collect(sources, skipped)
 
 
-def planned_runs(table, wanted: set[str] | None, stamp: str) -> list[list[str]]:
-    """The `sgl-kvq eval` argvs --run starts: one per kind with missing cells among `wanted` (None: all), each
-    writing bench/results/quality/<kind>-<stamp>-smollm2.json."""
+def planned_runs(table, wanted: set[str] | None, stamp: str, evals=None) -> list[list[str]]:
+    """The `sgl-kvq eval` argvs --run starts: one per evaluation (of `evals`, default all) with missing cells among
+    `wanted` (None: all), each writing bench/results/quality/<kind>-<stamp>-smollm2.json."""
     from sgl_kvq.decision.missing import EVAL_KINDS, command, missing
 
+    unknown = set(evals or ()) - set(EVAL_KINDS)
+    if unknown:
+        raise SystemExit(f"sgl-kvq bench decision: --evals {','.join(sorted(unknown))}: not one of "
+                         f"{','.join(EVAL_KINDS)}")
     runs = []
     for gap in missing(table):
         dtypes = [d for d in gap.dtypes if wanted is None or d in wanted]
-        if gap.kind in EVAL_KINDS and gap.measurable and dtypes:
+        if gap.kind in (evals or EVAL_KINDS) and gap.measurable and dtypes:
             runs.append(command(gap.kind, dtypes, table, f"bench/results/quality/{gap.kind}-{stamp}-smollm2.json"))
     return runs
 
@@ -87,7 +93,8 @@ def run(args) -> int:
     if args.run:
         wanted = {d.strip() for d in args.kv_cache_dtype.split(",") if d.strip()} or None
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-        for argv in planned_runs(table, wanted, stamp):
+        evals = [e.strip() for e in args.evals.split(",") if e.strip()]
+        for argv in planned_runs(table, wanted, stamp, evals):
             out = ROOT / argv[argv.index("--json") + 1]
             if run_eval(argv) != 0:
                 print(f"sgl-kvq bench decision: {shlex.join(argv)} failed; its cells stay missing", file=sys.stderr)
