@@ -20,7 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sgl_kvq.commands import bench_capacity, bench_decode, bench_soak, serving_stats  # noqa: E402
+from sgl_kvq.commands import bench_capacity, bench_decision, bench_decode, bench_soak, serving_stats  # noqa: E402
+from sgl_kvq.decision import plot as decision_plot  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 
@@ -66,6 +67,11 @@ def serving_budgets(*names: str) -> callable:
     return draw
 
 
+def decision(path):
+    """The decision figure from every committed result file, as `sgl-kvq bench decision` draws it."""
+    return decision_plot.plot(bench_decision.build(bench_decision.input_paths(None)), path)
+
+
 PLOTS = {  # PNG under bench/results/: how it is drawn
     "capacity-sweep-smollm2.png": capacity("capacity-sweep-smollm2.json"),
     "capacity-sweep-formats-smollm2.png": capacity("capacity-sweep-formats-smollm2.json"),
@@ -94,6 +100,7 @@ PLOTS = {  # PNG under bench/results/: how it is drawn
     "serving-default-budgets-smollm2.png": serving_budgets("serving-default-0.12-2-smollm2.json",
                                                            "serving-default-0.25-0.5-smollm2.json"),
     "soak-smollm2.png": lambda path: bench_soak.plot(load("soak-smollm2.json")["runs"], path),
+    "decision-smollm2.png": decision,
 }
 
 
