@@ -65,16 +65,21 @@ def _frame_kv_bytes(shape: PoolShape, model_dtype: torch.dtype) -> int:
     return shape.layers * shape.G * shape.heads * shape.head_dim * torch.empty((), dtype=model_dtype).element_size()
 
 
+def frames_per_request(shape: PoolShape, model_dtype: torch.dtype) -> int:
+    """Pooled frames one running request takes: its ring, and its decode strategy's state (SpeCache's top-k rows)."""
+    return shape.cfg.ring_pages + shape.cfg.format.strategy.request_frames(shape.cfg, shape, model_dtype)
+
+
 def frame_tokens(shape: PoolShape, model_dtype: torch.dtype) -> int:
-    """Pool tokens one running request's pooled frames take: ring frames of k pages."""
-    return shape.cfg.ring_pages * shape.pages_per_frame(model_dtype) * shape.G
+    """Pool tokens one running request's pooled frames take: frames_per_request frames of k pages."""
+    return frames_per_request(shape, model_dtype) * shape.pages_per_frame(model_dtype) * shape.G
 
 
 def per_request_bytes(shape: PoolShape, model_dtype: torch.dtype, *, frames_pooled: bool) -> int:
     """Bytes one request slot owns for the server's life: its fp16 overlay frames where they are static, and
-    SpeCache's top-k rows."""
+    SpeCache's top-k rows where they are not pooled."""
     total = 0 if frames_pooled else shape.cfg.ring_pages * shape.overlay_bytes_per_frame(model_dtype)
-    return total + shape.cfg.format.strategy.request_bytes(shape.cfg, shape, model_dtype)
+    return total + shape.cfg.format.strategy.request_bytes(shape.cfg, shape, model_dtype, frames_pooled=frames_pooled)
 
 
 @dataclass(frozen=True)

@@ -104,7 +104,7 @@ class KVQSpeCacheTritonBackend(KVQSpeCacheBackend):
         sc.host.wait(li)
         if sc.recall:
             self._count_recall(q[:n], li, step.plan, layer.scaling)
-        topk = sd.TopK(sc.topk_k[li], sc.topk_v[li], sc.topk_pos[li], self.req)
+        topk = sd.TopK(*sc.topk.layer(li), self.req, sc.top_k)
         out, lse = sd.specache_decode(q.contiguous(), k[n:].contiguous(), v[n:].contiguous(), kv, p, topk,
                                       layer.scaling, self.scores, follow=self.follow)
         s = self.scores
