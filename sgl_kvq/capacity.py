@@ -11,11 +11,15 @@ slot: an idle server holds budget / per_token tokens, a running request costs ri
 and max_running_requests is SGLang's own default (memory limits concurrency the way it limits bf16's). The pool's
 page count is rounded down to whole frames, and frame 0's pages are the padded rows' dummy frame.
 
-Per-slot state that does stay fixed: SpeCache's top-k rows, and the frames themselves under prefill/decode
-disaggregation (static frames: SGLang sends a slot's frames as one row of its per-request state, so they sit at
-fixed places). For those the rule is: per-slot state takes at most `cfg.overlay_share` of the budget, and
-max_running_requests follows from it (min. 1); an explicit --max-running-requests is honoured while the pool still
-holds at least bf16's tokens at the same budget, and beyond that refused with the largest value that fits.
+SpeCache's per-request top-k rows are pooled frames too (its strategy's request_frames: ceil(top-k / G) more
+frames per running request, sgl_kvq/specache/topk_rows.py), charged with the ring.
+
+Per-slot state that does stay fixed: the frames themselves under prefill/decode disaggregation and HiCache (static
+frames: SGLang sends a slot's frames as one row of its per-request state, so they sit at fixed places), with
+SpeCache's top-k rows per slot beside them. For those the rule is: per-slot state takes at most
+`cfg.overlay_share` of the budget, and max_running_requests follows from it (min. 1); an explicit
+--max-running-requests is honoured while the pool still holds at least bf16's tokens at the same budget, and beyond
+that refused with the largest value that fits.
 Mamba-style hybrid models in SGLang size their per-request state the same way.
 
 SpeCache's host tier holds every pool token in 16 bits. On a GPU it lives in host RAM, so the pool's tokens are
