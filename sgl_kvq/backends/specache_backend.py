@@ -39,6 +39,7 @@ class KVQSpeCacheBackend(KVQTorchBackend):
         return False
 
     def init_forward_metadata(self, forward_batch):
+        self.sc.fence()
         mode = forward_batch.forward_mode
         if not mode.is_decode():
             super().init_forward_metadata(forward_batch)

@@ -45,6 +45,7 @@ class KVQSpeCacheTritonBackend(KVQSpeCacheBackend):
                                          self.store.ring, self.store.device)
 
     def init_forward_metadata(self, forward_batch):
+        self.sc.fence()
         lanes = self.sc.lanes
         if forward_batch.forward_mode.is_decode() and lanes is not None and lanes.kind == "two_lane":
             # kvq_triton's device-built decode metadata over the real rows: both lanes read its plan entries

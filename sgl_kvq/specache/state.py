@@ -84,6 +84,13 @@ class SpeCacheState:
         self.topk.reset(req_slots)
         self.spec_input[torch.tensor(req_slots, dtype=torch.int64, device=self.device)] = -1
 
+    def fence(self) -> None:
+        """Before a forward: with pooled top-k rows, a prefetch of the last step may still be copying into the frames
+        of a request slot freed since, whose pages the allocator may now hand out as tokens; this forward's writes
+        wait for it."""
+        if self.topk.pooled:
+            self.host.fence()
+
     def count_guesses(self, req: torch.Tensor, real_ids: torch.Tensor) -> None:
         """Row 0's inputs this step against row 1's inputs of the same requests last step."""
         last = self.spec_input[req]
