@@ -102,8 +102,10 @@ def test_http_server_and_frontend_language_on_specache2(tiny, tmp_path, frontend
     prefix hits the radix cache, the frontend language forks on it, and the lanes ran in the server's scheduler."""
     from sgl_kvq.launch import ServerProcess
 
+    # 16,384 tokens: a running request's frames (ring and top-k rows) take 3,072 of the tiny model's pool tokens,
+    # and the fork runs two branches beside the prefix's request
     args = ["--model-path", str(tiny), "--kv-cache-dtype", "specache2", "--dtype", "float32", "--max-total-tokens",
-            "4096", "--mem-fraction-static", "0.3", "--max-running-requests", "8"]
+            "16384", "--mem-fraction-static", "0.3", "--max-running-requests", "8"]
     with ServerProcess(args, log_path=tmp_path / "server.log") as server:
         prefix = "shared prefix for both questions " * 30
         sampling = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
