@@ -17,7 +17,7 @@ from sgl_kvq.launch import ServerProcess, engine_kwargs
 from multiturn import multiturn_cached_tokens
 from sgl_kvq.models import tiny_llama
 from sgl_kvq.workload import common_prefix_share
-from slices import full_matrix
+from slices import ci_slice, full_matrix
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -60,8 +60,11 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(common_prefix_share(x, y) for x, y in zip(a, b)) / len(a)
 
 
-@pytest.mark.parametrize("prefill,contexts,torch_paths", [("full", "equal", ["padded", "cpu_kernel"]),
-                                                           ("paged", "ragged", ["pages"])])
+# CI: the default prefill on equal contexts (2-4 minutes of the Triton interpreter per case); the matrix
+# (KVQ_TEST_MATRIX=all) adds the paged prefill on ragged contexts through the page-by-page path
+@pytest.mark.parametrize("prefill,contexts,torch_paths", ci_slice(
+    [("full", "equal", ["padded", "cpu_kernel"]), ("paged", "ragged", ["pages"])],
+    [("full", "equal", ["padded", "cpu_kernel"])]))
 def test_kvq_triton_gives_the_same_tokens_as_kvq_torch(tiny, prompts, prefill, contexts, torch_paths):
     """kvq_torch's decode paths give kvq_triton's tokens: with KVQ_CPU_KERNEL=0 equal contexts decode on the padded
     path, ragged ones (120, 40 and 6 words) page by page (sgl_kvq/attention_pages.py); by default on a CPU the C
