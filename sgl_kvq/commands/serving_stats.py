@@ -113,10 +113,18 @@ def plot(runs: list[dict], workload: str, regime: str, title: str, path: Path):
             ax.plot(*zip(*pts), marker="o", label=name.replace("auto", "bf16", 1) if name.startswith("auto") else name)
         ax.set_xscale("log", base=2)
         ticks_at(ax, concurrencies)
-        ax.set_xlabel("load generator's max concurrency (requests)")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        _label(ax, "load generator's max concurrency (requests)", ylabel)
+    return _save(plt, fig, title, path)
+
+
+def _label(ax, xlabel: str, ylabel: str) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _save(plt, fig, title: str, path: Path):
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -149,15 +157,8 @@ def plot_budgets(runs: list[dict], workload: str, concurrency: int, title: str, 
                         else name)
         ax.set_xscale("log", base=2)
         ticks_at(ax, budgets)
-        ax.set_xlabel("KV budget per server (GiB)")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return fig
+        _label(ax, "KV budget per server (GiB)", ylabel)
+    return _save(plt, fig, title, path)
 
 
 def series(r: dict) -> str:
