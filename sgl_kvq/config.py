@@ -179,12 +179,22 @@ def parse_kv_cache_dtype(name: str) -> KVQConfig:
     return _parse(name, env.knob_values())
 
 
+def default_config(name: str) -> KVQConfig:
+    """`name`'s config with every knob at its default, whatever KVQ_* variables are set (the decision table's bytes
+    per token: the dtype as a user who sets nothing gets it)."""
+    return _build(name, {})
+
+
 @functools.lru_cache(maxsize=None)
 def _parse(name: str, knob_values: tuple) -> KVQConfig:
+    return _build(name, env.knobs())
+
+
+def _build(name: str, knobs: dict) -> KVQConfig:
     if name not in registry.BY_NAME:
         raise KVQConfigError(f"sgl_kvq: unknown kv cache dtype {name!r}; choose one of {', '.join(DTYPE_NAMES)}")
     fmt, bits = registry.BY_NAME[name]
-    knobs = env.knobs()
+    knobs = dict(knobs)
     for knob, value in fmt.default_knobs(bits).items():
         knobs.setdefault(knob, value)
     return KVQConfig(method=fmt.family, bits=bits, **knobs)

@@ -36,6 +36,20 @@ _CONFIG_KNOBS = {
 }
 
 
+def config_knob_names() -> tuple[str, ...]:
+    """The variables KVQConfig reads."""
+    return tuple(_CONFIG_KNOBS)
+
+
+def run_record() -> dict:
+    """What a result file records beside its numbers: when the run finished (UTC) and every KVQ_ variable it had set
+    (`sgl-kvq bench decision` reads both: which file is newest, which knobs a run changed)."""
+    from datetime import datetime, timezone
+
+    return {"finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "kvq_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("KVQ_") and v}}
+
+
 def knob_values() -> tuple:
     """The raw values of every knob KVQConfig reads: the key of the per-process config cache."""
     return tuple(os.environ.get(var) for var in _CONFIG_KNOBS)

@@ -31,9 +31,10 @@ from sgl_kvq.plan import BatchWrite, DecodeWrite, LayerKV
 
 class QuantizedKVStore:
     def __init__(self, cfg: KVQConfig, shape: PoolShape, num_req_slots: int, model_dtype: torch.dtype,
-                 device: str | torch.device, *, frames_pooled: bool = False):
+                 device: str | torch.device, *, frames_pooled: bool = False, extra_frames: int = 0):
         """frames_pooled: the overlay frames live in the pool's pages, handed out per running request (frames.py);
-        else a separate region with `ring` frames per request slot."""
+        else a separate region with `ring` frames per request slot. extra_frames (pooled only): frames a running
+        request takes beyond its ring for its decode strategy's state (SpeCache's top-k rows)."""
         cfg.check_head_dim(shape.head_dim)
         self.cfg, self.shape = cfg, shape
         self.format = cfg.format
@@ -56,7 +57,7 @@ class QuantizedKVStore:
             F = num_req_slots * self.ring
             self.ov_k = torch.zeros((L, F, self.G, H, D), dtype=model_dtype, device=self.device)
             self.ov_v = torch.zeros_like(self.ov_k)
-        self.frames = FrameTable(num_req_slots, self.ring, F, self.device, pooled=frames_pooled)
+        self.frames = FrameTable(num_req_slots, self.ring, F, self.device, pooled=frames_pooled, extra=extra_frames)
         self.ov_tag = torch.full((F,), -1, dtype=torch.int64, device=self.device)
         self.ov_gen = torch.zeros(F, dtype=torch.int64, device=self.device)
         self.page_gen = torch.zeros(shape.P, dtype=torch.int64, device=self.device)

@@ -45,6 +45,7 @@ class KVQSpeCacheTritonBackend(KVQSpeCacheBackend):
                                          self.store.ring, self.store.device)
 
     def init_forward_metadata(self, forward_batch):
+        self.sc.fence()
         lanes = self.sc.lanes
         if forward_batch.forward_mode.is_decode() and lanes is not None and lanes.kind == "two_lane":
             # kvq_triton's device-built decode metadata over the real rows: both lanes read its plan entries
@@ -104,7 +105,7 @@ class KVQSpeCacheTritonBackend(KVQSpeCacheBackend):
         sc.host.wait(li)
         if sc.recall:
             self._count_recall(q[:n], li, step.plan, layer.scaling)
-        topk = sd.TopK(sc.topk_k[li], sc.topk_v[li], sc.topk_pos[li], self.req)
+        topk = sd.TopK(*sc.topk.layer(li), self.req, sc.top_k)
         out, lse = sd.specache_decode(q.contiguous(), k[n:].contiguous(), v[n:].contiguous(), kv, p, topk,
                                       layer.scaling, self.scores, follow=self.follow)
         s = self.scores

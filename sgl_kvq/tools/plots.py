@@ -1,7 +1,8 @@
-"""What every benchmark plot shares: the Agg backend and finite points only. Every figure has a legend naming each
-line on every axes, axis labels with units, and no axes without data (tests/tools/test_plots.py). The figures stay
-beside their benchmarks (`bench_capacity.plot`, `bench_decode.plot`, `bench_soak.plot`, `serving_stats.plot`), except
-the kernel benchmark's, here: bench/kernels.py imports torch and triton when loaded."""
+"""What every benchmark plot shares: the Agg backend and finite points only. Every figure has a legend naming each line
+on every axes, axis labels with units, and no axes without data (tests/tools/test_plots.py). The figures stay beside
+their benchmarks (`bench_capacity.plot`, `bench_decode.plot`, `bench_soak.plot`, `serving_stats.plot`,
+`sgl_kvq.tools.decision.plot.plot`), except the kernel benchmark's, here: bench/kernels.py imports torch and triton when
+loaded."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from engine_runs import agreement, run_engine
 from sgl_kvq.tools.launch import ServerProcess
 from multiturn import multiturn_cached_tokens
 from sgl_kvq.tools.models import tiny_llama
-from slices import full_matrix
+from slices import ci_slice, full_matrix
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -33,8 +33,11 @@ def prompts():
     return [" ".join(rng.choice(words) for _ in range(120)) for _ in range(6)]
 
 
-@pytest.mark.parametrize("prefill,contexts,torch_paths", [("full", "equal", ["padded", "cpu_kernel"]),
-                                                           ("paged", "ragged", ["pages"])])
+# CI: the default prefill on equal contexts (2-4 minutes of the Triton interpreter per case); the matrix
+# (KVQ_TEST_MATRIX=all) adds the paged prefill on ragged contexts through the page-by-page path
+@pytest.mark.parametrize("prefill,contexts,torch_paths", ci_slice(
+    [("full", "equal", ["padded", "cpu_kernel"]), ("paged", "ragged", ["pages"])],
+    [("full", "equal", ["padded", "cpu_kernel"])]))
 def test_kvq_triton_gives_the_same_tokens_as_kvq_torch(tiny, prompts, prefill, contexts, torch_paths):
     """kvq_torch's decode paths give kvq_triton's tokens: with KVQ_CPU_KERNEL=0 equal contexts decode on the padded
     path, ragged ones (120, 40 and 6 words) page by page (sgl_kvq/attention_pages.py); by default on a CPU the C

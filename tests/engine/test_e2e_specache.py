@@ -8,8 +8,10 @@ from __future__ import annotations
 import os
 import random
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from slices import ci_slice, full_matrix
 from sgl_kvq.formats.specache import SPECACHE_TOP_K
@@ -74,7 +76,8 @@ def test_multiturn_with_radix_hits_and_prefetch_counters(tiny, dtype, monkeypatc
 
 
 def test_long_contended_run_completes_and_the_host_tier_does_not_grow(tiny, capfd):
-    """24 requests through a 128-page pool (about 3 requests' pooled fp16 frames and their pages) with SGLang's
+    """24 requests through a 128-page pool (about 2 requests' pooled frames, fp16 window and top-k rows, and their
+    pages) with SGLang's
     retraction test mode: pages are evicted, freed and reused, requests retracted and resumed (each resume re-runs
     the pre-decode). Every request completes; the host tier is
     the same size before and after (its rows are the pool's slots: a freed page's copy is overwritten, never kept)."""
@@ -99,8 +102,10 @@ def test_http_server_and_frontend_language_on_specache2(tiny, tmp_path, frontend
     prefix hits the radix cache, the frontend language forks on it, and the lanes ran in the server's scheduler."""
     from sgl_kvq.tools.launch import ServerProcess
 
+    # 16,384 tokens: a running request's frames (ring and top-k rows) take 3,072 of the tiny model's pool tokens,
+    # and the fork runs two branches beside the prefix's request
     args = ["--model-path", str(tiny), "--kv-cache-dtype", "specache2", "--dtype", "float32", "--max-total-tokens",
-            "4096", "--mem-fraction-static", "0.3", "--max-running-requests", "8"]
+            "16384", "--mem-fraction-static", "0.3", "--max-running-requests", "8"]
     with ServerProcess(args, log_path=tmp_path / "server.log") as server:
         prefix = "shared prefix for both questions " * 30
         sampling = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
@@ -114,6 +119,44 @@ def test_http_server_and_frontend_language_on_specache2(tiny, tmp_path, frontend
     assert pool["kv_cache_dtype"] == "specache2" and pool["specache"]["decode_steps"] > 0
     assert pool["specache"]["predecode_rows"] >= 4
     assert pool["specache"]["recall_wanted"] == 0  # the diagnostic is off by default
+
+
+def test_specache2_at_default_flags_runs_what_memory_holds_and_gives_every_frame_back(tiny, tmp_path, monkeypatch):
+    """Default flags at a pinned budget: specache2's top-k rows are pool frames a running request takes with its
+    fp16 window (nothing per request slot), so max_running_requests is SGLang's default, not the KVQ_OVERLAY_SHARE
+    rule's; 10 requests sent at once all run at once, each gets the tokens it gets alone (top-64 covers every base
+    position of these contexts, so no near-tie pick depends on the batch), and every frame comes back."""
+    from sgl_kvq.tools.commands.serving_stats import scheduler_log_stats
+    from sgl_kvq.config import parse_kv_cache_dtype
+    from sgl_kvq.tools.launch import ServerProcess
+    from sgl_kvq.layout import PoolShape
+    from sgl_kvq.specache.state import topk_bytes_per_request
+
+    budget_gib = 0.025  # ~47k tokens: 10 requests' 3 frames of 1,024 tokens' pages and their own pages fit
+    monkeypatch.setenv("KVQ_KV_CACHE_GB", str(budget_gib))
+    rng = random.Random(6)
+    prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randrange(40, 70))) for _ in range(10)]
+    greedy = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    args = ["--model-path", str(tiny), "--kv-cache-dtype", "specache2", "--dtype", "float32", "--decode-log-interval",
+            "1"]
+    log = tmp_path / "server.log"
+    with ServerProcess(args, log_path=log) as server:
+        before = server.kv_pool_stats()
+        alone = [server.post("/generate", {"text": p, "sampling_params": greedy})["output_ids"] for p in prompts]
+        server.get("/flush_cache")
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(lambda p: server.post("/generate", {"text": p, "sampling_params": greedy}),
+                                     prompts))
+        after = server.kv_pool_stats()
+    assert [o["output_ids"] for o in together] == alone
+    assert scheduler_log_stats(log.read_text())["peak_running_requests"] == len(prompts)
+    assert before["frames_pooled"] and before["specache"]["topk_pooled"] and before["max_running_requests"] >= 2048
+    # the rule this replaces: top-k rows per request slot, KVQ_OVERLAY_SHARE (6%) of the budget for them
+    cfg = parse_kv_cache_dtype("specache2")
+    per_slot = topk_bytes_per_request(cfg, PoolShape(2, 2, 16, 0, cfg), torch.float32, pooled=False)
+    assert int(cfg.overlay_share * budget_gib * 2**30) // per_slot - 1 < before["max_running_requests"]
+    assert before["frame_tokens"] == 3 * 16 * 64  # 2 window frames and 1 of top-64 rows, 16 pages each
+    assert after["frames_held"] == 0 and before["frames_held"] == 0
 
 
 def _two_turns(model, dtype, backend, prompts):
@@ -163,13 +206,14 @@ def test_kvq_triton_gives_the_same_tokens_as_kvq_torch(tiny, dtype, prefix, monk
 
 def test_kvq_triton_batched_lanes_with_retraction(tiny, capfd):
     """Batched two-lane steps on kvq_triton (2B rows, requests joining and leaving the batch) through a pool of 3
-    requests' pooled fp16 frames and their pages with SGLang's retraction test mode: every request completes,
+    requests' pooled frames (fp16 window and top-k rows) and their pages with SGLang's retraction test mode: every request completes,
     resumed requests pre-decode again, and the lanes' counters move. (Tokens are compared with kvq_torch one request
     at a time above: which requests share a batch depends on timing.)"""
     rng = random.Random(5)
     prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randrange(60, 140))) for _ in range(6)]
+    # specache1's request: 2 ring frames and 2 of top-128 rows, 32 pages each (fp32, 1 bit): 16 frames hold 3
     llm = engine(tiny, "specache1", env={"SGLANG_TEST_RETRACT": "1"}, attention_backend="kvq_triton",
-                 max_total_tokens=16384)
+                 max_total_tokens=32768)
     try:
         outs = llm.generate(prompts, {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True})
         sc = kv_pool(llm)["specache"]

@@ -19,6 +19,7 @@ from sgl_kvq.attention_ref import attention_probs, gather_context  # noqa: E402
 from sgl_kvq.kernels import specache_decode as sd  # noqa: E402
 from sgl_kvq.specache.attention import output_rows, speculative_rows, with_topk  # noqa: E402
 from kernel_checks import DEVICE, TOL, assert_close_written, to_device  # noqa: E402
+from sgl_kvq.specache.topk_rows import TopKRows  # noqa: E402
 from paged_pool import make_pool  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -35,7 +36,8 @@ CASES = {
 
 def _topk_buffers(n, H, K, D, base, dtype, gen):
     """Prefetched rows in request slots (a shuffled subset of R = 2n + 1), with positions that are distinct per head:
-    some padding (-1), some past the request's base (ignored), the rest inside it."""
+    some padding (-1), some past the request's base (ignored), the rest inside it. -> (k, v [R, H, K, D],
+    pos [R, H, K], req [n])."""
     R = 2 * n + 1
     req = torch.randperm(R, generator=gen)[:n]
     tk = torch.randn(R, H, K, D, generator=gen).to(dtype)
@@ -46,7 +48,30 @@ def _topk_buffers(n, H, K, D, base, dtype, gen):
             cand = torch.randperm(base[b] + 6, generator=gen)[:K]
             cand[torch.rand(cand.shape, generator=gen) < 0.2] = -1
             pos[req[b], h, :cand.numel()] = cand
-    return sd.TopK(tk, tv, pos, req)
+    return tk, tv, pos, req
+
+
+def framed_topk(tk, tv, pos, req, rows_per_frame, gen) -> sd.TopK:
+    """The same rows laid out as pooled top-k rows are (sgl_kvq/specache/topk_rows.py), written through TopKRows'
+    own addressing: slot r's row j in frame table[r, j // C], row j % C, the frames shuffled; every other row of
+    the frames (the last frame's rows past K, frame 0) holds random rows at small positions, inside most bases,
+    which the kernel must not read."""
+    R, H, K, D = tk.shape
+    C = rows_per_frame
+    m = -(-K // C)
+    F = R * m + 1
+    table = (torch.randperm(R * m, generator=gen) + 1).view(R, m)
+    rows = TopKRows(torch.randn(1, F, C, H, D, generator=gen).to(tk.dtype),
+                    torch.randn(1, F, C, H, D, generator=gen).to(tk.dtype),
+                    torch.randint(0, 4, (1, F, C, H), generator=gen), table, K)
+    slots = torch.arange(R)
+    rows.set_positions(0, slots, pos)
+    fk, fv, out_rows = rows.flat_rows(0, slots)
+    fk[out_rows.reshape(-1)] = tk.reshape(-1, D)
+    fv[out_rows.reshape(-1)] = tv.reshape(-1, D)
+    back = rows.rows(0, slots)
+    assert all(torch.equal(a, b) for a, b in zip(back, (tk, tv, pos)))
+    return sd.TopK(*(t.to(DEVICE) for t in rows.layer(0)), req.to(DEVICE), K)
 
 
 def _mass(p_spec, H, n_base, p_real=None):
@@ -70,12 +95,13 @@ def test_lanes_match_torch(case, bits, dtype, lanes, follow):
     kv_own = torch.randn(n, 3, H, D, generator=gen).to(dtype)
     k_own, v_own = kv_own[:, 0] * 1.5, kv_own[:, 2]
     base = [paged.base_len(b, G) for b in range(n)]
-    topk = _topk_buffers(n, H, K, D, base, dtype, gen) if lanes == 2 else None
+    dense = _topk_buffers(n, H, K, D, base, dtype, gen) if lanes == 2 else None
     sm_scale = D ** -0.5
 
     contexts = [gather_context(kv, paged, b) for b in range(n)]
-    if topk is not None:
-        contexts = with_topk(contexts, base, topk.k[topk.req], topk.v[topk.req], topk.pos[topk.req])
+    if dense is not None:
+        tk, tv, tpos, req = dense
+        contexts = with_topk(contexts, base, tk[req], tv[req], tpos[req])
     ref_real, real_probs = output_rows(q[:n], contexts, sm_scale)
     ref_spec, ref_pos = speculative_rows(q[(lanes - 1) * n:], k_own, v_own, contexts, base, sm_scale, K,
                                          real_probs if follow else None)
@@ -87,7 +113,8 @@ def test_lanes_match_torch(case, bits, dtype, lanes, follow):
     p.lse_partial.fill_(float("nan"))
     T = max(base) + 3
     scores = torch.full(((2 if follow else 1) * n, Hq, T), float("nan"), device=DEVICE)
-    dev_topk = None if topk is None else sd.TopK(*(t.to(DEVICE) for t in (topk.k, topk.v, topk.pos, topk.req)))
+    # frames of 3 rows: a request's rows span several frames, its last one partly
+    dev_topk = None if dense is None else framed_topk(*dense, rows_per_frame=3, gen=gen)
     out, lse = sd.specache_decode(q.to(DEVICE), k_own.to(DEVICE), v_own.to(DEVICE), to_device(kv), p, dev_topk,
                                   sm_scale, scores, follow=follow)
     assert_close_written(out, ref, dtype)
@@ -123,16 +150,16 @@ def test_replaced_rows_change_the_output():
     q = torch.randn(2 * n, H * group, D, generator=gen).to(DEVICE)
     own = torch.randn(n, H, D, generator=gen).to(DEVICE)
     base = [paged.base_len(b, G) for b in range(n)]
-    topk = _topk_buffers(n, H, K, D, base, torch.float32, gen)
-    topk = sd.TopK(*(t.to(DEVICE) for t in (topk.k, topk.v, topk.pos, topk.req)))
+    tk, tv, tpos, req = (t.to(DEVICE) for t in _topk_buffers(n, H, K, D, base, torch.float32, gen))
+    topk = sd.TopK.per_slot(tk, tv, tpos, req)
     p = sd.plan(paged, n_lanes=2, num_qo_heads=H * group, num_kv_heads=H, head_dim=D, page_size=G)
     scores = torch.empty(n, H * group, max(base), device=DEVICE)
     out, _ = sd.specache_decode(q, own, own, kv, p, topk, D ** -0.5, scores)
-    none = sd.TopK(topk.k, topk.v, torch.full_like(topk.pos, -1), topk.req)
+    none = sd.TopK.per_slot(tk, tv, torch.full_like(tpos, -1), req)
     plain, _ = sd.specache_decode(q, own, own, kv, p, none, D ** -0.5, scores)
     unused, _ = sd.specache_decode(q, own, own, kv, p, None, D ** -0.5, scores)
     torch.testing.assert_close(plain, unused)
-    has = [b for b in range(n) if ((topk.pos[topk.req[b]] >= 0) & (topk.pos[topk.req[b]] < base[b])).any()]
+    has = [b for b in range(n) if ((tpos[req[b]] >= 0) & (tpos[req[b]] < base[b])).any()]
     assert has and all((out[b] - plain[b]).abs().max() > 1e-3 for b in has)
 
 
@@ -173,13 +200,15 @@ from sgl_kvq.kernels.specache_decode import TopKArgs
 # tuple arguments are typed by a tuple of the same kind; SpeCache pages carry no extras (EXTRAS = (), FORMAT "")
 ptrs = dict(Q="*bf16", KOWN="*bf16", VOWN="*bf16", SCORES="*fp32", num_splits="*i32", EXTRAS=(),
             POOL=PoolArgs("*u8", "*fp16", "*fp16", "*u8", "*fp16", "*fp16", "*bf16", "*bf16", *["i32"] * 9),
-            TOPK=TopKArgs("*bf16", "*bf16", "*i64", "*i64", *["i32"] * 5), PAGES=PageLists(*["*i32"] * 6),
+            TOPK=TopKArgs("*bf16", "*bf16", "*i64", "*i64", "*i64", *["i32"] * 7), PAGES=PageLists(*["*i32"] * 6),
             PARTS=SplitParts("*fp32", "*fp32", *["i32"] * 5))
 # SmolLM2's geometry (GQA 3, D 64, G 64): both lanes with 64 top-k rows at 1 bit; the pre-decode lane at 2 bits
 for consts in (dict(GROUP=3, BLOCK_M=16, D=64, G=64, BITS=1, VG=64, K=64, BLOCK_K=128, BLOCK_P=64, NLANES=2,
-                    SPEC_LANE=1, USE_TOPK=True, FOLLOW=True, MAX_SPLITS=8, FORMAT="", SIZES=(), DOT_FP32=False),
+                    SPEC_LANE=1, USE_TOPK=True, FOLLOW=True, MAX_SPLITS=8, TOPK_ROWS=64, FORMAT="", SIZES=(),
+                    DOT_FP32=False),
                dict(GROUP=4, BLOCK_M=16, D=128, G=32, BITS=2, VG=32, K=1, BLOCK_K=16, BLOCK_P=1, NLANES=1,
-                    SPEC_LANE=0, USE_TOPK=False, FOLLOW=False, MAX_SPLITS=2, FORMAT="", SIZES=(), DOT_FP32=False)):
+                    SPEC_LANE=0, USE_TOPK=False, FOLLOW=False, MAX_SPLITS=2, TOPK_ROWS=1, FORMAT="", SIZES=(),
+                    DOT_FP32=False)):
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n == "sm_scale_log2" else "i32") for n in names}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()})
     triton.compile(src, target=GPUTarget("cuda", 90, 32))

@@ -17,6 +17,8 @@ matplotlib.use("Agg")
 
 from sgl_kvq import plots  # noqa: E402
 from sgl_kvq.tools.commands import bench_capacity, bench_decode, bench_soak, serving_stats  # noqa: E402
+from sgl_kvq.tools.decision import cells as decision_cells  # noqa: E402
+from sgl_kvq.tools.decision import plot as decision_plot  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 UNIT = re.compile(r"\(.+\)")  # "context (tokens)", "decode step (ms)", "tokens per GiB of budget (x bf16's)"
@@ -183,6 +185,15 @@ def test_serving_plot_drops_a_number_no_run_reported(tmp_path):
     assert [ax.get_ylabel() for ax in fig.axes] == ["output throughput (tok/s)", "p99 TTFT (ms)"]
 
 
+def test_serving_budget_plot(tmp_path):
+    runs = [dict(r, flags="default", kv_cache_gb=gb, concurrency=16, server={"peak_running_requests": 4 * i + 4})
+            for i, gb in enumerate((0.12, 0.5)) for r in serving_runs()
+            if r["concurrency"] == 4 and r["regime"] == "tight" and r["loadgen"]]
+    fig = serving_stats.plot_budgets(runs, "sharegpt", 16, "t", tmp_path / "b.png")
+    readable(fig, {"bf16", "kivi2"}, axes=2)
+    assert serving_stats.plot_budgets(runs, "sharegpt", 8, "t", tmp_path / "none.png") is None
+
+
 def test_serving_plot_of_flags_default_runs(tmp_path):
     runs = [dict(r, flags="default") for r in serving_runs()]
     readable(serving_stats.plot(runs, "sharegpt", "tight", "t", tmp_path / "s.png"), {"bf16", "kivi2"}, axes=3)
@@ -202,6 +213,44 @@ def test_soak_plot(tmp_path):
     fig = bench_soak.plot(rows, tmp_path / "s.png")
     readable(fig, {"kivi2 deterministic", "kivi2 default", "bf16 default"}, axes=1)
     assert (tmp_path / "s.png").stat().st_size > 0
+
+
+# --- bench decision ---------------------------------------------------------------------------------------------
+
+def decision_table(ppl: dict[str, float], attn: dict[str, float]) -> decision_cells.Table:
+    """The decision table with only these ppl deltas (%) and attention errors measured."""
+    table = decision_cells.collect([])
+    for row in table.rows:
+        for column, values in (("ppl_delta", ppl), ("attn", attn)):
+            if row.dtype in values:
+                row.cells[column] = decision_cells.Cell(values[row.dtype], f"{values[row.dtype]}", "x.json")
+    return table
+
+
+def test_decision_plot(tmp_path):
+    table = decision_table({"bf16": 0.0, "kivi4": 0.3, "kivi2": 33.0, "peer_int4": 1.2},
+                           {"bf16": 0.0, "kivi4": 0.11, "peer_int4": 0.15, "peer_tq3": 0.33, "kivi3": 0.23})
+    fig = decision_plot.plot(table, tmp_path / "d.png")
+    readable(fig, {"bf16", "kivi4", "peer_int4", decision_plot.FRONT}, axes=2)
+    assert (tmp_path / "d.png").stat().st_size > 0
+    lines = {line.get_label(): line for line in fig.axes[1].get_lines()}
+    assert lines["kivi3"].get_marker() != lines["peer_tq3"].get_marker()  # ours and the peers' tell apart
+    front = lines[decision_plot.FRONT]
+    assert list(front.get_xdata()) == [4860, 5040, 6480, 23040]  # peer_tq3, kivi3, kivi4, bf16; not peer_int4
+    names = {t.get_text() for t in fig.axes[1].texts}
+    assert set(lines) - {decision_plot.FRONT} <= names  # each point labelled with its dtype
+    assert any(t.startswith("not measured: ") and "specache1" in t for t in names)
+
+
+def test_decision_plot_drops_a_panel_without_points(tmp_path):
+    fig = decision_plot.plot(decision_table({}, {"bf16": 0.0, "kivi2": 0.59}), tmp_path / "d.png")
+    readable(fig, {"bf16", "kivi2", decision_plot.FRONT}, axes=1)
+    assert fig.axes[0].get_ylabel().startswith("attention output error")
+
+
+def test_decision_plot_without_quality_numbers_writes_nothing(tmp_path):
+    assert decision_plot.plot(decision_table({}, {}), tmp_path / "d.png") is None
+    assert not (tmp_path / "d.png").exists()
 
 
 # --- bench/kernels.py -------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """The KV budget split (sgl_kvq/capacity.py) over a grid of budgets and model shapes. Pooled frames (the default):
 the pool holds the packed ratio of the model dtype's tokens, in whole frames, with nothing set aside per request
-slot and SGLang's default max_running_requests; a budget that cannot hold one request's frames is refused with the
-budget that would. Static frames (prefill/decode disaggregation) and SpeCache's top-k rows: a kvq pool never holds
-fewer tokens than the model dtype's pool in the same budget, comes close to the packed ratio once one request's
+slot (SpeCache's top-k rows are frames too) and SGLang's default max_running_requests; a budget that cannot hold one
+request's frames is refused with the budget that would. Static frames (prefill/decode disaggregation), with
+SpeCache's top-k rows per slot then: a kvq pool never holds fewer tokens than the model dtype's pool in the same
+budget, comes close to the packed ratio once one request's
 state fits the default share, refuses an explicit --max-running-requests it cannot hold with the largest value that
 fits. Both charge exactly what the store and SpeCache's state allocate."""
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sgl_kvq.capacity import per_request_bytes, per_token_bytes, split_budget
+from sgl_kvq.capacity import frames_per_request, per_request_bytes, per_token_bytes, split_budget
 from sgl_kvq.frames import can_pool
 from sgl_kvq.config import DTYPE_NAMES, KVQConfig, KVQConfigError, parse_kv_cache_dtype
 from sgl_kvq.kv_store import QuantizedKVStore
@@ -58,20 +59,16 @@ def test_pooled_split_over_budgets(model, name):
             s = split_budget(budget, shape, model_dtype, host_is_device=False, frames_pooled=True, context_len=8192)
         except KVQConfigError as e:
             # only where the pool cannot hold the dummy frame, one request's frames and one page besides
-            need = ((shape.cfg.ring_pages + 2) * k - 1) * shape.G
+            need = ((frames_per_request(shape, model_dtype) + 2) * k - 1) * shape.G
             per_tok = per_token_bytes(shape, model_dtype, False, frames_pooled=True)
             assert budget // per_tok < need + 2 * k * shape.G, (model, name, gib)
             assert "raise the KV budget" in str(e) and "GiB" in str(e)
             continue
-        assert s.frames_pooled and s.frame_tokens == shape.cfg.ring_pages * k * shape.G
+        # SpeCache's top-k rows are frames too: ceil(top-k / G) of them per running request
+        topk_frames = -(-shape.cfg.top_k // shape.G) if shape.cfg.method == "specache" else 0
+        assert s.frames_pooled and s.frame_tokens == (shape.cfg.ring_pages + topk_frames) * k * shape.G
         assert s.request_bytes + s.tokens * s.per_token_bytes <= budget
         assert s.tokens % shape.G == 0 and (s.tokens // shape.G + 1) % k == 0  # whole frames, page 0 included
-        if shape.cfg.method == "specache":  # its top-k rows stay per slot: the share rule, at least one request
-            per_slot = per_request_bytes(shape, model_dtype, frames_pooled=True)
-            assert s.max_running_requests >= 1
-            assert s.request_bytes <= shape.cfg.overlay_share * budget or s.max_running_requests == 1
-            assert s.tokens >= s.dense_tokens or budget < 2 * per_slot / shape.cfg.overlay_share
-            continue
         assert s.max_running_requests is None and s.request_bytes == 0  # SGLang's default, nothing per slot
         assert s.tokens >= s.dense_tokens, (model, name, gib, s.describe(name))
         if s.tokens >= 50 * k * shape.G:  # where rounding to whole frames costs under 2%
@@ -126,10 +123,10 @@ def test_smollm2_static_frames_meet_the_targets_from_a_few_hundred_mb(name, gib)
 @pytest.mark.parametrize("model", ["smollm2-135m", "llama-3-8b"])
 @pytest.mark.parametrize("name", ["kivi2", "kivi4", "specache2"])
 def test_explicit_max_running_requests_fits_or_names_the_largest(model, name):
-    """Per-slot state (static frames; SpeCache's top-k rows either way) bounds an explicit value."""
+    """Per-slot state (static frames, with SpeCache's top-k rows per slot) bounds an explicit value."""
     shape, model_dtype = shape_of(model, name)
     budget = 4 * GIB
-    pooled = not name.startswith("kivi")  # specache2's top-k rows stay per slot with pooled frames too
+    pooled = False
     default = split_budget(budget, shape, model_dtype, host_is_device=False, frames_pooled=pooled)
     with pytest.raises(KVQConfigError, match=r"use --max-running-requests (\d+) or less") as err:
         split_budget(budget, shape, model_dtype, host_is_device=False, frames_pooled=pooled, requested=10**6)
@@ -141,7 +138,7 @@ def test_explicit_max_running_requests_fits_or_names_the_largest(model, name):
         split_budget(budget, shape, model_dtype, host_is_device=False, frames_pooled=pooled, requested=largest + 1)
 
 
-@pytest.mark.parametrize("name", ["kivi2", "kivi4", "gear2"])
+@pytest.mark.parametrize("name", ["kivi2", "kivi4", "gear2", "specache2"])
 def test_pooled_frames_honour_any_explicit_max_running_requests(name):
     """With nothing per slot an explicit value only caps concurrency (SGLang's own cap: half the pool's tokens);
     admission charges each request's frames, as bf16's admission charges its tokens."""
@@ -175,12 +172,18 @@ def test_the_charge_is_what_the_pool_allocates(name, pooled):
     slots = 5
     if pooled and not can_pool(shape, torch.float16):
         pytest.skip(f"{name}'s frames cannot be pooled at head_dim 32: static frames")
-    store = QuantizedKVStore(cfg, shape, slots, torch.float16, "cpu", frames_pooled=pooled)
+    extra = cfg.format.strategy.request_frames(cfg, shape, torch.float16) if pooled else 0
+    store = QuantizedKVStore(cfg, shape, slots, torch.float16, "cpu", frames_pooled=pooled, extra_frames=extra)
     per_slot = 0 if pooled else store.overlay_bytes()
     if cfg.method == "specache":
         from sgl_kvq.specache.state import SpeCacheState
 
-        per_slot += SpeCacheState(cfg, shape, slots, torch.float16, torch.device("cpu")).device_bytes()
+        state = SpeCacheState(cfg, shape, slots, torch.float16, torch.device("cpu"), store=store)
+        assert state.topk.pooled == pooled
+        if pooled:  # what stays per slot is its table row, speculative token and guess: not charged, O(1)
+            assert state.device_bytes() == slots * (8 * extra + 16)
+        else:
+            per_slot += state.device_bytes()
     assert per_slot == slots * per_request_bytes(shape, torch.float16, frames_pooled=pooled)
     # SGLang's cell is whole bytes: a format with per-page tensors of a size G does not divide (zipcache2's salient
     # offsets) is charged under one byte per token more than it allocates, never less; pooled frames' tags (and
@@ -216,3 +219,22 @@ def test_specache_on_a_gpu_is_capped_by_the_host_ram_its_tier_may_take():
     kivi = shape_of("llama-3-8b", "kivi2")[0]
     assert split_budget(60 * GIB, kivi, model_dtype, host_is_device=False,
                         host_budget_bytes=host_budget).host_token_cap is None
+
+
+@pytest.mark.parametrize("name", ["specache1", "specache2"])
+@pytest.mark.parametrize("model", ["smollm2-135m", "llama-3-8b"])
+def test_specache_with_pooled_frames_sets_nothing_aside_per_slot(name, model):
+    """SpeCache's top-k rows come out of the pool per running request: nothing per request slot, SGLang's default
+    max_running_requests, and an idle pool of kivi's tokens (the same packed pages) at the budget of the issue."""
+    shape, model_dtype = shape_of(model, name)
+    budget = int(0.12 * GIB) if model == "smollm2-135m" else 4 * GIB
+    s = split_budget(budget, shape, model_dtype, host_is_device=False, frames_pooled=True, context_len=8192)
+    assert s.per_request_bytes == 0 and s.request_bytes == 0 and s.max_running_requests is None
+    kivi = split_budget(budget, shape_of(model, "kivi" + name[-1])[0], model_dtype, host_is_device=False,
+                        frames_pooled=True, context_len=8192)
+    assert s.tokens == kivi.tokens
+    # its frames: the ring and ceil(top-k / G) frames of top-k rows
+    assert s.frame_tokens == kivi.frame_tokens * (shape.cfg.ring_pages + shape.cfg.top_k // shape.G) \
+        // shape.cfg.ring_pages
+    static = split_budget(budget, shape, model_dtype, host_is_device=False, frames_pooled=False, context_len=8192)
+    assert static.per_request_bytes > 0 and static.tokens < s.tokens

@@ -60,6 +60,22 @@ def test_frame_table_static_and_pooled():
     assert pooled.frames_held() == 0
 
 
+def test_frame_table_extra_frames_go_with_the_ring():
+    """A strategy's extra frames (SpeCache's top-k rows) are owned, addressed and given back with the ring; the
+    overlay reads never see them."""
+    table = FrameTable(4, 2, 16, torch.device("cpu"), pooled=True, extra=2)
+    assert table.per_request == 4 and table.extra_frames.tolist() == [[0, 0]] * 4
+    tags = torch.arange(16)
+    with pytest.raises(AssertionError):
+        table.assign(1, [5, 3], tags)  # the ring alone is not a request's frames
+    table.assign(1, [5, 3, 9, 12], tags)
+    assert [table.of_host(1, n) for n in range(3)] == [5, 3, 5] and table.extra_frames[1].tolist() == [9, 12]
+    assert table.frames_held() == 4 and (tags[[5, 3, 9, 12]] == -1).all()
+    assert table.release(1) == [5, 3, 9, 12] and table.extra_frames[1].tolist() == [0, 0]
+    with pytest.raises(AssertionError):
+        FrameTable(4, 2, 16, torch.device("cpu"), pooled=False, extra=1)  # static frames carry no extra frames
+
+
 def test_pooled_frames_are_the_code_bytes_of_their_pages():
     _, pooled, _ = make_pair(16, 2, 16, "kivi", 31)
     k = pooled.shape.pages_per_frame(torch.float16)

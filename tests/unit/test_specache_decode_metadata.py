@@ -73,8 +73,8 @@ def test_two_lanes_on_device_metadata_match_the_host_path(G, bits, residual, top
         dev.write_decode_layer(0, write, k[:n], v[:n])
         p = sd.plan(plan, n_lanes=2, num_qo_heads=HQ, num_kv_heads=H, head_dim=D, page_size=G)
         scores = torch.empty((2 if follow else 1) * n, HQ, MAX_CTX, device=DEVICE)
-        got, lse = sd.specache_decode(q, k[n:], v[n:], dev.layer_view(0), p, sd.TopK(tk, tv, tpos, req), SCALE,
-                                      scores, follow=follow)
+        got, lse = sd.specache_decode(q, k[n:], v[n:], dev.layer_view(0), p, sd.TopK.per_slot(tk, tv, tpos, req),
+                                      SCALE, scores, follow=follow)
         got_pos = sd.select_topk(scores[-n:], lse[n:], p.base_tokens, H, top_k,
                                  follow=(scores[:n], lse[:n]) if follow else None)
 

@@ -105,7 +105,8 @@ def test_extend_reads_the_cached_prefix_in_16_bits_from_the_host_tier():
         mask[:, 29:] = torch.ones(11, 11, dtype=torch.bool).tril()
         want = _attend(a.q[29:40], a.k[li][:40], a.v[li][:40], SCALE, mask)
         torch.testing.assert_close(out[li], want, atol=1e-5, rtol=1e-5)
-    assert pool.specache.needs_predecode[1] and (pool.specache.topk_pos[:, 1] == -1).all()
+    sc = pool.specache
+    assert sc.needs_predecode[1] and all((sc.topk.positions(li, torch.tensor([1])) == -1).all() for li in range(L))
 
 
 def test_device_prefix_mode_reads_the_cached_prefix_from_the_low_bit_pool():
@@ -154,10 +155,11 @@ def test_two_lane_step_writes_real_rows_only_and_prefetches_the_speculative_top_
         backend.forward_decode(s.q[s.n:s.n + 1].reshape(1, -1), s.k[li][s.n:s.n + 1].reshape(1, -1),
                                s.v[li][s.n:s.n + 1].reshape(1, -1), LAYER[li], fb)
     assert all(torch.equal(x, y) for x, y in zip(before, pool_state(pool)))
-    assert (sc.topk_pos[:, 3] >= 0).any() and (sc.topk_pos[:, 1] == -1).all()
+    assert all((sc.topk.positions(li, torch.tensor([3])) >= 0).any() for li in range(L))
+    assert all((sc.topk.positions(li, torch.tensor([1])) == -1).all() for li in range(L))
 
     # two lanes: rows 0..B-1 real (positions n), rows B..2B-1 speculative (positions n + 1)
-    prev_pos, prev_k = sc.topk_pos.clone(), sc.topk_k.clone()
+    prev = [[sc.topk.rows(li, torch.tensor([s.r])) for s in seqs] for li in range(L)]  # copies
     sc.lanes = Lanes("two_lane", 2)
     fb = decode_batch(seqs, sc.lanes)
     backend.init_forward_metadata(fb)
@@ -173,12 +175,13 @@ def test_two_lane_step_writes_real_rows_only_and_prefetches_the_speculative_top_
             n_base = plan.base_len(b, G)
             # real row: the base with last step's prefetched positions replaced by their exact rows
             rk, rv = ctx_k.clone(), ctx_v.clone()
+            prev_k, _, prev_pos = prev[li][b]
             for h in range(H):
-                p = prev_pos[li, s.r, h]
+                p = prev_pos[0, h]
                 p = p[(p >= 0) & (p < n_base)]
                 rk[p, h], rv[p, h] = s.k[li][p, h], s.v[li][p, h]
                 if len(p):
-                    assert torch.equal(prev_k[li, s.r, h, :len(p)], s.k[li][p, h])
+                    assert torch.equal(prev_k[0, h, :len(p)], s.k[li][p, h])
             torch.testing.assert_close(out[b], _attend(q[b:b + 1], rk, rv, SCALE)[0], atol=1e-5, rtol=1e-5)
             # speculative row: the same keys as the output row (Algorithm 3) plus its own K/V; its top-k is this
             # layer's prefetch
@@ -189,12 +192,12 @@ def test_two_lane_step_writes_real_rows_only_and_prefetches_the_speculative_top_
             real = torch.einsum("hd,thd->ht", q[b], rk.repeat_interleave(group, 1)) * SCALE
             want = top_positions(torch.softmax(scores, -1), H, n_base, K,
                                  follow=torch.softmax(real, -1) if pool.store.cfg.specache_follow else None)
-            got = sc.topk_pos[li, s.r]
+            got_k, got_v, got = (t[0] for t in sc.topk.rows(li, torch.tensor([s.r])))
             assert [set(x.tolist()) for x in got] == [set(x.tolist()) for x in want]
             for h in range(H):
                 p = got[h][got[h] >= 0]
-                assert torch.equal(sc.topk_k[li, s.r, h, :len(p)], s.k[li][p, h])
-                assert torch.equal(sc.topk_v[li, s.r, h, :len(p)], s.v[li][p, h])
+                assert torch.equal(got_k[h, :len(p)], s.k[li][p, h])
+                assert torch.equal(got_v[h, :len(p)], s.v[li][p, h])
     for s in seqs:
         s.n += 1
 

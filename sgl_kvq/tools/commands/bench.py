@@ -1,4 +1,4 @@
-"""`sgl-kvq bench <what>`: `multiturn`, `capacity`, `decode`, `serving`, `conformance`, `soak`
+"""`sgl-kvq bench <what>`: `multiturn`, `capacity`, `decode`, `serving`, `conformance`, `soak`, `decision`
 (sgl_kvq/tools/commands/bench_*.py) and `kernels` (bench/kernels.py)."""
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ BENCHMARKS = {
                     "kvq dtype at the same pinned KV budget (a kvq dtype must pass what bf16 passes)"),
     "soak": ("sgl_kvq.tools.commands.bench_soak", "concurrent multi-turn load with disconnects, aborts and malformed "
              "requests at a budget that evicts and retracts: errors, replay agreement, leaks, resident memory"),
+    "decision": ("sgl_kvq.tools.commands.bench_decision", "the decision table (docs/decision.md), its Pareto plot and "
+                 "the README's summary from the result JSON files; --run measures the missing cells first"),
 }
 
 

@@ -213,7 +213,10 @@ def run(args) -> int:
     print(table(rows))
     if args.json:
         command = "sgl-kvq " + shlex.join(getattr(args, "_argv", None) or sys.argv[1:])
-        Path(args.json).write_text(json.dumps({"model": args.model, "command": command, "runs": rows}, indent=1) + "\n")
+        from sgl_kvq import env
+
+        report = {"model": args.model, "command": command, **env.run_record(), "runs": rows}
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     if args.plot and plot(rows, args.plot) is None:
         print(f"no plot at {args.plot}: no server reported a capacity")
     return 0

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from sgl_kvq import env
 from sgl_kvq.config import KVQConfig
 
 _DEFAULTS = {f.name: f.default for f in KVQConfig.__dataclass_fields__.values()}
@@ -59,6 +60,16 @@ def select_methods(table: dict, spec: str | None, reference: str) -> dict:
     return {name: fn for name, fn in table.items() if name == reference or name in wanted}
 
 
+def command(args) -> str:
+    """The command line that ran: the standalone module's (args._argv), else `sgl-kvq eval attention`'s."""
+    argv = getattr(args, "_argv", None)
+    if argv is not None:
+        return "python -m sgl_kvq.tools.commands.eval_attention " + shlex.join(argv)
+    from sgl_kvq.tools.eval.engine_eval import argv_after
+
+    return "sgl-kvq eval attention " + shlex.join(argv_after("attention"))
+
+
 def _text(path: Path | None, tokens: int) -> str:
     if path is not None:
         return path.read_text(encoding="utf-8", errors="replace")
@@ -88,13 +99,14 @@ def run(args) -> int:
     result = attention.evaluate(captured, table, tail=args.tail, log=log)
     first = captured[layers[0]]
     result.update({
-        "command": "python -m sgl_kvq.tools.commands.eval_attention " + shlex.join(getattr(args, "_argv", [])),
+        "command": command(args),
         "model": path, "tokens": int(ids.shape[1]), "layers": layers, "model_layers": model_layers,
         "shape": {"q_heads": first.q.shape[1], "kv_heads": first.k.shape[1], "head_dim": first.k.shape[2]},
         "settings": {"group_size": args.group_size, "value_group": args.value_group, "residual": args.residual,
                      "window": KVQConfig.logquant_window if args.window is None else args.window, "tail": args.tail,
                      "seed": args.seed},
         "seconds": round(time.time() - t0, 1),
+        **env.run_record(),
     })
     check = result["capture_check"]["max_rel_err"]
     table_md = attention.markdown(result)

@@ -113,15 +113,52 @@ def plot(runs: list[dict], workload: str, regime: str, title: str, path: Path):
             ax.plot(*zip(*pts), marker="o", label=name.replace("auto", "bf16", 1) if name.startswith("auto") else name)
         ax.set_xscale("log", base=2)
         ticks_at(ax, concurrencies)
-        ax.set_xlabel("load generator's max concurrency (requests)")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        _label(ax, "load generator's max concurrency (requests)", ylabel)
+    return _save(plt, fig, title, path)
+
+
+def _label(ax, xlabel: str, ylabel: str) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _save(plt, fig, title: str, path: Path):
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return fig
+
+
+BUDGET_PANELS = (("output throughput (tok/s)", lambda r: r["loadgen"].get("output_throughput")),
+                 ("peak running requests (requests)", lambda r: (r.get("server") or {}).get("peak_running_requests")))
+
+
+def plot_budgets(runs: list[dict], workload: str, concurrency: int, title: str, path: Path):
+    """Output throughput and the peak of running requests against the KV budget, one line per server (dtype,
+    flags), over runs of several reports (each run carries its own kv_cache_gb); writes `path` and returns the
+    Figure (None, nothing written, where no run of this workload and concurrency has a load generator result)."""
+    from sgl_kvq.tools.plots import finite, pyplot, ticks_at
+
+    mine = [r for r in runs if r["workload"] == workload and r["concurrency"] == concurrency and r.get("loadgen")]
+    if not mine:
+        return None
+    names = list(dict.fromkeys(series(r) for r in mine))
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(BUDGET_PANELS), figsize=(5.5 * len(BUDGET_PANELS), 4.2), squeeze=False)
+    budgets = sorted({round(r["kv_cache_gb"], 3) for r in mine})
+    for ax, (ylabel, value) in zip(axes[0], BUDGET_PANELS):
+        for name in names:
+            pts = sorted(finite((round(r["kv_cache_gb"], 3), value(r)) for r in mine if series(r) == name))
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=name.replace("auto", "bf16", 1) if name.startswith("auto")
+                        else name)
+        ax.set_xscale("log", base=2)
+        ticks_at(ax, budgets)
+        _label(ax, "KV budget per server (GiB)", ylabel)
+    return _save(plt, fig, title, path)
 
 
 def series(r: dict) -> str:

@@ -93,6 +93,15 @@ def methods(group_size: int = 64, value_group: int = 64, residual: int = 64, win
     }
 
 
+# The method that builds each served dtype's pages (`sgl-kvq bench decision` reads its rows): ours with the engine's
+# fp16 window, the peers' without one (they quantize every token; peer_nvfp4 at global scale 1, as served). SpeCache
+# has none: its decode reads the exact rows its second lane picks, which no method here models.
+DTYPE_METHODS = {"kivi1": "kivi1", "kivi2": "kivi2", "kivi3": "kivi3", "kivi4": "kivi4", "gear2": "gear-2",
+                 "gearl2": "gear-l-2", "logquant2": "logquant-2", "zipcache2": "zipcache",
+                 "peer_fp8_e4m3": "fp8_e4m3", "peer_fp4_mx_block16": "fp4_mx_block16", "peer_nvfp4": "nvfp4-gs1",
+                 "peer_int4": "int4-pth-asym", "peer_tq3": "tq-3bit-nc", "peer_tq4": "tq-4bit-nc"}
+
+
 def _expand(x: torch.Tensor, hq: int) -> torch.Tensor:
     """[T, H, ...] -> [T, Hq, ...]: each KV head serves hq // H query heads (GQA)."""
     return x.repeat_interleave(hq // x.shape[1], dim=1)

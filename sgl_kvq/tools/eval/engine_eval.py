@@ -153,7 +153,10 @@ def settings(args, **extra) -> dict:
 
 
 def finish(args, name: str, result: dict, table: str, log) -> None:
-    result["command"] = f"sgl-kvq eval {name} " + shlex.join(getattr(args, "_argv", None) or _argv_after(name))
+    from sgl_kvq import env
+
+    result["command"] = f"sgl-kvq eval {name} " + shlex.join(getattr(args, "_argv", None) or argv_after(name))
+    result.update(env.run_record())
     log(table)
     if args.json:
         text = json.dumps(result, indent=1)
@@ -164,7 +167,7 @@ def finish(args, name: str, result: dict, table: str, log) -> None:
             Path(args.json).write_text(text + "\n")
 
 
-def _argv_after(name: str) -> list[str]:
+def argv_after(name: str) -> list[str]:
     argv = sys.argv[1:]
     return argv[argv.index(name) + 1:] if name in argv else argv
 
