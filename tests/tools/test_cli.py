@@ -7,6 +7,7 @@ import importlib.machinery
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -67,6 +68,11 @@ def test_bench_kernels_runs_the_checkout_script(tmp_path, monkeypatch):
     assert record.read_text() == "--iters 5"
     assert main(["bench", "kernels", "--", "--fail", str(record)]) == 3
     assert "kernels" in bench.BENCHMARKS
+
+
+def test_bench_kernels_finds_the_checkouts_script():
+    assert bench_kernels.SCRIPT == Path(__file__).resolve().parents[2] / "bench" / "kernels.py"
+    assert bench_kernels.SCRIPT.is_file()
 
 
 def test_bench_kernels_outside_a_checkout_says_so(tmp_path, monkeypatch, capsys):

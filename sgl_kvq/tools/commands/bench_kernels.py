@@ -11,7 +11,7 @@ import runpy
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "kernels.py"
+SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "kernels.py"
 
 
 def add_arguments(p) -> None:
