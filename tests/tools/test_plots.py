@@ -15,7 +15,7 @@ import pytest
 
 matplotlib.use("Agg")
 
-from sgl_kvq import plots  # noqa: E402
+from sgl_kvq.tools import plots  # noqa: E402
 from sgl_kvq.tools.commands import bench_capacity, bench_decode, bench_soak, serving_stats  # noqa: E402
 from sgl_kvq.tools.decision import cells as decision_cells  # noqa: E402
 from sgl_kvq.tools.decision import plot as decision_plot  # noqa: E402
