@@ -307,3 +307,42 @@ def test_a_client_row_is_a_pass_a_failure_an_error_or_a_timeout():
     assert cc.timed_row(bare)["message"] == "bare: raise AssertionError"
     row = cc.timed_row(lambda: time.sleep(5), timeout_s=0.2)
     assert row["outcome"] == "error" and "no answer within 0.2 s" in row["message"] and row["seconds"] < 2
+
+
+def _fake_program(monkeypatch, outcomes):
+    """test_programs.test_decode_json replaced by one that fails or passes in the order given; calls counted."""
+    from sglang.test import test_programs
+
+    calls = []
+
+    def program():
+        calls.append(1)
+        assert outcomes[len(calls) - 1], "a bad draw"
+
+    monkeypatch.setattr(test_programs, "test_decode_json", program)
+    monkeypatch.setattr(test_programs, "test_regex", program)
+    monkeypatch.setattr(cc, "_endpoint", lambda base_url: None)  # a RuntimeEndpoint would ask a server
+    monkeypatch.setattr("sglang.set_default_backend", lambda backend: None)
+    return calls
+
+
+def test_a_sampling_program_passes_on_its_first_passing_draw(monkeypatch):
+    calls = _fake_program(monkeypatch, [False, True, False])
+    row = cc.run_program("http://127.0.0.1:1", "test_decode_json")
+    assert row["outcome"] == "pass" and row["draws"] == 2 and len(calls) == 2
+
+
+def test_a_sampling_program_fails_when_every_draw_fails(monkeypatch):
+    calls = _fake_program(monkeypatch, [False] * cc.SAMPLED_DRAWS)
+    row = cc.run_program("http://127.0.0.1:1", "test_decode_json")
+    assert row["outcome"] == "fail" and row["draws"] == cc.SAMPLED_DRAWS == len(calls) > 1
+
+
+def test_a_greedy_program_runs_once(monkeypatch):
+    calls = _fake_program(monkeypatch, [False, True])
+    row = cc.run_program("http://127.0.0.1:1", "test_regex")
+    assert row["outcome"] == "fail" and "draws" not in row and len(calls) == 1
+
+
+def test_every_sampling_program_is_a_program():
+    assert cc.SAMPLED_PROGRAMS <= set(cc.PROGRAMS) and "test_regex" not in cc.SAMPLED_PROGRAMS

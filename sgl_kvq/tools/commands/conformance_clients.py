@@ -30,6 +30,16 @@ PROGRAMS_NOT_RUN = {
     "test_parallel_encoding": "its concate_and_append join calls /concate_and_append_request, which SGLang 0.5.23's "
     "server answers with 404, after which the program waits forever (bf16 too)",
 }
+# Programs that sample (a temperature above 0 in test_programs.py's own arguments, or its default of 1.0) give a
+# draw, not a verdict: test_decode_json's strings may hold a newline (REGEX_STR admits \s) and its numbers leading
+# zeros, either of which breaks the JSON. Measured with 30 draws on one server each (SmolLM2, CPU, the conformance
+# budget): it failed 2 of bf16's draws and 3 of kivi2's, so one draw fails a correct kivi2 about once in ten runs and
+# three fail it about once in a thousand. Such a program passes when one of SAMPLED_DRAWS draws passes, on bf16 and
+# on a kvq dtype alike; a greedy program gives the same answer every time and runs once.
+SAMPLED_PROGRAMS = frozenset({"test_few_shot_qa", "test_mt_bench", "test_decode_int", "test_decode_json",
+                              "test_expert_answer", "test_react", "test_stream", "test_dtype_gen",
+                              "test_gen_min_new_tokens"})
+SAMPLED_DRAWS = 3
 # A program that has not returned after this long is recorded as an error (a wedged program must not stall a matrix
 # run; the slowest that pass take about a minute on a loaded 2-core CPU).
 PROGRAM_TIMEOUT_S = 600
@@ -128,12 +138,21 @@ def _endpoint(base_url: str):
 
 
 def run_program(base_url: str, program: str) -> dict:
-    """One test_programs.py program through a RuntimeEndpoint on base_url, as a row."""
+    """One test_programs.py program through a RuntimeEndpoint on base_url, as a row (a sampling program's row: its
+    first passing draw, or its last, with `draws`, how many it took)."""
     import sglang as sgl
     from sglang.test import test_programs
 
     sgl.set_default_backend(_endpoint(base_url))
-    return timed_row(lambda: getattr(test_programs, program)(**PROGRAMS[program]), timeout_s=PROGRAM_TIMEOUT_S)
+    if program not in SAMPLED_PROGRAMS:
+        return timed_row(lambda: getattr(test_programs, program)(**PROGRAMS[program]), timeout_s=PROGRAM_TIMEOUT_S)
+    seconds = 0.0
+    for draw in range(1, SAMPLED_DRAWS + 1):
+        row = timed_row(lambda: getattr(test_programs, program)(**PROGRAMS[program]), timeout_s=PROGRAM_TIMEOUT_S)
+        seconds += row["seconds"]
+        if row["outcome"] == "pass" or row["message"].startswith("no answer within"):  # a wedged one: no redraw
+            break
+    return {**row, "seconds": round(seconds, 1), "draws": draw}
 
 
 def program_rows(base_url: str, names=None) -> dict[str, dict]:
