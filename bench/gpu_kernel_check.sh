@@ -23,9 +23,10 @@ PY
 
 if $PY -c "import pytest" 2>/dev/null; then
     # -p no:cacheprovider: the checkout may be read-only; --junitxml keeps per-test results
-    $PY -m pytest -p no:cacheprovider -q tests/test_kernels_quantize.py tests/test_kernels_attention.py \
-        tests/test_decode_metadata.py tests/test_kernels_specache.py tests/test_specache_decode_metadata.py \
-        tests/test_specache_prefix_frames.py \
+    $PY -m pytest -p no:cacheprovider -q tests/kernels/test_kernels_quantize.py \
+        tests/kernels/test_kernels_attention.py tests/kernels/test_kernels_specache.py \
+        tests/unit/test_decode_metadata.py tests/unit/test_specache_decode_metadata.py \
+        tests/unit/test_specache_prefix_frames.py \
         --junitxml="$DEST/kernel_tests.xml" 2>&1 | tee "$DEST/kernel_tests.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 else

@@ -81,7 +81,7 @@ def bench_config(model, Hq, Hkv, D, B, ctx, bits, layers, top_k, dtype, device):
     out = torch.empty(B, Hq, D, dtype=dtype, device=device)
 
     def topk(li):
-        return sd.TopK(sc.topk_k[li], sc.topk_v[li], sc.topk_pos[li], req)
+        return sd.TopK(*sc.topk.layer(li), req, top_k)
 
     def kivi():
         for _ in range(layers):

@@ -1,7 +1,7 @@
 """SpeCache's host-tier row copies: scatter a batch's 16-bit K/V rows into the host tier (the write path) and
 gather single-head rows out of it (the top-k prefetch). Torch references: sgl_kvq/specache/host_tier.py's
-scatter_rows_ref / gather_head_rows_ref (plain index ops, which the CPU path uses); tests/test_specache_host_tier.py
-compares the two.
+scatter_rows_ref / gather_head_rows_ref (plain index ops, which the CPU path uses);
+tests/unit/test_specache_host_tier.py compares the two.
 
 Host tier layout (one layer): hk, hv [S, H, D] 16-bit, indexed by pool token slot (sgl_kvq/specache/host_tier.py).
 On CUDA hk/hv are pinned host tensors, passed to the kernels by address (UVA): `_HostPtr` carries the pointer so

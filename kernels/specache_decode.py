@@ -8,9 +8,9 @@
 Rows of q [n_lanes * n, Hq, D] are lane-major; with two lanes rows [0, n) are the real tokens (the output lane) and
 rows [n, 2n) their speculative tokens; with one lane (the pre-decode) every row is speculative. Both lanes read the
 same keys (the paper's Algorithm 3, sgl_kvq/specache/attention.py is the reference): request b's packed base and
-fp16 frames, with each position in its prefetched top-k set (topk.pos [R, H, K], -1 = none, positions >= the base
-tokens ignored) read from its 16-bit row (topk.k/v [R, H, K, D], indexed by request slot topk.req[b]) instead of
-the codes; the speculative lane also reads its own k_own/v_own [n, H, D], which are never stored. No context is
+fp16 frames, with each position in its prefetched top-k set read from its 16-bit row instead of the codes (row j
+of request slot r = topk.req[b], KV head h: topk.k/v[f, j % C, h] at position topk.pos[f, j % C, h], f =
+topk.table[r, j // C]; -1 = none, positions >= the base tokens ignored: sgl_kvq/specache/topk_rows.py); the speculative lane also reads its own k_own/v_own [n, H, D], which are never stored. No context is
 dequantized to memory: codes are read once per page for both lanes. A top-k set must not repeat a position (the
 torch.topk that selects it cannot).
 
@@ -63,25 +63,37 @@ class SpeCachePlan:
 
 @dataclass
 class TopK:
-    """One layer's prefetched rows: k, v [R, H, K, D] model dtype, pos [R, H, K] int64 (-1: none), req [n] the
-    request slot of each batch request."""
+    """One layer's prefetched rows (sgl_kvq/specache/topk_rows.py): k, v [F, C, H, D] model dtype in frames of C
+    rows, pos [F, C, H] int64 (-1: none), table [R, m] each request slot's frames (row j in frame table[r, j // C]),
+    req [n] the request slot of each batch request, top_k the rows per request and head (None: all m * C)."""
     k: torch.Tensor
     v: torch.Tensor
     pos: torch.Tensor
+    table: torch.Tensor
     req: torch.Tensor
+    top_k: int | None = None
+
+    @classmethod
+    def per_slot(cls, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, req: torch.Tensor) -> TopK:
+        """Rows by request slot, k, v [R, H, K, D] and pos [R, H, K], as one frame of K rows per slot."""
+        table = torch.arange(k.shape[0], device=k.device)[:, None]
+        return cls(k.transpose(1, 2), v.transpose(1, 2), pos.transpose(1, 2).contiguous(), table, req, k.shape[2])
 
 
 class TopKArgs(NamedTuple):
-    """The kernel's argument group of TopK: k, v, pos, req and the strides it indexes them by."""
+    """The kernel's argument group of TopK: k, v, pos, table, req and the strides it indexes them by."""
     k: torch.Tensor
     v: torch.Tensor
     pos: torch.Tensor
+    table: torch.Tensor
     req: torch.Tensor
-    stride_tr: int
+    stride_tf: int
+    stride_tc: int
     stride_th: int
-    stride_tk: int
-    stride_pr: int
+    stride_pf: int
+    stride_pc: int
     stride_ph: int
+    stride_table: int
 
 
 def plan(paged: PagedPlan, *, n_lanes: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
@@ -138,17 +150,23 @@ def specache_decode(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, k
     require(q.device == kv.ov_k.device == p.num_splits.device == scores.device,
             "q, the pool, the plan and the scores are on different devices")
     if topk is None:
-        K = 1
-        topk_args = TopKArgs(kv.ov_k, kv.ov_v, p.base_tokens, p.base_tokens, 0, 0, 0, 0, 0)  # never read
+        K, C = 1, 1
+        topk_args = TopKArgs(kv.ov_k, kv.ov_v, p.base_tokens, p.base_tokens, p.base_tokens,
+                             *[0] * 7)  # never read
     else:
-        R, Ht, K, Dt = topk.k.shape
+        F, C, Ht, Dt = topk.k.shape
+        K = topk.table.shape[1] * C if topk.top_k is None else topk.top_k
         require((Ht, Dt) == (H, D) and topk.v.shape == topk.k.shape and topk.v.stride() == topk.k.stride(),
-                f"top-k rows must be [R, {H}, K, {D}], got {tuple(topk.k.shape)}")
-        require(tuple(topk.pos.shape) == (R, H, K) and topk.pos.dtype == torch.int64, "top-k pos must be [R, H, K]")
-        require(topk.k.stride(-1) == 1 and topk.pos.stride(-1) == 1, "top-k buffers need a contiguous last dim")
+                f"top-k rows must be [F, C, {H}, {D}], got {tuple(topk.k.shape)}")
+        require(tuple(topk.pos.shape) == (F, C, H) and topk.pos.dtype == torch.int64, "top-k pos must be [F, C, H]")
+        require(topk.table.dim() == 2 and topk.table.dtype == torch.int64 and 0 < K <= topk.table.shape[1] * C,
+                f"the top-k table must be [R, m >= {K} / {C}] int64")
+        require(topk.k.stride(-1) == 1 and topk.pos.stride(-1) == 1 and topk.table.stride(-1) == 1,
+                "top-k buffers need a contiguous last dim")
         require(tuple(topk.req.shape) == (n,), f"top-k req must be [{n}]")
-        topk_args = TopKArgs(topk.k, topk.v, topk.pos, topk.req, topk.k.stride(0), topk.k.stride(1),
-                             topk.k.stride(2), topk.pos.stride(0), topk.pos.stride(1))
+        topk_args = TopKArgs(topk.k, topk.v, topk.pos, topk.table, topk.req, topk.k.stride(0), topk.k.stride(1),
+                             topk.k.stride(2), topk.pos.stride(0), topk.pos.stride(1), topk.pos.stride(2),
+                             topk.table.stride(0))
     require(scores.shape[2] >= 1, "scores need at least one position")
     if out is None:
         out = torch.empty_like(q)
@@ -162,7 +180,7 @@ def specache_decode(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, k
             scores.stride(0), scores.stride(1),
             GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(L * group)), D=D, G=G, BITS=kv.bits, VG=VG,
             K=K, BLOCK_K=max(16, triton.next_power_of_2(K + 1)), BLOCK_P=triton.next_power_of_2(K), NLANES=L,
-            SPEC_LANE=L - 1, USE_TOPK=topk is not None, FOLLOW=follow, MAX_SPLITS=p.max_splits,
+            SPEC_LANE=L - 1, USE_TOPK=topk is not None, FOLLOW=follow, MAX_SPLITS=p.max_splits, TOPK_ROWS=C,
             DOT_FP32=dot_in_fp32(q.dtype), **extras_consts,
         )
     merge_state(p.o_partial, p.lse_partial, p.merge_splits, out=out, lse_out=lse)

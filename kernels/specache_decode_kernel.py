@@ -30,7 +30,7 @@ def _specache_decode_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
     VG: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, NLANES: tl.constexpr,
     SPEC_LANE: tl.constexpr, USE_TOPK: tl.constexpr, FOLLOW: tl.constexpr, MAX_SPLITS: tl.constexpr,
-    FORMAT: tl.constexpr, SIZES: tl.constexpr, DOT_FP32: tl.constexpr,
+    TOPK_ROWS: tl.constexpr, FORMAT: tl.constexpr, SIZES: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -64,16 +64,22 @@ def _specache_decode_kernel(
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         r = tl.load(TOPK.req + b).to(tl.int64)
         if USE_TOPK:
-            tpos = tl.load(TOPK.pos + r * TOPK.stride_pr + kvh * TOPK.stride_ph + offs_k, mask=offs_k < K, other=-1)
+            # row j of the request's top-k set: row j % TOPK_ROWS of frame table[r, j // TOPK_ROWS]
+            tfr = tl.load(TOPK.table + r * TOPK.stride_table + offs_k // TOPK_ROWS, mask=offs_k < K,
+                          other=0).to(tl.int64)
+            trow = offs_k % TOPK_ROWS
+            tpos = tl.load(TOPK.pos + tfr * TOPK.stride_pf + trow * TOPK.stride_pc + kvh * TOPK.stride_ph,
+                           mask=offs_k < K, other=-1)
             usable = (tpos >= 0) & (tpos < base_tokens)
+            tk_off = tfr * TOPK.stride_tf + trow * TOPK.stride_tc + kvh * TOPK.stride_th
         else:
             tpos = tl.full([BLOCK_K], -1, tl.int64)
             usable = offs_k < 0
+            tk_off = tl.zeros([BLOCK_K], tl.int64)
         score_row = SCORES + (rows if FOLLOW else b) * stride_sb + heads * stride_sh
 
         if split == MAX_SPLITS:
             # 16-bit split: the prefetched rows (both lanes), then the speculative row's own K/V at index K
-            tk_off = r * TOPK.stride_tr + kvh * TOPK.stride_th + offs_k * TOPK.stride_tk
             kt = tl.load(TOPK.k + tk_off[None, :] + offs_d[:, None], mask=usable[None, :], other=0.0).to(tl.float32)
             v = tl.load(TOPK.v + tk_off[:, None] + offs_d[None, :], mask=usable[:, None], other=0.0).to(tl.float32)
             own_k = tl.load(KOWN + b * stride_kob + kvh * stride_koh + offs_d).to(tl.float32)
@@ -94,7 +100,10 @@ def _specache_decode_kernel(
                 # the membership test runs on every base page: over the K slots only (BLOCK_P = K padded), not the
                 # 16-bit split's K + 1 (own row), which would double it at K = 64
                 offs_p = tl.arange(0, BLOCK_P)
-                mpos = tl.load(TOPK.pos + r * TOPK.stride_pr + kvh * TOPK.stride_ph + offs_p, mask=offs_p < K, other=-1)
+                pfr = tl.load(TOPK.table + r * TOPK.stride_table + offs_p // TOPK_ROWS, mask=offs_p < K,
+                              other=0).to(tl.int64)
+                mpos = tl.load(TOPK.pos + pfr * TOPK.stride_pf + (offs_p % TOPK_ROWS) * TOPK.stride_pc
+                               + kvh * TOPK.stride_ph, mask=offs_p < K, other=-1)
                 mpos = tl.where((mpos >= 0) & (mpos < base_tokens), mpos, -1)
             for j in range(p_start, tl.minimum(p_end, n_base)):
                 page = tl.load(PAGES.kv_indices + kv_lo + j).to(tl.int64)

@@ -4,16 +4,18 @@ allocator and charged where SGLang admits requests (the layout: sgl_kvq/layout.p
 - FramePageAllocator (SGLang's PagedTokenToKVPoolAllocator, built in its place for a pooled kvq pool) hands out a
   frame as k aligned free pages (frame f = pages f*k .. f*k+k-1) and takes it back as free pages. Its
   request_slot_reserve, which SGLang's PrefillAdder adds to every request that has no request slot yet, is one
-  request's frames (ring * k pages), so admission sees them as it sees tokens; its available_size falls while a
-  request holds them. Token pages are handed out from frames already in use by tokens first, whole free frames
-  last, so the free pages stay in whole frames (tokens fill holes; frames come from the top).
+  request's frames (per_request * k pages: its ring, and SpeCache's top-k rows), so admission sees them as it sees
+  tokens; its available_size falls while a request holds them. Token pages are handed out from frames already in
+  use by tokens first, whole free frames last, so the free pages stay in whole frames (tokens fill holes; frames
+  come from the top).
 - PrefillAdder.add_one_req (AROUND): a request without a request slot is admitted only while its frames (and those
   of the requests admitted before it in the same step) can be made whole: free pages scattered over frames whose
   other pages running requests hold add up in admission's count but form no frame. Such a request waits (NO_TOKEN)
   until running requests finish; with none running every non-free page is evictable, so it never waits forever.
-- alloc_req_slots (AROUND): a request that gets a request slot gets its `ring` frames, evicting radix-tree pages
-  while no whole frame is free (admission checked the frames can be made whole; eviction makes them whole). Its
-  req_to_token row is zeroed, so the pages the row names are its own (what admission counts as held).
+- alloc_req_slots (AROUND): a request that gets a request slot gets its frames (FrameTable.per_request), evicting
+  radix-tree pages while no whole frame is free (admission checked the frames can be made whole; eviction makes
+  them whole). Its req_to_token row is zeroed, so the pages the row names are its own (what admission counts as
+  held).
 - ReqToTokenPool.free_rows (AROUND): a freed request slot (finished, retracted, aborted) gives its frames back.
 """
 
@@ -36,7 +38,7 @@ class FramePageAllocator(PagedTokenToKVPoolAllocator):
         self.store = kvcache.store
         self.k = self.store.shape.pages_per_frame(self.store.model_dtype)
         self.num_frames = self.store.frames.num_frames
-        self.frame_tokens = self.store.ring * self.k * page_size
+        self.frame_tokens = self.store.frames.per_request * self.k * page_size
         super().__init__(size, page_size, dtype, device, kvcache, need_sort)
         kvcache.frame_allocator = self
         self.req_to_token_pool = getattr(kvcache, "req_to_token_pool", None)  # whose slots own the frames
@@ -166,7 +168,7 @@ def add_one_req(orig, self, req, *args, **kwargs):
         new = [r for r in self.can_run_list if not r.kv.holds_kv] + [req]
         # their matched prefixes are locked (admission pins them) but in no request slot's row yet
         prefixes = _locked_prefix_indices(self.tree_cache, new)
-        if not allocator.frames_obtainable(len(new) * allocator.store.frames.ring, prefixes):
+        if not allocator.frames_obtainable(len(new) * allocator.store.frames.per_request, prefixes):
             from sglang.srt.managers.schedule_policy import AddReqResult
 
             return AddReqResult.NO_TOKEN
@@ -179,15 +181,15 @@ def alloc_req_slots(orig, req_to_token_pool, reqs, tree_cache):
         return orig(req_to_token_pool, reqs, tree_cache)
     allocator, frames = pool.frame_allocator, pool.store.frames
     new = sum(1 for r in reqs if not r.kv.holds_kv)
-    _make_whole_frames(allocator, tree_cache, new * frames.ring)
+    _make_whole_frames(allocator, tree_cache, new * frames.per_request)
     indices = orig(req_to_token_pool, reqs, tree_cache)
     for slot in indices:
         if frames.holds(slot):
             continue
-        got = allocator.take_frames(frames.ring)
+        got = allocator.take_frames(frames.per_request)
         if got is None:
             raise RuntimeError(
-                f"sgl_kvq: no {frames.ring} whole free frames of {allocator.k} pages for request slot {slot} "
+                f"sgl_kvq: no {frames.per_request} whole free frames of {allocator.k} pages for request slot {slot} "
                 f"({allocator.available_size()} tokens free): admission charged them, eviction could not free them. "
                 f"Who holds each frame's pages: {frame_census(allocator, req_to_token_pool, tree_cache)}")
         frames.assign(slot, got, pool.store.ov_tag)

@@ -6,7 +6,7 @@ not the computation the request had been doing: its generated tokens had attende
 re-prefill attends to them in full precision, and the continuation changes. Checkpointing the complete pages
 (already quantized, immutable) makes the resumed request read exactly the pages it read before and recompute only
 its open page, as decode would have: with KVQ_PREFILL=paged and KVQ_RESIDUAL=0 a contended run then matches an
-uncontended one token for token (tests/test_e2e_serving.py). The pages stay evictable, so memory pressure still
+uncontended one token for token (tests/engine/test_e2e_serving.py). The pages stay evictable, so memory pressure still
 frees them.
 """
 

@@ -10,10 +10,10 @@ format registry) gives the same tokens before and after.
     python scripts/greedy_tokens.py check tests/data/greedy_tokens.json --backend kvq_triton   # one backend
 
 Each (dtype, backend) runs in a process of its own (2 to 4 minutes each on 2 cores, 18 in all: too slow for CI,
-where tests/test_e2e_*.py compare kvq_triton with kvq_torch per dtype). Two turns: the second extends each
+where tests/engine/test_e2e_*.py compare kvq_triton with kvq_torch per dtype). Two turns: the second extends each
 conversation, so its extend reads the first turn's prefix from packed pages (a radix hit) and the extend kernel
 applies each format's extras, not only decode. fp32 makes greedy tokens exact; SpeCache runs one request at a time
-(tests/test_e2e_specache.py: batching makes its top-k picks timing dependent) with a top-k well below the base.
+(tests/engine/test_e2e_specache.py: batching makes its top-k picks timing dependent) with a top-k well below the base.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def run_one(dtype: str, backend: str) -> list[list[int]]:
     """-> token ids of both turns' outputs, first turn then second (in this process's engine)."""
     import sglang
 
-    from sgl_kvq.launch import engine_kwargs
-    from sgl_kvq.models import tiny_llama
+    from sgl_kvq.tools.launch import engine_kwargs
+    from sgl_kvq.tools.models import tiny_llama
 
     os.environ.update(env_for(dtype, backend))
     llm = sglang.Engine(**engine_kwargs(tiny_llama(), dtype, dtype="float32", mem_fraction_static=0.3,

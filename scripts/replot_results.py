@@ -20,7 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sgl_kvq.commands import bench_capacity, bench_decode, bench_soak, serving_stats  # noqa: E402
+from sgl_kvq.tools.commands import bench_capacity, bench_decision, bench_decode, bench_soak, serving_stats  # noqa: E402
+from sgl_kvq.tools.decision import plot as decision_plot  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 
@@ -56,6 +57,21 @@ def serving(name: str, workload: str, regime: str) -> callable:
     return draw
 
 
+def serving_budgets(*names: str) -> callable:
+    """serving_stats.plot_budgets over the runs of several `bench serving` reports (one per pair of budgets)."""
+    def draw(path):
+        runs = [r for name in names for r in load(name)["runs"]]
+        model = load(names[0])["model"]
+        return serving_stats.plot_budgets(runs, "shared-prefix-multiturn", 16,
+                                          f"{model}: shared-prefix multi-turn, concurrency 16, default flags", path)
+    return draw
+
+
+def decision(path):
+    """The decision figure from every committed result file, as `sgl-kvq bench decision` draws it."""
+    return decision_plot.plot(bench_decision.build(bench_decision.input_paths(None)), path)
+
+
 PLOTS = {  # PNG under bench/results/: how it is drawn
     "capacity-sweep-smollm2.png": capacity("capacity-sweep-smollm2.json"),
     "capacity-sweep-formats-smollm2.png": capacity("capacity-sweep-formats-smollm2.json"),
@@ -81,7 +97,10 @@ PLOTS = {  # PNG under bench/results/: how it is drawn
         "serving-long-prompts-torch-paths-smollm2.json", "shared-prefix-multiturn", "tight"),
     "serving-concurrency-smollm2-shared-prefix-multiturn-tight.png": serving(
         "serving-concurrency-smollm2.json", "shared-prefix-multiturn", "tight"),
+    "serving-default-budgets-smollm2.png": serving_budgets("serving-default-0.12-2-smollm2.json",
+                                                           "serving-default-0.25-0.5-smollm2.json"),
     "soak-smollm2.png": lambda path: bench_soak.plot(load("soak-smollm2.json")["runs"], path),
+    "decision-smollm2.png": decision,
 }
 
 

@@ -1,6 +1,6 @@
 """Batched decode attention over the packed paged base plus the fp16 overlay: the compute of `kvq_torch` decode.
 
-Same result as attention_ref.ref_decode (its oracle; tests/test_attention_batched.py, fp32 within 1e-5) without a
+Same result as attention_ref.ref_decode (its oracle; tests/unit/test_attention_batched.py, fp32 within 1e-5) without a
 Python loop over requests. A per-batch index (`BatchedContext`, built once, reused by every layer) places each
 request's context in a padded, head-major layout [H, B, T, D] (T: the longest context in whole pages); per layer
 the batch's base pages are unpacked straight into that layout by one table lookup (only the pages the batch

@@ -1,6 +1,6 @@
 """Extend attention over the packed paged base plus the fp16 overlay: the compute of `kvq_torch` extend.
 
-Same result as attention_ref.ref_extend (its oracle; tests/test_attention_extend.py) through torch's fused
+Same result as attention_ref.ref_extend (its oracle; tests/unit/test_attention_extend.py) through torch's fused
 scaled-dot-product attention: each request's cached prefix is dequantized once from its own pages
 (attention_ref.gather_context) and its new tokens attend to it and causally to themselves, GQA inside the fused op.
 Why: 16 single-request ShareGPT prefills through the engine (SmolLM2, 2-core CPU) took 4.8 s with the reference's

@@ -11,11 +11,15 @@ slot: an idle server holds budget / per_token tokens, a running request costs ri
 and max_running_requests is SGLang's own default (memory limits concurrency the way it limits bf16's). The pool's
 page count is rounded down to whole frames, and frame 0's pages are the padded rows' dummy frame.
 
-Per-slot state that does stay fixed: SpeCache's top-k rows, and the frames themselves under prefill/decode
-disaggregation (static frames: SGLang sends a slot's frames as one row of its per-request state, so they sit at
-fixed places). For those the rule is: per-slot state takes at most `cfg.overlay_share` of the budget, and
-max_running_requests follows from it (min. 1); an explicit --max-running-requests is honoured while the pool still
-holds at least bf16's tokens at the same budget, and beyond that refused with the largest value that fits.
+SpeCache's per-request top-k rows are pooled frames too (its strategy's request_frames: ceil(top-k / G) more
+frames per running request, sgl_kvq/specache/topk_rows.py), charged with the ring.
+
+Per-slot state that does stay fixed: the frames themselves under prefill/decode disaggregation and HiCache (static
+frames: SGLang sends a slot's frames as one row of its per-request state, so they sit at fixed places), with
+SpeCache's top-k rows per slot beside them. For those the rule is: per-slot state takes at most
+`cfg.overlay_share` of the budget, and max_running_requests follows from it (min. 1); an explicit
+--max-running-requests is honoured while the pool still holds at least bf16's tokens at the same budget, and beyond
+that refused with the largest value that fits.
 Mamba-style hybrid models in SGLang size their per-request state the same way.
 
 SpeCache's host tier holds every pool token in 16 bits. On a GPU it lives in host RAM, so the pool's tokens are
@@ -65,16 +69,21 @@ def _frame_kv_bytes(shape: PoolShape, model_dtype: torch.dtype) -> int:
     return shape.layers * shape.G * shape.heads * shape.head_dim * torch.empty((), dtype=model_dtype).element_size()
 
 
+def frames_per_request(shape: PoolShape, model_dtype: torch.dtype) -> int:
+    """Pooled frames one running request takes: its ring, and its decode strategy's state (SpeCache's top-k rows)."""
+    return shape.cfg.ring_pages + shape.cfg.format.strategy.request_frames(shape.cfg, shape, model_dtype)
+
+
 def frame_tokens(shape: PoolShape, model_dtype: torch.dtype) -> int:
-    """Pool tokens one running request's pooled frames take: ring frames of k pages."""
-    return shape.cfg.ring_pages * shape.pages_per_frame(model_dtype) * shape.G
+    """Pool tokens one running request's pooled frames take: frames_per_request frames of k pages."""
+    return frames_per_request(shape, model_dtype) * shape.pages_per_frame(model_dtype) * shape.G
 
 
 def per_request_bytes(shape: PoolShape, model_dtype: torch.dtype, *, frames_pooled: bool) -> int:
     """Bytes one request slot owns for the server's life: its fp16 overlay frames where they are static, and
-    SpeCache's top-k rows."""
+    SpeCache's top-k rows where they are not pooled."""
     total = 0 if frames_pooled else shape.cfg.ring_pages * shape.overlay_bytes_per_frame(model_dtype)
-    return total + shape.cfg.format.strategy.request_bytes(shape.cfg, shape, model_dtype)
+    return total + shape.cfg.format.strategy.request_bytes(shape.cfg, shape, model_dtype, frames_pooled=frames_pooled)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """`sgl-kvq model | serve | eval | bench | demo`.
 
-Each command lives in its own module under sgl_kvq/commands/ with `add_arguments(parser)` and `run(args) -> int`;
+Each command lives in its own module under sgl_kvq/tools/commands/ with `add_arguments(parser)` and `run(args) -> int`;
 modules import lazily so `sgl-kvq model smollm2` never pays for importing sglang.
 """
 
@@ -11,11 +11,13 @@ import importlib
 import sys
 
 COMMANDS = {
-    "model": ("sgl_kvq.commands.model", "materialize an embedded model and print its folder"),
-    "serve": ("sgl_kvq.commands.serve", "run SGLang's launch_server with ARGS (CPU engine settings added without a GPU)"),
-    "eval": ("sgl_kvq.commands.eval", "quality evaluations: attention, niah, ppl, agree"),
-    "bench": ("sgl_kvq.commands.bench", "benchmarks: multiturn, kernels"),
-    "demo": ("sgl_kvq.commands.demo", "the main job: CPU server with kivi2 vs bf16 on a multi-turn ShareGPT workload"),
+    "model": ("sgl_kvq.tools.commands.model", "materialize an embedded model and print its folder"),
+    "serve": ("sgl_kvq.tools.commands.serve",
+              "run SGLang's launch_server with ARGS (CPU engine settings added without a GPU)"),
+    "eval": ("sgl_kvq.tools.commands.eval", "quality evaluations: attention, niah, ppl, agree"),
+    "bench": ("sgl_kvq.tools.commands.bench", "benchmarks: multiturn, kernels"),
+    "demo": ("sgl_kvq.tools.commands.demo",
+             "the main job: CPU server with kivi2 vs bf16 on a multi-turn ShareGPT workload"),
 }
 
 

@@ -37,7 +37,7 @@ class KVQConfig:
     value_group: int = 64  # channels per value quantization group (values per-token); clipped to head_dim
     residual: int = 64  # R: most recent complete tokens kept fp16 in the overlay, a multiple of G
     # 1-bit codes use SpeCache's zero-point (3 min + max)/4 and scale (max - min)/2 (eq. 3), which halves the
-    # reconstruction error of plain min/max 1-bit (tests/test_quant_uniform.py measures it).
+    # reconstruction error of plain min/max 1-bit (tests/unit/test_quant_properties.py measures it).
     specache_one_bit: bool = True
     # How an extend (prefill, multi-turn continuation) attends to its own new tokens:
     #   "full"  KIVI's prefill: the new tokens attend each other in full precision; only the cached prefix is
@@ -189,12 +189,22 @@ def parse_kv_cache_dtype(name: str) -> KVQConfig:
     return _parse(name, env.knob_values())
 
 
+def default_config(name: str) -> KVQConfig:
+    """`name`'s config with every knob at its default, whatever KVQ_* variables are set (the decision table's bytes
+    per token: the dtype as a user who sets nothing gets it)."""
+    return _build(name, {})
+
+
 @functools.lru_cache(maxsize=None)
 def _parse(name: str, knob_values: tuple) -> KVQConfig:
+    return _build(name, env.knobs())
+
+
+def _build(name: str, knobs: dict) -> KVQConfig:
     if name not in registry.BY_NAME:
         raise KVQConfigError(f"sgl_kvq: unknown kv cache dtype {name!r}; choose one of {', '.join(DTYPE_NAMES)}")
     fmt, bits = registry.BY_NAME[name]
-    knobs = env.knobs()
+    knobs = dict(knobs)
     for knob, value in fmt.default_knobs(bits).items():
         knobs.setdefault(knob, value)
     return KVQConfig(method=fmt.family, bits=bits, **knobs)

@@ -1,7 +1,7 @@
 """Every environment variable sgl_kvq reads, under one prefix: KVQ_. (Not SGL_KVQ_: SGLang treats every SGL_*
 variable as a deprecated spelling of SGLANG_* and warns about it in each of its processes.)
 
-The knobs, their meaning and defaults are the README's knob table, the one table of them (tests/test_readme.py
+The knobs, their meaning and defaults are the README's knob table, the one table of them (tests/project/test_readme.py
 holds its rows equal to the KVQ_ names this module reads: add a row there with a knob here). _CONFIG_KNOBS below
 maps each knob KVQConfig reads to its field.
 
@@ -35,6 +35,20 @@ _CONFIG_KNOBS = {
     "KVQ_FRAMES": ("frames", str),
     "KVQ_ROTATE": ("rotate", str),
 }
+
+
+def config_knob_names() -> tuple[str, ...]:
+    """The variables KVQConfig reads."""
+    return tuple(_CONFIG_KNOBS)
+
+
+def run_record() -> dict:
+    """What a result file records beside its numbers: when the run finished (UTC) and every KVQ_ variable it had set
+    (`sgl-kvq bench decision` reads both: which file is newest, which knobs a run changed)."""
+    from datetime import datetime, timezone
+
+    return {"finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "kvq_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("KVQ_") and v}}
 
 
 def knob_values() -> tuple:

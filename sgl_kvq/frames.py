@@ -16,6 +16,10 @@ back the frames (sgl_kvq/layout.py has the bytes):
           for all slots (layout.frame_of): under prefill/decode disaggregation (SGLang sends a slot's frames as one
           row of its per-request state, which needs them at fixed places) and HiCache (pooled_frames says why).
 
+Pooled, a request slot may own `extra` frames beyond its ring: its decode strategy's per-request state, carved and
+charged with the ring (SpeCache's prefetched top-k rows: sgl_kvq/specache/topk_rows.py), addressed by request slot
+through `extra_frames` [R, extra] (0 while the slot holds none) and never read as overlay frames.
+
 Frames are layer-independent; their contents are per layer (ov_k / ov_v). A frame is read only through its own
 slot's plan and only while its (tag, generation) still names the page (metadata/host.py), so a frame's previous
 owner never leaks into a new one: assign() empties its tags.
@@ -55,14 +59,19 @@ def pooled_frames(shape: PoolShape, model_dtype: torch.dtype, disaggregation_mod
 
 
 class FrameTable:
-    def __init__(self, num_req_slots: int, ring: int, num_frames: int, device: torch.device, *, pooled: bool):
-        self.ring, self.pooled, self.num_frames = ring, pooled, num_frames
+    def __init__(self, num_req_slots: int, ring: int, num_frames: int, device: torch.device, *, pooled: bool,
+                 extra: int = 0):
+        if extra and not pooled:
+            raise AssertionError("sgl_kvq: only pooled frames carry a strategy's extra frames")
+        self.ring, self.extra, self.pooled, self.num_frames = ring, extra, pooled, num_frames
+        self.per_request = ring + extra  # pooled: frames a running request takes
         slots = torch.arange(num_req_slots)[:, None]
         static = frame_of(slots, torch.arange(ring)[None, :], ring)
         # host copy first: the host-side builders index it per request; the device copy serves the device builder
         self.host = torch.zeros_like(static) if pooled else static
         self.slot_frames = self.host.to(device)
-        self.owned: dict[int, list[int]] = {}  # pooled: slot -> its frames
+        self.extra_frames = torch.zeros((num_req_slots, extra), dtype=torch.int64, device=device)
+        self.owned: dict[int, list[int]] = {}  # pooled: slot -> its frames (ring, then extra)
 
     def of(self, req_slot, logical_page):
         """Frame of request slot `req_slot`'s logical page (integer tensors, which broadcast, on the table's device)."""
@@ -75,13 +84,15 @@ class FrameTable:
         return not self.pooled or req_slot in self.owned
 
     def assign(self, req_slot: int, frames: list[int], ov_tag: torch.Tensor) -> None:
-        """Pooled: request slot `req_slot` owns `frames` (ring of them, none of them frame 0) from now on."""
-        if not self.pooled or req_slot in self.owned or len(frames) != self.ring or 0 in frames:
+        """Pooled: request slot `req_slot` owns `frames` (per_request of them: its ring, then its extra frames; none
+        of them frame 0) from now on."""
+        if not self.pooled or req_slot in self.owned or len(frames) != self.per_request or 0 in frames:
             raise AssertionError(f"sgl_kvq: cannot give frames {frames} to request slot {req_slot}")
         ids = torch.tensor(frames, dtype=torch.int64)
         ov_tag[ids.to(ov_tag.device)] = -1
-        self.host[req_slot] = ids
-        self.slot_frames[req_slot] = ids.to(self.slot_frames.device)
+        self.host[req_slot] = ids[:self.ring]
+        self.slot_frames[req_slot] = ids[:self.ring].to(self.slot_frames.device)
+        self.extra_frames[req_slot] = ids[self.ring:].to(self.extra_frames.device)
         self.owned[req_slot] = list(frames)
 
     def release(self, req_slot: int) -> list[int]:
@@ -90,6 +101,7 @@ class FrameTable:
         if frames:
             self.host[req_slot] = 0
             self.slot_frames[req_slot] = 0
+            self.extra_frames[req_slot] = 0
         return frames
 
     def release_all(self) -> None:
@@ -97,6 +109,7 @@ class FrameTable:
         if self.pooled:
             self.host.zero_()
             self.slot_frames.zero_()
+            self.extra_frames.zero_()
 
     def frames_held(self) -> int:
         return sum(len(f) for f in self.owned.values())

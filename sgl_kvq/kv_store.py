@@ -31,9 +31,10 @@ from sgl_kvq.plan import BatchWrite, DecodeWrite, LayerKV
 
 class QuantizedKVStore:
     def __init__(self, cfg: KVQConfig, shape: PoolShape, num_req_slots: int, model_dtype: torch.dtype,
-                 device: str | torch.device, *, frames_pooled: bool = False):
+                 device: str | torch.device, *, frames_pooled: bool = False, extra_frames: int = 0):
         """frames_pooled: the overlay frames live in the pool's pages, handed out per running request (frames.py);
-        else a separate region with `ring` frames per request slot."""
+        else a separate region with `ring` frames per request slot. extra_frames (pooled only): frames a running
+        request takes beyond its ring for its decode strategy's state (SpeCache's top-k rows)."""
         cfg.check_head_dim(shape.head_dim)
         self.cfg, self.shape = cfg, shape
         self.format = cfg.format
@@ -56,7 +57,7 @@ class QuantizedKVStore:
             F = num_req_slots * self.ring
             self.ov_k = torch.zeros((L, F, self.G, H, D), dtype=model_dtype, device=self.device)
             self.ov_v = torch.zeros_like(self.ov_k)
-        self.frames = FrameTable(num_req_slots, self.ring, F, self.device, pooled=frames_pooled)
+        self.frames = FrameTable(num_req_slots, self.ring, F, self.device, pooled=frames_pooled, extra=extra_frames)
         self.ov_tag = torch.full((F,), -1, dtype=torch.int64, device=self.device)
         self.ov_gen = torch.zeros(F, dtype=torch.int64, device=self.device)
         self.page_gen = torch.zeros(shape.P, dtype=torch.int64, device=self.device)
@@ -92,7 +93,7 @@ class QuantizedKVStore:
                     kernels: bool = False, q: torch.Tensor | None = None, sm_scale: float | None = None) -> None:
         """k, v: [T, H, D] this batch's fresh keys/values for `layer` (q [T, Hq, D] its queries, for formats whose
         write needs them). kernels=True quantizes and scatters with the Triton kernels (bit-exact with the torch
-        path, tests/test_kernels_quantize.py) where the format's codes are the quantize kernel's."""
+        path, tests/kernels/test_kernels_quantize.py) where the format's codes are the quantize kernel's."""
         self._need_q(q, sm_scale)
         fmt = self.format
         kernels = kernels and fmt.quantize_kernel
@@ -130,7 +131,7 @@ class QuantizedKVStore:
                            q: torch.Tensor | None = None, sm_scale: float | None = None) -> None:
         """A decode batch's write with the Triton kernels, static shapes and no host sync (CUDA graphs): every row
         into its frame, then each page a row completed quantized from that frame (dw: metadata.device.build_decode).
-        Bit-exact with write_layer on the same batch (tests/test_decode_metadata.py)."""
+        Bit-exact with write_layer on the same batch (tests/unit/test_decode_metadata.py)."""
         from sgl_kvq.kernels.quantize_pages import quantize_pages
         from sgl_kvq.kernels.store_overlay import store_overlay
 

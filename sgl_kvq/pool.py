@@ -55,20 +55,23 @@ class KVQTokenToKVPool(KVCache):
         self.cfg = cfg
         self.head_num, self.head_dim, self.v_head_dim = shape.heads, shape.head_dim, shape.head_dim
         self.shape = shape
+        self.strategy = cfg.format.strategy
+        # pooled: a running request's frames hold its decode strategy's state too (SpeCache's top-k rows)
+        extra = self.strategy.request_frames(cfg, shape, model_dtype) if frames_pooled else 0
         self.store = QuantizedKVStore(cfg, self.shape, num_req_slots, model_dtype, device,
-                                      frames_pooled=frames_pooled)
+                                      frames_pooled=frames_pooled, extra_frames=extra)
         # Decode batches per kvq_torch decode path ("pages" / "padded"; sgl_kvq/backends/torch_backend.py), exported
         # with the stats: which path served a workload
         self.decode_batches: collections.Counter[str] = collections.Counter()
         # the decode strategy's per-pool state (SpeCache's host tier and top-k rows; None for the pool alone)
-        self.strategy = cfg.format.strategy
-        self.specache = self.strategy.state(cfg, self.shape, num_req_slots, model_dtype, self.store.device)
+        self.specache = self.strategy.state(cfg, self.shape, num_req_slots, model_dtype, self.store.device,
+                                            store=self.store)
         self._finalize_allocation_log(size)
         if frames_pooled:
-            k = shape.pages_per_frame(model_dtype)
+            k, n = shape.pages_per_frame(model_dtype), self.store.frames.per_request
             logger.info("sgl_kvq %s pool: %d tokens, base %.1f B/token; each running request takes %d fp16 frames "
                         "of %d pages (%d tokens of the pool) while it runs", cfg.name, size,
-                        self.shape.base_bytes_per_token(), cfg.ring_pages, k, cfg.ring_pages * k * shape.G)
+                        self.shape.base_bytes_per_token(), n, k, n * k * shape.G)
         else:
             logger.info("sgl_kvq %s pool: %d tokens, base %.1f B/token, overlay %.1f MB (%d request slots x %d "
                         "frames)", cfg.name, size, self.shape.base_bytes_per_token(),
@@ -107,8 +110,8 @@ class KVQTokenToKVPool(KVCache):
             frames_pooled=self.store.frames_pooled,
             frames_held=self.store.frames.frames_held(),
             # pool tokens one running request's pooled frames take (0: static frames, outside the pool)
-            frame_tokens=self.cfg.ring_pages * self.shape.pages_per_frame(self.store.model_dtype) * self.shape.G
-            if self.store.frames_pooled else 0,
+            frame_tokens=self.store.frames.per_request * self.shape.pages_per_frame(self.store.model_dtype)
+            * self.shape.G if self.store.frames_pooled else 0,
             base_bytes_per_token=self.shape.base_bytes_per_token(),
             pages_quantized=int(self.store.pages_quantized),
             config={"group_size": self.cfg.group_size, "value_group": self.shape.VG, "residual": self.cfg.residual,
@@ -125,7 +128,7 @@ class KVQTokenToKVPool(KVCache):
 
     def request_state_bytes(self) -> int:
         """The per-request fp16 state the pool allocated beyond its pages: static overlay frames (pooled ones are
-        pages), and SpeCache's top-k buffers."""
+        pages), and SpeCache's top-k buffers (pooled with the frames: their table alone)."""
         return self.store.overlay_bytes() + self.strategy.device_bytes(self.specache)
 
     def get_v_head_dim(self):

@@ -39,6 +39,7 @@ class KVQSpeCacheBackend(KVQTorchBackend):
         return False
 
     def init_forward_metadata(self, forward_batch):
+        self.sc.fence()
         mode = forward_batch.forward_mode
         if not mode.is_decode():
             super().init_forward_metadata(forward_batch)
@@ -83,7 +84,7 @@ class KVQSpeCacheBackend(KVQTorchBackend):
         n = q.shape[0]
         lens = [plan.seq_len(b, G) for b in range(n)]
         exact = [sc.host.rows(li, self.req_to_token[r, :t].long()) for r, t in zip(self.req.tolist(), lens)]
-        counts = recall(q, exact, [plan.base_len(b, G) for b in range(n)], sc.topk_pos[li, self.req], sm_scale)
+        counts = recall(q, exact, [plan.base_len(b, G) for b in range(n)], sc.topk.positions(li, self.req), sm_scale)
         sc.recall_hits += sum(h for h, _ in counts)
         sc.recall_wanted += sum(w for _, w in counts)
 
@@ -104,11 +105,11 @@ class KVQSpeCacheBackend(KVQTorchBackend):
         sc.host.wait(li)
         if sc.recall:
             self._count_recall(q[:n], li, step.plan, layer.scaling)
+        topk_k, topk_v, topk_pos = sc.topk.rows(li, self.req)
         with self.attention_threads():
             out, pos = lanes_batched.two_lane(q, k[n:], v[n:], self.store.layer_view(li),
                                               self.batched_context(step.plan), layer.scaling, sc.top_k,
-                                              sc.topk_k[li, self.req], sc.topk_v[li, self.req],
-                                              sc.topk_pos[li, self.req], bool(self.store.cfg.specache_follow),
+                                              topk_k, topk_v, topk_pos, bool(self.store.cfg.specache_follow),
                                               self._workspace)
         sc.prefetch(li, self.req, pos, self.req_to_token)
         return out.reshape(q.shape[0], -1)

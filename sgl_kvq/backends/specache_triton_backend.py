@@ -1,11 +1,11 @@
 """kvq_triton for the specache dtypes: the same lanes, host tier and extend semantics as kvq_torch's
-(specache_backend.py). The two-lane decode is planned on the device (kvq_triton's build_decode over the real rows;
-both lanes read its entries, tests/test_specache_decode_metadata.py) and both lanes run in one fused kernel per layer
-(sgl_kvq/kernels/specache_decode.py): packed pages and fp16 frames are read in registers for both rows of a request,
-the prefetched 16-bit top-k rows replace their positions, and the speculative row's next top-k is selected on the
-device (select_topk), so the next step's prefetch (HostTier.prefetch: a copy stream, one event per layer) is issued
-without a host sync and overlaps the next layer's compute. The pre-decode keeps the host-built read-only plan. Writes
-use the Triton store/quantize kernels (bit-exact with torch's).
+(specache_backend.py). The two-lane decode is planned on the device (kvq_triton's build_decode over the real rows; both
+lanes read its entries, tests/unit/test_specache_decode_metadata.py) and both lanes run in one fused kernel per layer
+(sgl_kvq/kernels/specache_decode.py): packed pages and fp16 frames are read in registers for both rows of a request, the
+prefetched 16-bit top-k rows replace their positions, and the speculative row's next top-k is selected on the device
+(select_topk), so the next step's prefetch (HostTier.prefetch: a copy stream, one event per layer) is issued without a
+host sync and overlaps the next layer's compute. The pre-decode keeps the host-built read-only plan. Writes use the
+Triton store/quantize kernels (bit-exact with torch's).
 
 Extends run eagerly, as kvq_triton's do, in kvq_triton's fused extend kernel: a cached prefix read in 16 bits from the
 host tier (the default) is staged per layer as fp16 frames of a plan with no base pages (sgl_kvq/specache/
@@ -45,6 +45,7 @@ class KVQSpeCacheTritonBackend(KVQSpeCacheBackend):
                                          self.store.ring, self.store.device)
 
     def init_forward_metadata(self, forward_batch):
+        self.sc.fence()
         lanes = self.sc.lanes
         if forward_batch.forward_mode.is_decode() and lanes is not None and lanes.kind == "two_lane":
             # kvq_triton's device-built decode metadata over the real rows: both lanes read its plan entries
@@ -104,7 +105,7 @@ class KVQSpeCacheTritonBackend(KVQSpeCacheBackend):
         sc.host.wait(li)
         if sc.recall:
             self._count_recall(q[:n], li, step.plan, layer.scaling)
-        topk = sd.TopK(sc.topk_k[li], sc.topk_v[li], sc.topk_pos[li], self.req)
+        topk = sd.TopK(*sc.topk.layer(li), self.req, sc.top_k)
         out, lse = sd.specache_decode(q.contiguous(), k[n:].contiguous(), v[n:].contiguous(), kv, p, topk,
                                       layer.scaling, self.scores, follow=self.follow)
         s = self.scores

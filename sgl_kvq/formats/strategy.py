@@ -23,16 +23,23 @@ class DecodeStrategy:
         """The host RAM the strategy may take where it is not the device's memory (None: it takes none)."""
         return None
 
-    def request_bytes(self, cfg, shape, model_dtype: torch.dtype) -> int:
-        """Device bytes each request slot owns for the server's life beyond its frames."""
+    def request_frames(self, cfg, shape, model_dtype: torch.dtype) -> int:
+        """Pooled frames a running request takes beyond its ring for the strategy's per-request state, taken and
+        given back with the ring (sgl_kvq/frames.py); 0: none, or that state cannot be pooled at this geometry."""
+        return 0
+
+    def request_bytes(self, cfg, shape, model_dtype: torch.dtype, *, frames_pooled: bool) -> int:
+        """Device bytes each request slot owns for the server's life beyond its frames (frames_pooled: the
+        server's frames are pooled, so are request_frames' worth of the state)."""
         return 0
 
     def refusal(self, feature: str, name: str) -> str | None:
         """Why `feature` ("hicache", "disaggregation") cannot serve dtype `name` with this strategy, or None."""
         return None
 
-    def state(self, cfg, shape, num_req_slots: int, model_dtype: torch.dtype, device):
-        """The per-pool runtime state (KVQTokenToKVPool.specache), or None."""
+    def state(self, cfg, shape, num_req_slots: int, model_dtype: torch.dtype, device, store=None):
+        """The per-pool runtime state (KVQTokenToKVPool.specache), or None; store: the pool's QuantizedKVStore, whose
+        extra frames (store.frames.extra, request_frames of them) hold the per-request state."""
         return None
 
     def device_bytes(self, state) -> int:

@@ -2,7 +2,7 @@
 under CUDA graphs alike.
 
 For a decode batch (one new token per request) `build_decode` does what host.begin_batch followed by
-host.plan_contexts do on the host (the reference, sgl_kvq/metadata/host.py; tests/test_decode_metadata.py compares
+host.plan_contexts do on the host (the reference, sgl_kvq/metadata/host.py; tests/unit/test_decode_metadata.py compares
 the two on random pool states), as static-shape torch ops over capacity-sized buffers, so the same code runs
 eagerly and inside a captured graph (SGLang's `init_forward_metadata_in_graph` contract: no .item() / .tolist() /
 dynamic shapes):

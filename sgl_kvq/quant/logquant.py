@@ -7,7 +7,7 @@ Selection rule (the official code's prefill rule, LogQuantKV `LogQuantizedCache.
 Each pass removes W positions, so the result is all T positions while T < 3W and 2W..3W-1 positions after; the
 newest len(kept) - 2W >= W positions are never thinned (the most recent W are always kept); older positions have
 been through more passes, each halving their density, so the gaps between kept positions never shrink going back in
-time (roughly doubling per W kept: log-spaced; tests/test_quant_logquant.py checks it); position 0 is never thinned
+time (roughly doubling per W kept: log-spaced; tests/unit/test_quant_logquant.py checks it); position 0 is never thinned
 (kept[0] leads every slice), which keeps the attention sink in fp16.
 
 Storage: the served logquant2 page format (sgl_kvq/quant/logquant_page.py) applied to a sequence, as the pool holds

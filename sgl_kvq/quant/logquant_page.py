@@ -10,7 +10,7 @@ the stored rows, in registers in the kernels (kernels/paged_kv_kernel.py), never
 Why at exit and kept for as long as the page is read: the offsets are a function of n alone (positions, not
 contents), so every request that shares the page through the radix tree reads the same rows whatever batch wrote it,
 and a radix hit reads what the rule keeps. The rule is monotone (a position dropped at T is never kept at T' > T,
-tests/test_quant_logquant_page.py), so the rows at exit hold every position of the page the rule keeps later; the
+tests/unit/test_quant_logquant_page.py), so the rows at exit hold every position of the page the rule keeps later; the
 ones it drops later stay fp16 (an exact copy is never worse to read, and a per-query selection would make the extend
 kernel's key tile depend on the query).
 

@@ -2,7 +2,7 @@
 (token, KV head) row x [..., D] into the tensors the engine stores for it and reads them back in fp32.
 
 The arithmetic is sgl_kvq/quant/peers.py's (the references, checked against the engines' sources), with the
-constant tables on x's device; tests/test_formats_peers.py compares the two bit for bit. Every one of these formats
+constant tables on x's device; tests/unit/test_formats_peers.py compares the two bit for bit. Every one of these formats
 is per token and head (blocks of 16 channels lie inside one head's row), so a row's codes never depend on other
 tokens: a page is simply its tokens' rows.
 """

@@ -2,11 +2,12 @@
 
 Vectors are rows: x_rot = x @ R with R [D, D] orthogonal (R @ R.T = I). Rotating q and k alike leaves every score
 unchanged ((q R)(k R)^T = q k^T), and attention over rotated values is the rotated output (P (V R) = (P V) R), so
-"rotate q/k/v, attend, rotate the output back with R.T" equals plain attention (tests/test_quant_peers.py holds this
-to 1e-5 in fp32). A format that quantizes in the rotated basis therefore changes attention only through its
+"rotate q/k/v, attend, rotate the output back with R.T" equals plain attention (tests/unit/test_quant_peers.py holds
+this to 1e-5 in fp32). A format that quantizes in the rotated basis therefore changes attention only through its
 quantization error, and the attention it gives equals plain attention over its reconstructions rotated back:
 (q R)(K_hat_rot)^T = q (K_hat_rot R^T)^T and P V_hat_rot R^T = P (V_hat_rot R^T). `rotated` returns exactly those
-reconstructions, so the offline eval (sgl_kvq.eval.attention) scores a rotated format without a second attention path.
+reconstructions, so the offline eval (sgl_kvq.tools.eval.attention) scores a rotated format without a second attention
+path.
 
 The rotation is one fixed matrix per head_dim shared by every layer, head and token (a constant of the format, like
 a codebook): it costs no cache bytes.

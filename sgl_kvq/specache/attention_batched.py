@@ -1,7 +1,7 @@
 """SpeCache's two decode lanes over the padded batch layout of sgl_kvq/attention_batched.py: the compute of
 kvq_torch for the specache dtypes.
 
-Same semantics as sgl_kvq/specache/attention.py (its oracle; tests/test_specache_attention_batched.py, fp32 within
+Same semantics as sgl_kvq/specache/attention.py (its oracle; tests/unit/test_specache_attention_batched.py, fp32 within
 1e-5, top-k positions equal up to near-ties) without a Python loop over requests: the batch's context is built once
 per layer as padded K, V [H, B, T, D] (attention_batched.context), the prefetched 16-bit top-k rows are written over
 their positions in that copy, and both lanes of a request attend in one masked matmul: its real row's and its

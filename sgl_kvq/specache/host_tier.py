@@ -139,6 +139,11 @@ class HostTier:
             self.copy_end[layer].record()
             self.ready[layer].record()
 
+    def fence(self) -> None:
+        """Make the compute stream wait for every prefetch still copying (CPU: they are done)."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.h2d)
+
     def wait(self, layer: int) -> None:
         """Make the compute stream wait for `layer`'s last prefetch (CPU: it is already done)."""
         if self.cuda:

@@ -1,9 +1,9 @@
 """SpeCache's runtime state on one quantized pool: the host tier, the prefetched top-k rows, the speculative tokens
 and the counters the scheduler exports.
 
-Per request slot r (SGLang's req_pool_idx), device tensors:
-    topk_k, topk_v  [L, R, H, K, D] model dtype   rows the next step's output row reads in 16 bits, per layer/head
-    topk_pos        [L, R, H, K]    int64         their positions in r's context; -1 = nothing prefetched
+Per running request, the rows the next step's output row reads in 16 bits, per layer and KV head, and their
+positions in its context (topk: sgl_kvq/specache/topk_rows.py; with pooled frames they are pool pages the request
+takes with its frames). Per request slot r (SGLang's req_pool_idx), device tensors:
     spec_token      [R]             int64         r's next speculative token (row 1's input next step)
     spec_input      [R]             int64         row 1's input of r's last step (-1: none): the guess of the
                                                   token row 0 reads next, counted as a hit when it was right
@@ -21,6 +21,7 @@ from sgl_kvq import env
 from sgl_kvq.config import KVQConfig
 from sgl_kvq.layout import PoolShape
 from sgl_kvq.specache.host_tier import HostTier, check_host_budget, host_bytes_per_token
+from sgl_kvq.specache.topk_rows import TopKRows
 
 
 @dataclass
@@ -33,14 +34,20 @@ class Lanes:
     rows: torch.Tensor | None = None
 
 
-def topk_bytes_per_request(cfg: KVQConfig, shape: PoolShape, model_dtype: torch.dtype) -> int:
+def topk_bytes_per_request(cfg: KVQConfig, shape: PoolShape, model_dtype: torch.dtype, *, pooled: bool) -> int:
+    """Device bytes one request slot owns for the server's life: its speculative token and guess, its row of the
+    top-k table, and (static top-k rows) the rows and positions themselves."""
     L, H, D, K = shape.layers, shape.heads, shape.head_dim, cfg.top_k
-    return L * H * K * (2 * D * torch.empty((), dtype=model_dtype).element_size() + 8) + 16
+    rows = 0 if pooled else L * H * K * (2 * D * torch.empty((), dtype=model_dtype).element_size() + 8)
+    table = 8 * (-(-K // shape.G) if pooled else 1)
+    return rows + table + 16
 
 
 class SpeCacheState:
     def __init__(self, cfg: KVQConfig, shape: PoolShape, num_req_slots: int, model_dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, store=None):
+        """store: the pool's QuantizedKVStore, whose request slots take pool frames for their top-k rows where it
+        carries extra frames (store.frames.extra); else the rows are a region per request slot."""
         L, H, D, K, R = shape.layers, shape.heads, shape.head_dim, cfg.top_k, num_req_slots
         self.cfg, self.top_k, self.heads = cfg, K, H
         self.device = torch.device(device)
@@ -48,9 +55,10 @@ class SpeCacheState:
         check_host_budget(cfg.name, shape.S, per_token, env.host_mem_fraction())
         self.host = HostTier(L, shape.S, H, D, model_dtype, self.device)
         self.host_bytes_per_token = per_token
-        self.topk_k = torch.zeros((L, R, H, K, D), dtype=model_dtype, device=self.device)
-        self.topk_v = torch.zeros_like(self.topk_k)
-        self.topk_pos = torch.full((L, R, H, K), -1, dtype=torch.int64, device=self.device)
+        if store is not None and store.frames.extra:
+            self.topk = TopKRows.over_pool_frames(store, K)
+        else:
+            self.topk = TopKRows.static(L, R, H, D, K, model_dtype, self.device)
         self.spec_token = torch.zeros(R, dtype=torch.int64, device=self.device)
         self.spec_input = torch.full((R,), -1, dtype=torch.int64, device=self.device)
         self.needs_predecode = [True] * R
@@ -66,16 +74,22 @@ class SpeCacheState:
         self.recall_wanted = 0
 
     def device_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.topk_k, self.topk_v, self.topk_pos, self.spec_token,
-                                                          self.spec_input))
+        own = sum(t.numel() * t.element_size() for t in (self.spec_token, self.spec_input))
+        return own + self.topk.device_bytes()
 
     def reset_requests(self, req_slots: list[int]) -> None:
         """An extend ran for these slots: their next decode step pre-decodes; nothing prefetched is theirs."""
         for r in req_slots:
             self.needs_predecode[r] = True
-        idx = torch.tensor(req_slots, dtype=torch.int64, device=self.device)
-        self.topk_pos[:, idx] = -1
-        self.spec_input[idx] = -1
+        self.topk.reset(req_slots)
+        self.spec_input[torch.tensor(req_slots, dtype=torch.int64, device=self.device)] = -1
+
+    def fence(self) -> None:
+        """Before a forward: with pooled top-k rows, a prefetch of the last step may still be copying into the frames
+        of a request slot freed since, whose pages the allocator may now hand out as tokens; this forward's writes
+        wait for it."""
+        if self.topk.pooled:
+            self.host.fence()
 
     def count_guesses(self, req: torch.Tensor, real_ids: torch.Tensor) -> None:
         """Row 0's inputs this step against row 1's inputs of the same requests last step."""
@@ -92,15 +106,13 @@ class SpeCacheState:
         valid = pos >= 0
         slots = torch.where(valid, req_to_token[req[:, None, None], pos.clamp(min=0)].long(), -1)
         heads = torch.arange(H, device=pos.device)[None, :, None].expand(B, H, K)
-        out_rows = ((req[:, None, None] * H + heads) * K + torch.arange(K, device=pos.device)).reshape(-1)
-        self.topk_pos[layer, req] = pos
-        D = self.topk_k.shape[-1]
-        self.host.prefetch(layer, slots.reshape(-1), heads.reshape(-1), self.topk_k[layer].view(-1, D),
-                           self.topk_v[layer].view(-1, D), out_rows)
+        self.topk.set_positions(layer, req, pos)
+        out_k, out_v, out_rows = self.topk.flat_rows(layer, req)
+        self.host.prefetch(layer, slots.reshape(-1), heads.reshape(-1), out_k, out_v, out_rows.reshape(-1))
         self.prefetched_rows += valid.sum()
 
     def stats(self) -> dict:
-        row_bytes = 2 * self.topk_k.shape[-1] * self.topk_k.element_size()
+        row_bytes = self.topk.row_bytes()
         rows = int(self.prefetched_rows)
         guesses, hits = int(self.spec_guesses), int(self.spec_hits)
         return {
@@ -108,6 +120,7 @@ class SpeCacheState:
             "host_bytes": self.host.nbytes(),
             "host_bytes_per_token": self.host_bytes_per_token,
             "topk_device_bytes": self.device_bytes(),
+            "topk_pooled": self.topk.pooled,
             "decode_steps": self.decode_steps,
             "predecode_rows": self.predecode_rows,
             "prefetched_rows": rows,

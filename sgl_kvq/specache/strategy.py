@@ -1,6 +1,6 @@
 """SpeCache's decode strategy (formats/strategy.py's interface): every pool token's 16-bit K/V in a host tier,
-per request slot the prefetched top-k rows, and a two-lane decode in SGLang's eager forward
-(patches/specache_lanes.py)."""
+per running request the prefetched top-k rows (pool frames it takes with its overlay frames where those are pooled:
+specache/topk_rows.py), and a two-lane decode in SGLang's eager forward (patches/specache_lanes.py)."""
 
 from __future__ import annotations
 
@@ -40,21 +40,31 @@ class SpeCacheStrategy(DecodeStrategy):
 
         return int(available_host_bytes() * env.host_mem_fraction())
 
-    def request_bytes(self, cfg, shape, model_dtype: torch.dtype) -> int:
+    def request_frames(self, cfg, shape, model_dtype: torch.dtype) -> int:
+        from sgl_kvq.specache.topk_rows import pooled_frames
+
+        return pooled_frames(cfg.top_k, shape, model_dtype)
+
+    def request_bytes(self, cfg, shape, model_dtype: torch.dtype, *, frames_pooled: bool) -> int:
         from sgl_kvq.specache.state import topk_bytes_per_request
 
-        return topk_bytes_per_request(cfg, shape, model_dtype)
+        pooled = frames_pooled and self.request_frames(cfg, shape, model_dtype) > 0
+        # pooled, what stays per slot is O(1) (its table row, speculative token and guess: 32 bytes at top-64):
+        # bookkeeping beside SGLang's own req_to_token rows, outside the KV budget as those are
+        return 0 if pooled else topk_bytes_per_request(cfg, shape, model_dtype, pooled=False)
 
     def refusal(self, feature: str, name: str) -> str | None:
         reason = _REFUSALS.get(feature)
         return None if reason is None else reason.format(name=name)
 
-    def state(self, cfg, shape, num_req_slots: int, model_dtype: torch.dtype, device):
+    def state(self, cfg, shape, num_req_slots: int, model_dtype: torch.dtype, device, store=None):
         from sgl_kvq.specache.state import SpeCacheState
 
-        state = SpeCacheState(cfg, shape, num_req_slots, model_dtype, device)
-        logger.info("sgl_kvq %s host tier: %.2f GiB (%d B/token), top-k buffers %.1f MB", cfg.name,
-                    state.host.nbytes() / 2**30, state.host_bytes_per_token, state.device_bytes() / 2**20)
+        state = SpeCacheState(cfg, shape, num_req_slots, model_dtype, device, store=store)
+        where = (f"{store.frames.extra} pool frames per running request" if state.topk.pooled else
+                 f"{state.device_bytes() / 2**20:.1f} MB for {num_req_slots} request slots")
+        logger.info("sgl_kvq %s host tier: %.2f GiB (%d B/token), top-k rows: %s", cfg.name,
+                    state.host.nbytes() / 2**30, state.host_bytes_per_token, where)
         return state
 
     def device_bytes(self, state) -> int:

@@ -1,0 +1,15 @@
+"""`sgl-kvq demo`: the main job. Starts the SGLang server (CPU engine when there is no GPU) with the embedded
+SmolLM2 twice, bf16 KV then kivi2, at the same KV memory budget, runs the same small multi-turn ShareGPT workload
+against each, and prints what it measured (sgl_kvq/tools/commands/bench_multiturn.py does the work)."""
+
+from __future__ import annotations
+
+from sgl_kvq.tools.commands import bench_multiturn
+
+
+def add_arguments(p) -> None:
+    bench_multiturn.add_arguments(p)
+
+
+def run(args) -> int:
+    return bench_multiturn.run(args)

@@ -1,0 +1,115 @@
+"""`sgl-kvq eval ppl`: perplexity scored turn by turn through the engine, so later turns read cached quantized KV.
+
+The text's first turns*turn_tokens + 1 tokens are split into turns; request t sends tokens[:end_t + 1] (plus the
+overlay-flush tail, sgl_kvq/tools/eval/engine_eval.py) with logprob_start_len = start_t and max_new_tokens=1, and scores
+tokens start_t+1 .. end_t (SGLang reports no logprob for the first position). Its prefix tokens[:start_t] comes from
+the radix cache (quantized pages under kvq) and the scored tokens attend to it. A single prefill of the whole text
+would never read the pool: extend attention uses the batch's own fresh keys/values and only writes them (quantized)
+afterwards, so a plain prefill scores bf16 KV whatever the cache dtype.
+
+Standalone: python -m sgl_kvq.tools.commands.eval_ppl [--turns 8] [--turn-tokens 192] [--kv-cache-dtype auto,kivi2] ...
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+
+from sgl_kvq.tools.eval import engine_eval as ee
+
+
+def add_arguments(p) -> None:
+    ee.add_common_arguments(p)
+    p.add_argument("--text", type=Path, help="text file to score (default: the Paul Graham essays)")
+    p.add_argument("--turns", type=int, default=8, help="number of turns (default 8)")
+    p.add_argument("--turn-tokens", type=int, default=192, help="tokens per turn (default 192 = 3 pages of 64)")
+
+
+def text_ids(tok, path: Path | None, n: int) -> list[int]:
+    if path is not None:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    else:
+        from sgl_kvq.tools.data import essay_text
+
+        text = essay_text(min_chars=8 * n)
+    ids = tok(text, add_special_tokens=False).input_ids[:n]
+    if len(ids) < n:
+        raise SystemExit(f"sgl-kvq eval ppl: the text has only {len(ids)} tokens, {n} needed")
+    return ids
+
+
+def score_turns(llm, ids: list[int], turn_tokens: int, tail) -> list[dict]:
+    """Per turn: the scored tokens' logprobs and the cached prefix length the engine reported."""
+    turns = []
+    for t in range((len(ids) - 1) // turn_tokens):
+        start, end = t * turn_tokens, (t + 1) * turn_tokens
+        out = llm.generate(input_ids=ids[:end + 1] + tail(), sampling_params={"temperature": 0, "max_new_tokens": 1},
+                           return_logprob=True, logprob_start_len=start)
+        meta = out["meta_info"]
+        # [(logprob | None, token_id, text)] from position start on; the first is always None. SGLang reports ids
+        # >= vocab_size - 1 as 0 (scheduler_components/logprob_result_processor.py clips "padded hash values").
+        inp = meta["input_token_logprobs"][:end + 1 - start]
+        if len(inp) != end + 1 - start or any(x[1] not in (y, 0) for x, y in zip(inp, ids[start:end + 1])):
+            raise RuntimeError(f"turn {t}: input_token_logprobs do not cover tokens {start}..{end}: got "
+                               f"{len(inp)} entries, cached {meta['cached_tokens']}")
+        lps = [x[0] for x in inp[1:]]  # positions start+1 .. end
+        if any(x is None for x in lps):
+            raise RuntimeError(f"turn {t}: missing logprobs")
+        cached = int(meta["cached_tokens"])
+        if t and cached == 0:
+            raise RuntimeError(f"turn {t}: the engine reported no cached tokens; the earlier turns were not reused")
+        turns.append({"turn": t + 1, "start": start, "end": end, "cached_tokens": cached, "scored": len(lps),
+                      "nll_sum": -sum(lps), "ppl": math.exp(-sum(lps) / len(lps))})
+    return turns
+
+
+def ppl_of(turns: list[dict]) -> float:
+    return math.exp(sum(t["nll_sum"] for t in turns) / sum(t["scored"] for t in turns))
+
+
+def run(args) -> int:
+    t0 = time.time()
+    log = ee.logger(args)
+    if args.turns < 2:
+        raise SystemExit("sgl-kvq eval ppl: --turns must be >= 2 (turns 2+ are the ones that read cached KV)")
+    path = ee.model_path(args.model)
+    tok = ee.tokenizer(path)
+    ids = text_ids(tok, args.text, args.turns * args.turn_tokens + 1)
+
+    def evaluate(llm, dt):
+        tail = ee.FlushTail(len(tok), not args.no_flush, args.seed)
+        t1 = time.time()
+        turns = score_turns(llm, ids, args.turn_tokens, tail)
+        r = {"ppl_cached_turns": ppl_of(turns[1:]), "ppl_all": ppl_of(turns), "ppl_turn1": turns[0]["ppl"],
+             "cached_tokens": [t["cached_tokens"] for t in turns], "turns": turns,
+             "flush_tail_tokens": tail.n, "eval_s": round(time.time() - t1, 1)}
+        log(f"[{dt}] ppl turns 2+ {r['ppl_cached_turns']:.4f}, all {r['ppl_all']:.4f}, "
+            f"cached {r['cached_tokens']}")
+        return r
+
+    rows = ee.per_dtype(args, evaluate, log)
+    base = next((r for r in rows if r["kv_cache_dtype"] == "auto"), None)
+    table = ee.markdown_table(
+        ["kv dtype", "ppl turns 2+ (cached KV)", "ppl all", "ppl turn 1 (no cache)", "vs bf16 (turns 2+)",
+         *ee.POOL_HEADER, "wall s"],
+        [[r["kv_cache_dtype"], r["ppl_cached_turns"], r["ppl_all"], r["ppl_turn1"],
+          f"{r['ppl_cached_turns'] / base['ppl_cached_turns'] - 1:+.2%}" if base else "-",
+          *ee.pool_columns(r), r["wall_s"]] for r in rows])
+    result = {"eval": "ppl", "model": str(path), "tokens": len(ids),
+              "settings": ee.settings(args, turns=args.turns, turn_tokens=args.turn_tokens,
+                                      text=str(args.text) if args.text else "paul graham essays"),
+              "results": rows, "seconds": round(time.time() - t0, 1)}
+    ee.finish(args, "ppl", result, table, log)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from sgl_kvq.tools.commands._subcommands import standalone_main
+
+    return standalone_main(__name__, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

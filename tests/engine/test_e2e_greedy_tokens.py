@@ -1,0 +1,46 @@
+"""Every served dtype's greedy tokens on the tiny fp32 Llama, through kvq_torch and kvq_triton (kvq_torch alone for the
+peers' formats), equal the ones recorded in tests/data/greedy_tokens.json (scripts/greedy_tokens.py: two turns, the
+second a radix hit whose extend reads packed pages with their extras). The record was taken before the kernels'
+format interface changed; a change meant to keep every dtype's output runs this with KVQ_TEST_MATRIX=all. 18 engine
+runs (over an hour on 2 cores) are too slow for CI, where
+tests/engine/test_e2e_{serving,gear,logquant,zipcache,specache}.py compare kvq_triton with kvq_torch per format."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from sgl_kvq.config import DTYPE_NAMES
+
+ROOT = Path(__file__).resolve().parents[2]
+RECORD = ROOT / "tests/data/greedy_tokens.json"
+
+
+
+def _recorder():
+    spec = importlib.util.spec_from_file_location("greedy_tokens", ROOT / "scripts/greedy_tokens.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_record_covers_every_dtype_and_its_backends():
+    """Both backends, or kvq_torch alone for a format without a Triton kernel (the peers')."""
+    tokens = json.loads(RECORD.read_text())["tokens"]
+    assert sorted(tokens) == sorted(DTYPE_NAMES)
+    backends_of = _recorder().backends_of
+    assert all(sorted(t) == sorted(backends_of(d)) for d, t in tokens.items())
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+@pytest.mark.skipif(os.environ.get("KVQ_TEST_MATRIX") != "all",
+                    reason="an engine per dtype and backend: KVQ_TEST_MATRIX=all runs them (tests/helpers/slices.py)")
+@pytest.mark.parametrize("dtype", DTYPE_NAMES)
+def test_greedy_tokens_equal_the_record(dtype):
+    want = json.loads(RECORD.read_text())["tokens"][dtype]
+    assert _recorder().record([dtype])[dtype] == want

@@ -1,0 +1,240 @@
+"""Decode / extend attention kernels and the split merge vs the torch references, on the SAME quantized pool.
+
+Tolerances are the kernels' own arithmetic error only (quantization error is the reference's too):
+fp32 ~1e-5, fp16 ~1e-3, bf16 (CUDA only: bf16 tl.dot is broken in the Triton interpreter) ~1e-2.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any triton import (tests/conftest.py does the same)
+
+import pytest  # noqa: E402
+
+from sgl_kvq.attention_ref import ref_decode, ref_extend  # noqa: E402
+from sgl_kvq.kernels import decode_attention as dec  # noqa: E402
+from sgl_kvq.kernels.extend_attention import extend_attention  # noqa: E402
+from sgl_kvq.kernels.merge_state import merge_state  # noqa: E402
+from kernel_checks import DEVICE, DTYPES, assert_close_written, to_device  # noqa: E402
+from paged_pool import make_pool  # noqa: E402
+
+
+# (G, H, group, D, VG, requests as (base tokens, overlay tokens)); base tokens are whole pages whenever the request
+# has overlay frames (only a context's last page may be partial).
+CASES = {
+    "G16-mha-odd": (16, 2, 1, 64, 64, [(0, 5), (48, 13), (160, 16), (37, 0)]),
+    "G32-gqa3-d128": (32, 1, 3, 128, 32, [(0, 40), (64, 1), (95, 0)]),
+    "G64-gqa4-short": (64, 2, 4, 64, 16, [(128, 73), (0, 3), (61, 0)]),
+    "G16-gqa4-d256": (16, 1, 4, 256, 64, [(32, 10), (17, 0)]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_matches_reference(case, bits, dtype):
+    G, H, group, D, VG, reqs = CASES[case]
+    kv, paged = make_pool(G, H, D, VG, bits, reqs, dtype, seed=bits)
+    q = torch.randn(len(reqs), H * group, D, generator=torch.Generator().manual_seed(1)).to(dtype)
+    sm_scale = D ** -0.5
+    ref = ref_decode(q, kv, paged, sm_scale)
+    # min_pages_per_split=1 and 3 splits: requests get 1..3 splits, some with an empty last split
+    p = dec.plan(to_device(paged), num_qo_heads=H * group, num_kv_heads=H, head_dim=D, page_size=G,
+                 max_splits=3, min_pages_per_split=1)
+    p.o_partial.fill_(float("nan"))
+    p.lse_partial.fill_(float("nan"))
+    out = torch.full_like(q, float("nan"), device=DEVICE)
+    dec.decode_attention(q.to(DEVICE), to_device(kv), p, sm_scale, out=out)
+    assert_close_written(out, ref, dtype)
+
+
+def test_decode_one_split_equals_many():
+    G, H, group, D, VG, reqs = CASES["G16-mha-odd"]
+    kv, paged = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=5)
+    kv, paged = to_device(kv), to_device(paged)
+    q = torch.randn(len(reqs), H * group, D, device=DEVICE)
+    outs = []
+    for splits in (1, 4):
+        p = dec.plan(paged, num_qo_heads=H, num_kv_heads=H, head_dim=D, page_size=G, max_splits=splits,
+                     min_pages_per_split=1)
+        assert int(p.num_splits.max()) == min(splits, 10)
+        lse = torch.full((len(reqs), H), float("nan"), device=DEVICE)
+        outs.append((dec.run(q, kv, p, 0.125, lse_out=lse), lse))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-5, atol=1e-5)
+
+
+def test_decode_rejects_plan_for_other_pool():
+    G, H, group, D, VG, reqs = CASES["G16-mha-odd"]
+    kv, paged = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=5)
+    p = dec.plan(to_device(paged), num_qo_heads=2 * H, num_kv_heads=H, head_dim=D, page_size=G)
+    with pytest.raises(ValueError, match="q must be"):
+        dec.run(torch.zeros(len(reqs), H, D, device=DEVICE), to_device(kv), p, 0.125)
+
+
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_merge_state_matches_logsumexp(splits):
+    gen = torch.Generator().manual_seed(splits)
+    B, H, D = 3, 2, 64
+    o = torch.randn(B, H, splits, D, generator=gen)
+    lse = torch.randn(B, H, splits, generator=gen) * 3
+    ns = torch.tensor([splits, max(1, splits - 1), 1], dtype=torch.int32)
+    if splits > 1:
+        lse[0, :, -1] = float("-inf")  # an empty split inside num_splits (what decode writes for one)
+        o[0, :, -1] = 0.0
+    want_o = torch.empty(B, H, D)
+    want_lse = torch.empty(B, H)
+    for b in range(B):
+        s = int(ns[b])
+        want_lse[b] = torch.logsumexp(lse[b, :, :s], dim=-1)
+        w = torch.softmax(lse[b, :, :s], dim=-1)
+        want_o[b] = (w[..., None] * o[b, :, :s]).sum(1)
+        o[b, :, s:] = float("nan")  # splits past num_splits must never be read
+        lse[b, :, s:] = float("nan")
+    got_lse = torch.full((B, H), float("nan"), device=DEVICE)
+    got = merge_state(o.to(DEVICE), lse.to(DEVICE), ns.to(DEVICE), lse_out=got_lse)
+    torch.testing.assert_close(got.cpu(), want_o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_lse.cpu(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+# (G, H, group, D, VG, requests as (base tokens, overlay tokens, new tokens))
+EXTEND_CASES = {
+    "G16-mha": (16, 2, 1, 64, 64, [(48, 13, 7), (0, 0, 20), (64, 0, 1), (0, 5, 70)]),
+    "G32-gqa3-d128": (32, 1, 3, 128, 32, [(32, 0, 9), (0, 33, 25)]),
+    "G64-gqa4": (64, 2, 4, 64, 16, [(64, 70, 17), (0, 0, 3), (0, 0, 0), (45, 0, 18)]),
+}
+
+
+@pytest.mark.parametrize("case", list(EXTEND_CASES))
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_extend_matches_reference(case, bits, dtype):
+    G, H, group, D, VG, reqs = EXTEND_CASES[case]
+    kv, paged = make_pool(G, H, D, VG, bits, [(b, o) for b, o, _ in reqs], dtype, seed=10 + bits)
+    gen = torch.Generator().manual_seed(2)
+    qo_indptr = torch.tensor([0] + [n for _, _, n in reqs]).cumsum(0).int()
+    N = int(qo_indptr[-1])
+    q = torch.randn(N, H * group, D, generator=gen).to(dtype)
+    k_new = (torch.randn(N, H, D, generator=gen) * 1.5).to(dtype)
+    v_new = torch.randn(N, H, D, generator=gen).to(dtype)
+    sm_scale = D ** -0.5
+    ref = ref_extend(q, k_new, v_new, qo_indptr, kv, paged, sm_scale)
+    out = torch.full_like(q, float("nan"), device=DEVICE)
+    extend_attention(q.to(DEVICE), k_new.to(DEVICE), v_new.to(DEVICE), qo_indptr.to(DEVICE), to_device(kv),
+                     to_device(paged), sm_scale, out=out)
+    assert_close_written(out, ref, dtype)
+
+
+def _check_decode_format(case, dtype, *, seed, **extras):
+    """Decode over 2-bit pages carrying a format's extras (make_pool's gear= / salient= / rows=) vs ref_decode."""
+    G, H, group, D, VG, reqs = CASES[case]
+    kv, paged = make_pool(G, H, D, VG, 2, reqs, dtype, seed=seed, **extras)
+    q = torch.randn(len(reqs), H * group, D, generator=torch.Generator().manual_seed(1)).to(dtype)
+    ref = ref_decode(q, kv, paged, D ** -0.5)
+    p = dec.plan(to_device(paged), num_qo_heads=H * group, num_kv_heads=H, head_dim=D, page_size=G,
+                 max_splits=3, min_pages_per_split=1)
+    out = torch.full_like(q, float("nan"), device=DEVICE)
+    dec.decode_attention(q.to(DEVICE), to_device(kv), p, D ** -0.5, out=out)
+    assert_close_written(out, ref, dtype)
+
+
+def _check_extend_format(case, *, seed, **extras):
+    """Extend over 2-bit pages carrying a format's extras vs ref_extend (fp32)."""
+    G, H, group, D, VG, reqs = EXTEND_CASES[case]
+    kv, paged = make_pool(G, H, D, VG, 2, [(b, o) for b, o, _ in reqs], torch.float32, seed=seed, **extras)
+    gen = torch.Generator().manual_seed(2)
+    qo_indptr = torch.tensor([0] + [n for _, _, n in reqs]).cumsum(0).int()
+    N = int(qo_indptr[-1])
+    q, k_new, v_new = (torch.randn(N, h, D, generator=gen) for h in (H * group, H, H))
+    ref = ref_extend(q, k_new, v_new, qo_indptr, kv, paged, D ** -0.5)
+    out = torch.full_like(q, float("nan"), device=DEVICE)
+    extend_attention(q.to(DEVICE), k_new.to(DEVICE), v_new.to(DEVICE), qo_indptr.to(DEVICE), to_device(kv),
+                     to_device(paged), D ** -0.5, out=out)
+    assert_close_written(out, ref, torch.float32)
+
+
+# GEAR pages (rank, outliers per key channel NK, per value token NV): the correction in registers vs
+# gear_page.correct_keys / correct_values in the reference, over odd shapes (GQA 3 and 4, D 128 and 256, partial
+# last pages, contexts shorter than a page).
+GEAR = {"gear2": (2, 1, 1), "gearl2": (2, 0, 0), "rank3-nk2-nv3": (3, 2, 3)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("gear", list(GEAR))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_gear_matches_reference(case, gear, dtype):
+    _check_decode_format(case, dtype, seed=3, gear=GEAR[gear])
+
+
+@pytest.mark.parametrize("case", list(EXTEND_CASES))
+@pytest.mark.parametrize("gear", list(GEAR))
+def test_extend_gear_matches_reference(case, gear):
+    _check_extend_format(case, seed=4, gear=GEAR[gear])
+
+
+def test_gear_correction_layout_is_checked():
+    G, H, group, D, VG, reqs = CASES["G16-mha-odd"]
+    kv, paged = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=3, gear=GEAR["gear2"])
+    kv.extras = kv.extras._replace(k_w=kv.extras.k_w[:, :, :1])
+    p = dec.plan(to_device(paged), num_qo_heads=H, num_kv_heads=H, head_dim=D, page_size=G)
+    with pytest.raises(ValueError, match="corr.k_w"):
+        dec.run(torch.zeros(len(reqs), H, D, device=DEVICE), to_device(kv), p, 0.125)
+
+
+# zipcache2 pages with NS salient rows per page-head: the 4-bit rows replaced and V times c in registers vs
+# zipcache_page.apply_salient in the reference, over the same odd shapes.
+SALIENT = [1, 7]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("ns", SALIENT)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_zipcache_matches_reference(case, ns, dtype):
+    _check_decode_format(case, dtype, seed=5, salient=ns)
+
+
+@pytest.mark.parametrize("case", list(EXTEND_CASES))
+@pytest.mark.parametrize("ns", SALIENT)
+def test_extend_zipcache_matches_reference(case, ns):
+    _check_extend_format(case, seed=6, salient=ns)
+
+
+def test_zipcache_salient_layout_is_checked():
+    G, H, group, D, VG, reqs = CASES["G16-mha-odd"]
+    kv, paged = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=3, salient=3)
+    kv.extras = kv.extras._replace(s_v_scale=kv.extras.s_v_scale[:, :, :2])
+    p = dec.plan(to_device(paged), num_qo_heads=H, num_kv_heads=H, head_dim=D, page_size=G)
+    with pytest.raises(ValueError, match="sal.s_v_scale"):
+        dec.run(torch.zeros(len(reqs), H, D, device=DEVICE), to_device(kv), p, 0.125)
+
+
+# LogQuant pages (M row slots, about a quarter empty, offsets anywhere in the page: partial last pages have rows past
+# their valid tokens): the rows replace the dequantized ones in registers vs logquant_page.apply_rows in the
+# reference, over the same odd shapes.
+ROWS = {"M1": 1, "M3": 3, "M8": 8}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("rows", list(ROWS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_logquant_rows_match_reference(case, rows, dtype):
+    _check_decode_format(case, dtype, seed=5, rows=ROWS[rows])
+
+
+@pytest.mark.parametrize("case", list(EXTEND_CASES))
+@pytest.mark.parametrize("rows", list(ROWS))
+def test_extend_logquant_rows_match_reference(case, rows):
+    _check_extend_format(case, seed=6, rows=ROWS[rows])
+
+
+def test_logquant_rows_layout_is_checked():
+    G, H, group, D, VG, reqs = CASES["G16-mha-odd"]
+    kv, paged = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=3, rows=2)
+    kv.extras = kv.extras._replace(row_off=kv.extras.row_off.long())
+    p = dec.plan(to_device(paged), num_qo_heads=H, num_kv_heads=H, head_dim=D, page_size=G)
+    with pytest.raises(ValueError, match="rows.row_off"):
+        dec.run(torch.zeros(len(reqs), H, D, device=DEVICE), to_device(kv), p, 0.125)

@@ -1,0 +1,291 @@
+"""`sgl-kvq bench decision` without an engine: the collector on small result files shaped like the committed ones
+(missing cells, the newest file wins, which files count), the Pareto front on a known set, bytes per token from the
+layout, `--run`'s commands, and the committed README block and docs/decision.md against what the committed JSONs
+give. The figure's checks are in tests/tools/test_plots.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from sgl_kvq.tools.commands import bench_decision
+from sgl_kvq.tools.decision import render, sources
+from sgl_kvq.tools.decision.cells import BF16, MISSING, OLD_NEEDLES, OTHER_LAYERS, OVER_KIT, collect
+from sgl_kvq.tools.decision.front import pareto_front
+from sgl_kvq.tools.decision.missing import missing
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write(folder: Path, name: str, doc: dict, day: int | None = None) -> Path:
+    """A result file; `day` sets when it finished (2026-11-<day>), else it has no finished_at."""
+    if day is not None:
+        doc = {**doc, "finished_at": f"2026-11-{day:02d}T12:00:00+00:00"}
+    path = folder / name
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def ppl(rows: dict[str, float], command: str = "sgl-kvq eval ppl") -> dict:
+    return {"eval": "ppl", "model": "/cache/smollm2-135m-instruct", "command": command,
+            "results": [{"kv_cache_dtype": d, "ppl_cached_turns": v} for d, v in rows.items()]}
+
+
+def niah(trials: dict[str, list[tuple[str | None, bool]]]) -> dict:
+    """trials: dtype -> [(half, hit)]; a None half writes a trial from before the split (no "half" key)."""
+    return {"eval": "niah", "model": "smollm2", "command": "sgl-kvq eval niah",
+            "results": [{"kv_cache_dtype": d, "trials": [{"hit": hit} if half is None else {"half": half, "hit": hit}
+                                                         for half, hit in ts]} for d, ts in trials.items()]}
+
+
+def attention(layers: list[int], errs: dict[str, list[float]]) -> dict:
+    return {"methods": {m: {"attn_err": sum(e) / len(e), "per_layer": {"attn_err": e}} for m, e in errs.items()},
+            "capture_check": {"max_rel_err": 0.0}, "layers": layers, "model": "smollm2",
+            "settings": {"group_size": 64, "value_group": 64, "residual": 64, "window": 10},
+            "command": "sgl-kvq eval attention"}
+
+
+def capacity(rows: list[tuple[str, dict, float]]) -> dict:
+    return {"model": "smollm2", "command": "sgl-kvq bench capacity",
+            "runs": [{"kv_cache_dtype": d, "budget": b, "x_bf16_per_budget": x} for d, b, x in rows]}
+
+
+def conformance(kl: dict[str, tuple[float, float]]) -> dict:
+    tests = {d: {"tests": {"kl_divergence.test_input_output_logprobs_match_prefill_cache_hit": {"kl": a},
+                           "kl_divergence.test_input_output_logprobs_match_decode_cache_hit": {"kl": b}}}
+             for d, (a, b) in kl.items()}
+    return {"groups": {"kits": tests}, "kit_kl_threshold": 0.002, "command": "sgl-kvq bench conformance"}
+
+
+def table_of(folder: Path):
+    found, skipped = sources.load(sources.discover(folder), folder)
+    return collect(found, skipped)
+
+
+def test_missing_cells_print_a_dash_and_the_command_that_measures_them(tmp_path):
+    write(tmp_path, "ppl.json", ppl({"auto": 20.0, "kivi2": 25.0}), day=1)
+    table = table_of(tmp_path)
+    kivi2, kivi4 = table.row("kivi2"), table.row("kivi4")
+    assert kivi2.cell("ppl_delta").text == "+25.0%" and kivi2.cell("ppl_delta").source == "ppl.json"
+    assert kivi4.cell("ppl").missing and kivi4.cell("ppl").text == MISSING
+    assert kivi4.cell("bytes").text == "6,480"  # the layout's, never missing
+    gaps = {(g.kind, g.measurable): g.dtypes for g in missing(table)}
+    assert "kivi2" not in gaps[("ppl", True)] and "kivi4" in gaps[("ppl", True)]
+    assert gaps[("attention", False)] == ("specache1", "specache2")  # no method: listed, no command
+    page = render.docs(table)
+    assert "| `kivi4` | 6,480 | — |" in page
+    assert "sgl-kvq eval ppl --kv-cache-dtype auto,kivi1,kivi3,kivi4," in page
+
+
+def test_the_newest_file_wins_each_cell_and_says_which_it_is(tmp_path):
+    write(tmp_path, "a-new.json", ppl({"auto": 20.0, "kivi2": 30.0}), day=5)
+    write(tmp_path, "z-old.json", ppl({"auto": 20.0, "kivi2": 22.0, "kivi4": 20.2}), day=1)
+    table = table_of(tmp_path)
+    assert table.row("kivi2").cell("ppl").text == "30.00" and table.row("kivi2").cell("ppl").source == "a-new.json"
+    assert table.row("kivi4").cell("ppl").source == "z-old.json"  # only the older file measured it
+    page = render.docs(table)
+    assert "30.00 [1](../a-new.json)" in page and "1. [a-new.json](../a-new.json)" in page
+
+
+def test_ppl_and_its_delta_come_from_one_file_that_ran_bf16(tmp_path):
+    write(tmp_path, "with-bf16.json", ppl({"auto": 20.0, "gear2": 24.0}), day=1)
+    write(tmp_path, "newer-without.json", ppl({"gear2": 26.0}), day=9)
+    write(tmp_path, "only.json", ppl({"zipcache2": 21.0}), day=2)
+    table = table_of(tmp_path)
+    gear2 = table.row("gear2")
+    assert (gear2.cell("ppl").text, gear2.cell("ppl_delta").text) == ("24.00", "+20.0%")
+    assert {gear2.cell("ppl").source, gear2.cell("ppl_delta").source} == {"with-bf16.json"}
+    zipcache2 = table.row("zipcache2")
+    assert zipcache2.cell("ppl").text == "21.00" and zipcache2.cell("ppl_delta").missing
+
+
+def test_file_times_order_files_without_finished_at(tmp_path):
+    """Outside git (or changed in it) a file's modification time dates it."""
+    old = write(tmp_path, "b.json", ppl({"auto": 20.0, "kivi2": 40.0}))
+    new = write(tmp_path, "a.json", ppl({"auto": 20.0, "kivi2": 30.0}))
+    os.utime(old, (1_000_000, 1_000_000))
+    os.utime(new, (2_000_000, 2_000_000))
+    assert table_of(tmp_path).row("kivi2").cell("ppl").source == "a.json"
+    os.utime(old, (3_000_000, 3_000_000))
+    assert table_of(tmp_path).row("kivi2").cell("ppl").source == "b.json"
+
+
+def test_runs_with_a_knob_changed_are_not_read(tmp_path):
+    write(tmp_path, "w21.json", ppl({"auto": 20.0, "logquant2": 21.0}, "KVQ_LOGQUANT_WINDOW=21 sgl-kvq eval ppl"), 3)
+    write(tmp_path, "topk.json", {**ppl({"auto": 20.0, "specache1": 20.5}), "kvq_env": {"KVQ_TOPK": "256"}}, 4)
+    write(tmp_path, "recall.json", {**ppl({"auto": 20.0, "specache2": 20.1}),
+                                    "kvq_env": {"KVQ_SPECACHE_RECALL": "1", "KVQ_ATTENTION_THREADS": "1"}}, 5)
+    write(tmp_path, "other.json", {**ppl({"auto": 9.0, "kivi2": 9.5}), "model": "/cache/llama-3-8b"}, 6)
+    write(tmp_path, "g32.json", {**attention([0], {"fp16": [0.0], "kivi2": [0.3]}),
+                                 "settings": {"group_size": 32}}, 7)
+    table = table_of(tmp_path)
+    assert table.row("logquant2").cell("ppl").missing and table.row("specache1").cell("ppl").missing
+    assert table.row("specache2").cell("ppl").text == "20.10"  # a reported counter and the thread count change nothing
+    assert table.row("kivi2").cell("ppl").missing and table.row("kivi2").cell("attn").missing
+    why = dict(table.skipped)
+    assert "KVQ_LOGQUANT_WINDOW" in why["w21.json"] and "KVQ_TOPK" in why["topk.json"]
+    assert "llama-3-8b" in why["other.json"] and "group_size=32" in why["g32.json"]
+
+
+def test_needles_count_the_reporting_half_where_trials_say_their_half(tmp_path):
+    write(tmp_path, "split.json", niah({"kivi4": [("choose", False), ("report", True), ("report", False)]}), day=2)
+    write(tmp_path, "old.json", niah({"kivi2": [(None, True), (None, False), (None, False)]}), day=1)
+    write(tmp_path, "choose.json", niah({"kivi1": [("choose", True)]}), day=3)
+    table = table_of(tmp_path)
+    assert (table.row("kivi4").cell("needles").text, table.row("kivi4").cell("needles").mark) == ("1/2", "")
+    assert (table.row("kivi2").cell("needles").text, table.row("kivi2").cell("needles").mark) == ("1/3", OLD_NEEDLES)
+    assert table.row("kivi1").cell("needles").missing  # a run of the choosing half reports nothing
+    needles = next(g for g in missing(table) if g.kind == "niah")
+    assert "kivi2" in needles.dtypes and "kivi4" not in needles.dtypes  # pre-split files are measured again
+
+
+def test_capacity_is_sglangs_default_sizing_at_the_largest_fraction(tmp_path):
+    write(tmp_path, "cap.json", capacity([("auto", {"mem_fraction_static": 0.1}, 1.0),
+                                          ("kivi2", {"mem_fraction_static": 0.03}, 5.5),
+                                          ("kivi2", {"mem_fraction_static": 0.1}, 6.4),
+                                          ("kivi4", {"kv_cache_gb": 1}, 3.5)]), day=1)
+    table = table_of(tmp_path)
+    assert table.row("kivi2").cell("capacity").text == "6.40x" and table.row(BF16).cell("capacity").text == "1.00x"
+    assert table.row("kivi4").cell("capacity").missing  # a pinned budget is not SGLang's sizing
+
+
+def test_attention_error_is_averaged_over_the_newest_files_layers(tmp_path):
+    write(tmp_path, "means.json", {**attention([5], {"fp16": [0.0], "gear-2": [0.9]}), "layers": []}, day=1)
+    write(tmp_path, "all.json", attention([0, 1, 2, 3], {"fp16": [0.0] * 4, "kivi1": [1.0, 2.0, 3.0, 4.0],
+                                                         "gear-2": [0.1, 0.2, 0.3, 0.4]}), day=2)
+    write(tmp_path, "some.json", attention([1, 3], {"fp16": [0.0, 0.0], "kivi4": [0.1, 0.3]}), day=3)
+    table = table_of(tmp_path)
+    assert table.attention_layers == [1, 3]
+    assert table.row("kivi1").cell("attn").text == "3.000" and table.row("kivi4").cell("attn").text == "0.200"
+    assert table.row("gear2").cell("attn").text == "0.300"  # all.json is newer than means.json
+    write(tmp_path, "all.json", attention([0, 2], {"fp16": [0.0, 0.0], "kivi1": [1.0, 3.0]}), day=2)
+    assert table_of(tmp_path).row("kivi1").cell("attn").mark == OTHER_LAYERS  # no values on layers 1 and 3
+
+
+def test_kl_kit_numbers_and_the_kits_threshold(tmp_path):
+    write(tmp_path, "conf.json", conformance({"bf16": (0.0009, 0.0008), "kivi4": (0.0024, 0.0019)}), day=1)
+    table = table_of(tmp_path)
+    kivi4 = table.row("kivi4")
+    assert (kivi4.cell("kl_prefill").text, kivi4.cell("kl_prefill").mark) == ("0.0024", OVER_KIT)
+    assert kivi4.cell("kl_decode").mark == "" and table.row(BF16).cell("kl_decode").text == "0.0008"
+
+
+def test_pareto_front_of_a_known_set():
+    points = {"a": (1.0, 9.0), "b": (2.0, 5.0), "c": (2.0, 6.0), "d": (3.0, 5.0), "e": (4.0, 1.0), "f": (5.0, 1.0),
+              "g": (6.0, 0.0), "h": (1.0, 9.0)}
+    assert pareto_front(points) == ["a", "h", "b", "e", "g"]  # c, d and f are beaten; a and h tie
+    assert pareto_front({"only": (1.0, 1.0)}) == ["only"]
+
+
+def test_bytes_per_token_are_the_layouts_at_the_defaults(monkeypatch):
+    monkeypatch.setenv("KVQ_ZIPCACHE_SALIENT", "0.9")  # a knob set in the shell changes no bytes of the table
+    table = collect([])
+    got = {r.dtype: r.cell("bytes").text for r in table.rows}
+    assert got[BF16] == "23,040" and got["kivi2"] == "3,600" and got["kivi3"] == "5,040"
+    assert got["zipcache2"] == "6,663" and got["peer_tq3"] == "4,860" and got["peer_fp8_e4m3"] == "11,520"
+    assert got["specache2"] == "3,600 + 23,040 host"
+
+
+def test_attention_methods_store_the_served_layouts_bytes():
+    """Each served dtype's method in sgl_kvq.tools.eval.attention stores what the pool does per token (the peers' and
+    KIVI's, without KIVI's fp16 window), so the attention column measures the dtype it names."""
+    import torch
+
+    from sgl_kvq.tools.decision.cells import bytes_cell
+    from sgl_kvq.tools.eval.attention import DTYPE_METHODS, methods
+    from sgl_kvq.quant.accounting import bits_per_element
+
+    table = methods(residual=0)
+    torch.manual_seed(0)
+    q, k, v = torch.randn(256, 9, 64), torch.randn(256, 3, 64), torch.randn(256, 3, 64)
+    for dtype, method in DTYPE_METHODS.items():
+        assert method in table, dtype
+        if dtype.startswith(("peer_", "kivi")):
+            bits = bits_per_element(table[method](k, v, q, 0.125)).total
+            # nvfp4's method also counts a global scale per layer (fp32 each for K and V: 0.94 B per token over
+            # these 256 tokens), which the served format holds at 1.0 and does not store
+            assert bits * 2 * 3 * 64 * 30 / 8 == pytest.approx(bytes_cell(dtype).value, abs=1.0), dtype
+
+
+def test_run_measures_only_the_missing_evals_of_the_requested_dtypes(tmp_path, monkeypatch):
+    write(tmp_path, "ppl.json", ppl({"auto": 20.0, "kivi2": 25.0, "kivi4": 20.1}), day=1)
+    table = table_of(tmp_path)
+    runs = bench_decision.planned_runs(table, {"kivi2", "kivi4", "kivi3"}, "STAMP")
+    kinds = {argv[2]: argv for argv in runs}
+    assert set(kinds) == {"attention", "niah", "agree", "ppl"}
+    assert kinds["ppl"][kinds["ppl"].index("--kv-cache-dtype") + 1] == "auto,kivi3"  # bf16 in the same file
+    assert kinds["attention"][kinds["attention"].index("--methods") + 1] == "kivi2,kivi3,kivi4"
+    assert all(a[a.index("--json") + 1] == f"bench/results/quality/{a[2]}-STAMP-smollm2.json" for a in runs)
+    assert [a[2] for a in bench_decision.planned_runs(table, {"kivi3"}, "STAMP", ["agree"])] == ["agree"]
+    with pytest.raises(SystemExit, match="capacity"):
+        bench_decision.planned_runs(table, None, "STAMP", ["capacity"])  # printed for a person, never started
+    monkeypatch.setenv("KVQ_TOPK", "256")
+    monkeypatch.setenv("KVQ_CPU_KERNEL", "0")
+    env = bench_decision.default_knob_env()
+    assert "KVQ_TOPK" not in env and env["KVQ_CPU_KERNEL"] == "0"
+
+
+def test_run_then_regenerates_from_what_it_wrote(tmp_path, monkeypatch):
+    inputs = tmp_path / "results"
+    inputs.mkdir()
+    write(inputs, "ppl.json", ppl({"auto": 20.0, "kivi2": 25.0}), day=1)
+    monkeypatch.setattr(bench_decision, "ROOT", tmp_path)
+    started = []
+
+    def fake_eval(argv):  # what `sgl-kvq eval ppl` would write: kivi4's row beside bf16's
+        started.append(argv)
+        if argv[2] == "ppl":
+            out = tmp_path / argv[argv.index("--json") + 1]
+            out.parent.mkdir(parents=True, exist_ok=True)
+            write(out.parent, out.name, ppl({"auto": 20.0, "kivi4": 20.2}), day=2)
+        return 0
+
+    monkeypatch.setattr(bench_decision, "run_eval", fake_eval)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{render.README_BEGIN}\n{render.README_END}\n")
+    args = bench_decision_args(tmp_path, inputs, readme, run=True, dtypes="kivi4")
+    assert bench_decision.run(args) == 0
+    assert [a[2] for a in started] == ["attention", "ppl", "niah", "agree"]
+    assert all("kivi4" in a[a.index("--json") - 1] for a in started)
+    assert "| `kivi4` | 6,480 | — | +1.0% | — |" in readme.read_text()
+    assert (tmp_path / "docs" / "decision.md").exists() and (tmp_path / "plot.png").stat().st_size > 0
+
+
+def bench_decision_args(root: Path, inputs: Path, readme: Path, run: bool = False, dtypes: str = "",
+                        check: bool = False):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    bench_decision.add_arguments(p)
+    argv = ["--inputs", str(inputs), "--docs", str(root / "docs" / "decision.md"), "--plot", str(root / "plot.png"),
+            "--readme", str(readme), *["--run"] * run, *["--kv-cache-dtype", dtypes] * bool(dtypes),
+            *["--check"] * check]
+    return p.parse_args(argv)
+
+
+def test_check_says_whether_the_outputs_are_current(tmp_path):
+    write(tmp_path, "ppl.json", ppl({"auto": 20.0, "kivi2": 25.0}), day=1)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{render.README_BEGIN}\nold\n{render.README_END}\n")
+    assert bench_decision.run(bench_decision_args(tmp_path, tmp_path, readme, check=True)) == 1
+    assert bench_decision.run(bench_decision_args(tmp_path, tmp_path, readme)) == 0
+    assert bench_decision.run(bench_decision_args(tmp_path, tmp_path, readme, check=True)) == 0
+
+
+def _committed_table():
+    if subprocess.run(["git", "-C", str(ROOT), "rev-parse"], capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout: the committed files' dates come from their commits")
+    if sources.shallow_history(ROOT):
+        pytest.skip("a shallow clone: which committed file is newest is not known")
+    return bench_decision.build(bench_decision.input_paths(None))
+
+
+def test_readme_block_is_what_the_committed_results_give():
+    """The README's summary cannot go stale: regenerate with `sgl-kvq bench decision` after adding results."""
+    table = _committed_table()
+    assert render.current_block((ROOT / "README.md").read_text()) == render.readme_block(table)
+    assert (ROOT / render.DOCS).read_text() == render.docs(table)

@@ -1,0 +1,93 @@
+"""Attention-fidelity evaluation on the tiny random Llama (fast), and on SmolLM2 (slow)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from sgl_kvq.tools.commands import eval_attention
+from sgl_kvq.tools.eval import attention
+
+EXPECTED = {"fp16", "per-token-2", "kivi4", "kivi2", "kivi1", "kivi1-plain", "gear-l-2", "gear-2", "zipcache",
+            "zipcache-0.6", "logquant-2", "logquant-2-w21",
+            "kivi3", "kivi2-had", "kivi3-had",  # KIVI at 3 bits, KIVI in a Hadamard basis
+            "fp8_e4m3", "fp4_mx_block16", "nvfp4", "nvfp4-gs1",  # SGLang's KV formats (sgl_kvq.quant.peers)
+            "int4-pth-asym", "int4-pth-sym", "tq3", "tq4", "tq-3bit-nc", "tq-4bit-nc", "tq-k8v4"}  # vLLM's
+
+
+def _args(tmp_path, model, *extra):
+    p = argparse.ArgumentParser()
+    eval_attention.add_arguments(p)
+    return p.parse_args(["--model", model, "--json", str(tmp_path / "out.json"),
+                         "--markdown", str(tmp_path / "out.md"), *extra])
+
+
+def test_causal_attention_matches_sdpa_with_gqa():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(40, 6, 8, generator=g), torch.randn(40, 2, 8, generator=g), torch.randn(40, 2, 8, generator=g)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.repeat_interleave(3, 1).transpose(0, 1), v.repeat_interleave(3, 1).transpose(0, 1),
+        is_causal=True).transpose(0, 1)
+    out, mass = attention.causal_attention(q, k, v, 8 ** -0.5, kept=[torch.ones(40, 2, dtype=torch.bool),
+                                                                     torch.zeros(40, 2, dtype=torch.bool)],
+                                           tail=5, chunk=16)
+    assert torch.allclose(out, want, atol=1e-5)
+    assert mass.tolist() == pytest.approx([1.0, 0.0])
+
+
+def test_tiny_llama_capture_reproduces_the_model_and_reports_every_method(tmp_path):
+    args = _args(tmp_path, "tiny", "--tokens", "96", "--group-size", "16", "--residual", "16", "--tail", "16")
+    assert eval_attention.run(args) == 0
+    res = json.loads((tmp_path / "out.json").read_text())
+    assert res["capture_check"]["max_rel_err"] < 1e-5 and len(res["capture_check"]["per_layer"]) == 2
+    assert set(res["methods"]) == EXPECTED and res["tokens"] == 96
+    m = res["methods"]
+    assert m["fp16"]["attn_err"] == 0.0 and m["fp16"]["bits"] == 16.0 and m["fp16"]["kept_mass"] == pytest.approx(1)
+    assert m["kivi4"]["attn_err"] < m["kivi2"]["attn_err"] < m["kivi1-plain"]["attn_err"]
+    assert m["kivi4"]["bits"] > m["kivi2"]["bits"] > m["kivi1"]["bits"]
+    assert "| kivi2 |" in (tmp_path / "out.md").read_text()
+
+
+def test_capture_is_the_tensors_the_model_attends_with():
+    # perturb one captured key: causal attention no longer reproduces the model's own output
+    model, tok, _ = attention.load_model("tiny")
+    ids = tok("the quick brown fox jumps over the lazy dog " * 4, return_tensors="pt").input_ids[:, :40]
+    layer = attention.capture(model, ids, [1])[1]
+    ok = attention.causal_attention(layer.q, layer.k, layer.v, layer.sm_scale)
+    assert attention.rel_err(ok, layer.out) < 1e-5
+    k = layer.k.clone()
+    k[3] += 1.0
+    assert attention.rel_err(attention.causal_attention(layer.q, k, layer.v, layer.sm_scale), layer.out) > 1e-3
+
+
+def test_method_subset_keeps_the_reference_and_table_order(tmp_path):
+    table = attention.methods()
+    assert list(eval_attention.select_methods(table, "tq3, kivi3", "fp16")) == ["fp16", "kivi3", "tq3"]
+    assert eval_attention.select_methods(table, None, "fp16") is table
+    with pytest.raises(SystemExit, match="unknown methods"):
+        eval_attention.select_methods(table, "kivi5", "fp16")
+    args = _args(tmp_path, "tiny", "--tokens", "64", "--group-size", "16", "--residual", "16", "--tail", "16",
+                 "--methods", "kivi3,fp4_mx_block16")
+    assert eval_attention.run(args) == 0
+    res = json.loads((tmp_path / "out.json").read_text())
+    assert list(res["methods"]) == ["fp16", "kivi3", "fp4_mx_block16"] and res["model_layers"] == 2
+    assert "| bytes/token |" in (tmp_path / "out.md").read_text()
+
+
+def test_layer_spec():
+    assert eval_attention.parse_layers("0,3-5", 30) == [0, 3, 4, 5]
+    assert eval_attention.parse_layers(None, 3) == [0, 1, 2]
+    with pytest.raises(SystemExit):
+        eval_attention.parse_layers("31", 30)
+
+
+@pytest.mark.slow
+def test_smollm2_two_layers(tmp_path):
+    args = _args(tmp_path, "smollm2", "--tokens", "512", "--layers", "0,29")
+    assert eval_attention.run(args) == 0
+    res = json.loads((tmp_path / "out.json").read_text())
+    assert res["shape"] == {"q_heads": 9, "kv_heads": 3, "head_dim": 64}
+    assert res["capture_check"]["max_rel_err"] < 1e-4 and set(res["methods"]) == EXPECTED

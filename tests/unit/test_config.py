@@ -1,0 +1,100 @@
+"""sgl_kvq/config.py: a dtype name parsed into its KVQConfig with the KVQ_* knobs of the environment, and every knob
+validated by KVQConfig itself, without an Engine (each format family's constraints declared by its module in
+sgl_kvq/formats/)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sgl_kvq.config import KVQConfig, KVQConfigError, is_kvq_dtype, looks_like_kvq_dtype, parse_kv_cache_dtype
+from sgl_kvq.formats.specache import SPECACHE_TOP_K
+
+
+# ---- names ----
+
+@pytest.mark.parametrize("name", ["kivi8", "gear4", "zipcache", "fp8_e4m3", "", "kivi02x", "peer_fp8_e4m38",
+                                  "peer_tq", "peer_int44"])
+def test_unknown_names_are_refused(name):
+    with pytest.raises(KVQConfigError, match="unknown kv cache dtype"):
+        parse_kv_cache_dtype(name)
+
+
+def test_a_dtype_default_knob_comes_from_its_format():
+    for bits, k in SPECACHE_TOP_K.items():
+        assert parse_kv_cache_dtype(f"specache{bits}").top_k == k
+    assert parse_kv_cache_dtype("kivi2").top_k == KVQConfig("kivi", 2).top_k
+
+
+# ---- knobs, validated without an Engine ----
+
+@pytest.mark.parametrize("method,bits,knobs,match", [
+    ("kivi", 8, {}, "supports"),
+    ("nope", 2, {}, "unknown method"),
+    ("kivi", 2, {"group_size": 48}, "power of two"),
+    ("kivi", 2, {"residual": 32}, "multiple of G"),
+    ("gear", 2, {"gear_rank": 0}, "KVQ_GEAR_RANK"),
+    ("gear", 2, {"gear_iters": 0}, "KVQ_GEAR_ITERS"),
+    ("gearl", 2, {"gear_outliers": 0.5}, "KVQ_GEAR_OUTLIERS"),
+    ("logquant", 2, {"logquant_window": 0}, "KVQ_LOGQUANT_WINDOW"),
+    ("logquant", 2, {"group_size": 256, "residual": 256}, "at most 128"),
+    ("zipcache", 2, {"zipcache_salient": 0.0}, "KVQ_ZIPCACHE_SALIENT"),
+    ("zipcache", 2, {"zipcache_salient": 0.999}, "KVQ_ZIPCACHE_SALIENT"),
+    ("specache", 2, {"specache_follow": 2}, "KVQ_SPECACHE_FOLLOW"),
+    ("specache", 2, {"top_k": 0}, "top-k"),
+    ("specache", 1, {"specache_prefix": "disk"}, "KVQ_SPECACHE_PREFIX"),
+    ("specache", 2, {"prefill": "paged"}, "kivi only"),
+])
+def test_bad_knobs_are_refused(method, bits, knobs, match):
+    with pytest.raises(KVQConfigError, match=match):
+        KVQConfig(method, bits, **knobs)
+
+
+def test_a_familys_knobs_are_checked_whatever_is_served():
+    """KVQ_* variables reach every process a server spawns: a bad one fails at once, for any dtype."""
+    with pytest.raises(KVQConfigError, match="KVQ_GEAR_RANK"):
+        KVQConfig("kivi", 2, gear_rank=0)
+
+
+def test_a_constraint_of_one_format_binds_only_that_format():
+    KVQConfig("kivi", 2, group_size=256, residual=256)  # logquant2's G <= 128 is its own
+    KVQConfig("kivi", 2, prefill="paged")  # specache's full-precision prefill is its own
+
+
+# ---- the config itself ----
+
+def test_knobs_come_from_the_environment_and_each_process_shares_one_config_per_values(monkeypatch):
+    monkeypatch.delenv("KVQ_RESIDUAL", raising=False)
+    default = parse_kv_cache_dtype("kivi2")
+    assert default is parse_kv_cache_dtype("kivi2") and default.residual == 64 and default.ring_pages == 2
+    monkeypatch.setenv("KVQ_RESIDUAL", "0")
+    windowless = parse_kv_cache_dtype("kivi2")
+    assert windowless is not default and windowless.residual == 0 and windowless.ring_pages == 1
+    monkeypatch.setenv("KVQ_RESIDUAL", "")  # empty: unset
+    assert parse_kv_cache_dtype("kivi2") == default
+
+
+@pytest.mark.parametrize("var,value,match", [
+    pytest.param("KVQ_GROUP_SIZE", "sixty-four", "is not a integer", id="not-an-integer"),
+    pytest.param("KVQ_OVERLAY_SHARE", "a tenth", "is not a number", id="not-a-number"),
+    pytest.param("KVQ_FRAMES", "shared", "KVQ_FRAMES='shared'", id="not-a-choice"),
+    pytest.param("KVQ_OVERLAY_SHARE", "1.5", "must be in \\(0, 1\\)", id="out-of-range"),
+])
+def test_a_bad_knob_value_is_refused_by_name(monkeypatch, var, value, match):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(KVQConfigError, match=match):
+        parse_kv_cache_dtype("kivi2")
+
+
+def test_kvq_dtype_names_and_names_meant_for_sgl_kvq():
+    assert is_kvq_dtype("kivi2") and is_kvq_dtype("peer_tq3")
+    assert not any(is_kvq_dtype(n) for n in ("bf16", "auto", "fp8_e4m3", None, 2))
+    assert looks_like_kvq_dtype("kivi9") and looks_like_kvq_dtype("gear") and not looks_like_kvq_dtype("fp8_e5m2")
+
+
+@pytest.mark.parametrize("head_dim,match", [(12, "multiple of 8"), (96, "multiple of the value group 64")])
+def test_head_dims_the_pages_cannot_hold_are_refused(head_dim, match):
+    cfg = KVQConfig("kivi", 2)
+    with pytest.raises(KVQConfigError, match=match):
+        cfg.check_head_dim(head_dim)
+    cfg.check_head_dim(32)  # the value group is clipped to the head dim
+    assert cfg.value_group_for(32) == 32 and cfg.value_group_for(128) == 64

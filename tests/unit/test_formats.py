@@ -1,0 +1,78 @@
+"""The format registry (sgl_kvq/formats/) as plain unit tests, no Engine: every dtype name resolves to its format,
+each kernel format has its kernel row, a format without a kernel is served by kvq_torch alone, and nothing outside
+sgl_kvq/formats/ branches on a format's name. Knob validation is tests/unit/test_config.py's; the layout, bytes and
+per-frame state the declarations give, tests/unit/test_layout.py's; the store they allocate,
+tests/unit/test_kv_store.py's."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from sgl_kvq.config import DTYPE_NAMES, KVQConfigError, parse_kv_cache_dtype
+from sgl_kvq.formats import registry
+from sgl_kvq.formats.base import Format
+from sgl_kvq.kernels.format_extras import FORMATS as KERNEL_FORMATS
+from sgl_kvq.patches.resolution import check_backend_reads, kvq_backend_for
+
+
+# ---- names ----
+
+def test_every_dtype_name_resolves_to_its_format():
+    assert DTYPE_NAMES == ("kivi1", "kivi2", "kivi3", "kivi4", "specache1", "specache2", "gear2", "gearl2",
+                           "logquant2", "zipcache2", "peer_fp8_e4m3", "peer_fp4_mx_block16", "peer_nvfp4", "peer_int4",
+                           "peer_tq3", "peer_tq4")
+    for name in DTYPE_NAMES:
+        cfg = parse_kv_cache_dtype(name)
+        assert cfg.name == name and cfg.format is registry.family(cfg.method)
+        assert name in cfg.format.dtype_names() and cfg.bits in cfg.format.bits
+
+
+def test_dtype_names_are_unique_and_families_declared_once():
+    assert len(set(DTYPE_NAMES)) == len(DTYPE_NAMES)
+    assert len(registry.BY_FAMILY) == len(registry.FORMATS)
+
+
+def test_every_kernel_format_has_a_kernel_row_and_declared_shapes():
+    kernels = {f.kernel for f in registry.FORMATS if f.kernel}
+    assert kernels == set(KERNEL_FORMATS) == set(registry.EXTRA_SHAPES)
+
+
+# ---- a format served only through kvq_torch ----
+
+class _TorchOnly(Format):
+    family = "torchonly"
+    bits = (2,)
+    kernel = None
+
+
+def test_a_format_without_a_kernel_is_refused_by_kvq_triton():
+    cfg = SimpleNamespace(name="torchonly2", format=_TorchOnly())  # what the checks read of a KVQConfig
+    with pytest.raises(KVQConfigError, match="no Triton kernel"):
+        check_backend_reads(cfg, [("attention-backend", "kvq_triton")])
+    check_backend_reads(cfg, [("attention-backend", "kvq_torch"), ("decode-attention-backend", None)])
+    assert kvq_backend_for("cuda", cfg) == "kvq_torch"
+
+
+# ---- nothing outside sgl_kvq/formats/ asks which format it is ----
+
+_IDENTITY = re.compile(r"cfg\.method\b|\.method\s*(==|!=|in\b)|is_specache|is_zipcache|has_correction|has_rows")
+
+
+def test_no_product_code_tests_a_formats_identity():
+    """The product (the package less its tooling, kernels/, patches/) asks the format's declaration, never its
+    name; sgl_kvq/formats/ is where the formats are named."""
+    root = Path(__file__).resolve().parents[2]
+    files = [*(root / "sgl_kvq").rglob("*.py"), *(root / "kernels").rglob("*.py"), *(root / "patches").rglob("*.py")]
+    hits = []
+    for f in files:
+        rel = f.relative_to(root)
+        if rel.parts[:2] in {("sgl_kvq", "formats"), ("sgl_kvq", "tools")} or "__pycache__" in rel.parts:
+            continue
+        for i, line in enumerate(f.read_text().splitlines(), 1):
+            if _IDENTITY.search(line):
+                hits.append(f"{rel}:{i}: {line.strip()}")
+    assert hits == []
