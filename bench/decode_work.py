@@ -22,7 +22,8 @@ batch), else all C.
 
 kernel: one layer of each kvq_torch decode (the padded layout, page by page, and the C kernel
 kernels/cpu_decode_attention.c) and of bf16 torch_native's gather + SDPA over the same contexts, alternately in one
-process with torch's own thread count, wall time (median of 40): what a decode step pays per layer.
+process with torch's own thread count, wall time (median of 40): what a decode step pays per layer. kvq_rotate is
+what KVQ_ROTATE=hadamard adds to it (sgl_kvq/attention_rotation.py: q, k, v rotated and the output rotated back).
 """
 
 from __future__ import annotations
@@ -36,10 +37,12 @@ import torch
 
 from sgl_kvq import attention_batched as ab
 from sgl_kvq import attention_pages as ap
+from sgl_kvq.attention_rotation import HeadRotation
 from sgl_kvq.config import KVQConfig
 from sgl_kvq.kv_store import QuantizedKVStore
 from sgl_kvq.layout import PoolShape
 from sgl_kvq.metadata.forward import build_forward_plan
+from sgl_kvq.quant.rotation import hadamard
 
 L, H, HQ, D, G = 30, 3, 9, 64, 64
 
@@ -178,10 +181,12 @@ def kernel(B: int, C: int, bits: int, ragged: bool, reps: int = 40) -> dict:
                                                              kc[tokens[b]].movedim(0, 1).unsqueeze(0),
                                                              enable_gqa=True, scale=D ** -0.5)
 
+    rot, kv_new = HeadRotation(hadamard(D)), torch.randn(B, H, D, dtype=torch.bfloat16)
     runs = {"padded": lambda: ab.decode(q, kv, ctx, D ** -0.5, ws),
             "pages": lambda: ap.decode(q, kv, idx, D ** -0.5, ws),
             "cpu_kernel": lambda: cda.decode_attention(q, kv, plan, D ** -0.5, check=False),
-            "bf16_torch_native": bf16}
+            "bf16_torch_native": bf16,
+            "kvq_rotate": lambda: (rot.into(q), rot.into(kv_new), rot.into(kv_new), rot.back(q))}
     torch.testing.assert_close(runs["cpu_kernel"]().float(), runs["padded"]().float(), rtol=2e-2, atol=2e-2)
     return {"batch": B, "context": C, "ragged": ragged, "tokens": int(lens.sum()), "kvq_bits": bits,
             "threads": torch.get_num_threads(), **median_ms(runs, reps, time.perf_counter)}

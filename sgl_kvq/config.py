@@ -12,6 +12,7 @@ import functools
 from dataclasses import dataclass
 
 from sgl_kvq import env
+from sgl_kvq.attention_rotation import ROTATIONS
 from sgl_kvq.errors import KVQConfigError
 from sgl_kvq.formats import registry
 from sgl_kvq.formats.base import Format
@@ -102,6 +103,10 @@ class KVQConfig:
     # as memory holds (SmolLM2, 0.12 GiB, the shared-prefix load: kivi2 16 running and 1.92x bf16's output tok/s,
     # bench/results/serving-concurrency-smollm2.json) where static frames run 1.
     frames: str = "pooled"
+    # The basis K and V are quantized in (sgl_kvq/attention_rotation.py): "hadamard" rotates q, k and v along
+    # head_dim by the normalized Hadamard matrix at the attention backends' entry and the output back (attention is
+    # unchanged by it; the quantization error is not). "none" by default until the engine evaluations decide.
+    rotate: str = "none"
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -118,6 +123,8 @@ class KVQConfig:
             raise KVQConfigError(f"sgl_kvq: prefill mode {self.prefill!r}; choose one of {', '.join(PREFILL_MODES)}")
         if self.residual < 0 or self.residual % g:
             raise KVQConfigError(f"sgl_kvq: residual window R={self.residual} must be a multiple of G={g}")
+        if self.rotate not in ROTATIONS:
+            raise KVQConfigError(f"sgl_kvq: KVQ_ROTATE={self.rotate!r}; choose one of {', '.join(ROTATIONS)}")
         if self.frames not in FRAME_MODES:
             raise KVQConfigError(f"sgl_kvq: KVQ_FRAMES={self.frames!r}; choose one of {', '.join(FRAME_MODES)}")
         if not 0 < self.overlay_share < 1:
@@ -161,6 +168,9 @@ class KVQConfig:
                 raise KVQConfigError(
                     f"sgl_kvq: {what}={d} is not a multiple of the value group {self.value_group_for(d)}")
             self.format.check_head_dim(self, d)
+            if self.rotate == "hadamard" and d & (d - 1):
+                raise KVQConfigError(f"sgl_kvq: KVQ_ROTATE=hadamard needs a power-of-two head_dim (a Hadamard matrix "
+                                     f"of that size); this model's {what} is {d}. Use KVQ_ROTATE=none")
 
 
 def is_kvq_dtype(name: object) -> bool:

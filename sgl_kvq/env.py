@@ -33,6 +33,7 @@ _CONFIG_KNOBS = {
     "KVQ_ATTENTION_THREADS": ("attention_threads", int),
     "KVQ_CPU_KERNEL": ("cpu_kernel", int),
     "KVQ_FRAMES": ("frames", str),
+    "KVQ_ROTATE": ("rotate", str),
 }
 
 

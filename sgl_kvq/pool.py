@@ -115,7 +115,7 @@ class KVQTokenToKVPool(KVCache):
             base_bytes_per_token=self.shape.base_bytes_per_token(),
             pages_quantized=int(self.store.pages_quantized),
             config={"group_size": self.cfg.group_size, "value_group": self.shape.VG, "residual": self.cfg.residual,
-                    "bits": self.cfg.bits, "prefill": self.cfg.prefill,
+                    "bits": self.cfg.bits, "prefill": self.cfg.prefill, "rotate": self.cfg.rotate,
                     **self.cfg.format.stats(self.cfg, self.shape.format_sizes()[1])},
         )
         if self.decode_batches:

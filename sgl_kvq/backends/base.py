@@ -6,6 +6,7 @@ import abc
 
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
+from sgl_kvq import attention_rotation
 from sgl_kvq.metadata.forward import build_forward_plan
 from sgl_kvq.plan import ForwardPlan
 
@@ -20,7 +21,9 @@ def query_heads_on_this_rank(model_runner) -> int:
 
 class KVQAttentionBackendBase(AttentionBackend):
     """The forward plan built once per batch (sgl_kvq/metadata/), the write order per layer, the layer checks.
-    Subclasses supply the attention compute (`extend`, `decode`) and whether writes use the Triton kernels."""
+    Subclasses supply the attention compute (`extend`, `decode`) and whether writes use the Triton kernels, or
+    override a whole layer (`attend_extend`, `attend_decode`); SGLang's forward_extend / forward_decode stay here,
+    where KVQ_ROTATE's rotation is applied."""
 
     name = "kvq"
     write_kernels = False
@@ -37,6 +40,9 @@ class KVQAttentionBackendBase(AttentionBackend):
         self.store = pool.store
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         self.forward_plan: ForwardPlan | None = None
+        # KVQ_ROTATE (sgl_kvq/attention_rotation.py): q, k, v rotated here, before anything is written or read, and
+        # the output rotated back, so every path below sees rotated rows only
+        self.rotation = attention_rotation.for_config(pool.cfg, pool.shape.head_dim, pool.store.device)
 
     def init_forward_metadata(self, forward_batch):
         mode = forward_batch.forward_mode
@@ -70,7 +76,21 @@ class KVQAttentionBackendBase(AttentionBackend):
             v = v.reshape(-1, layer.tp_v_head_num, layer.v_head_dim)
         return q, k, v, self.pool.layer_index(layer.layer_id)
 
+    # ---- SGLang's entry: KVQ_ROTATE's basis change, then the layer in the stored basis ----
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        r = self.rotation
+        if r is None:
+            return self.attend_extend(q, k, v, layer, forward_batch, save_kv_cache)
+        return r.back(self.attend_extend(r.into(q), r.into(k), r.into(v), layer, forward_batch, save_kv_cache))
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        r = self.rotation
+        if r is None:
+            return self.attend_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        return r.back(self.attend_decode(r.into(q), r.into(k), r.into(v), layer, forward_batch, save_kv_cache))
+
+    # ---- one layer's write and attention over rows in the stored basis; subclasses override these ----
+    def attend_extend(self, q, k, v, layer, forward_batch, save_kv_cache):
         q, k, v, li = self._views(q, k, v, layer)
         out = None
         for step in self.forward_plan.steps:
@@ -89,7 +109,7 @@ class KVQAttentionBackendBase(AttentionBackend):
                 out[step.rows] = o
         return out.reshape(q.shape[0], -1)
 
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    def attend_decode(self, q, k, v, layer, forward_batch, save_kv_cache):
         q, k, v, li = self._views(q, k, v, layer)
         step = self.forward_plan.steps[0]
         if save_kv_cache:

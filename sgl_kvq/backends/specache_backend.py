@@ -64,7 +64,7 @@ class KVQSpeCacheBackend(KVQTorchBackend):
             self.forward_plan = ForwardPlan(is_decode=True, steps=[Step(plan=plan)])
             self.req = req.long()
 
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    def attend_extend(self, q, k, v, layer, forward_batch, save_kv_cache):
         q, k, v, li = self._views(q, k, v, layer)
         step = self.forward_plan.steps[0]  # specache extends are "full" (config.py): one step
         contexts = None
@@ -88,7 +88,7 @@ class KVQSpeCacheBackend(KVQTorchBackend):
         sc.recall_hits += sum(h for h, _ in counts)
         sc.recall_wanted += sum(w for _, w in counts)
 
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    def attend_decode(self, q, k, v, layer, forward_batch, save_kv_cache):
         q, k, v, li = self._views(q, k, v, layer)
         sc, step = self.sc, self.forward_plan.steps[0]
         if sc.lanes.kind == "predecode":

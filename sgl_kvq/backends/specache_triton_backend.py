@@ -74,7 +74,7 @@ class KVQSpeCacheTritonBackend(KVQSpeCacheBackend):
         rows = self.lane_plan.batch_size * (2 if self.follow else 1)  # with follow, the output lane's scores too
         self.scores = torch.empty(rows, self.num_qo_heads, max(T, 1), dtype=torch.float32, device=self.store.device)
 
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    def attend_extend(self, q, k, v, layer, forward_batch, save_kv_cache):
         q, k, v, li = self._views(q, k, v, layer)
         step = self.forward_plan.steps[0]  # specache extends are "full" (config.py): one step
         kv, plan = self.store.layer_view(li), step.plan  # KVQ_SPECACHE_PREFIX=device: the prefix as stored
@@ -88,7 +88,7 @@ class KVQSpeCacheTritonBackend(KVQSpeCacheBackend):
             self.sc.host.write(li, step.write.slots, k, v)
         return out.reshape(q.shape[0], -1)
 
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    def attend_decode(self, q, k, v, layer, forward_batch, save_kv_cache):
         q, k, v, li = self._views(q, k, v, layer)
         sc, step, p = self.sc, self.forward_plan.steps[0], self.lane_plan
         kv = self.store.layer_view(li)  # views of the pool: they read this step's write below

@@ -63,7 +63,7 @@ class KVQTritonBackend(KVQAttentionBackendBase):
         self.forward_plan = ForwardPlan(is_decode=True, steps=[Step(plan=paged, write=write)])
 
     # ---- compute ----
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    def attend_decode(self, q, k, v, layer, forward_batch, save_kv_cache):
         q, k, v, li = self._views(q, k, v, layer)
         if save_kv_cache:
             self.store.write_decode_layer(li, self.forward_plan.steps[0].write, k, v, q=q, sm_scale=layer.scaling)

@@ -56,6 +56,24 @@ def test_dtype_list_parsing():
         ee.dtypes(p.parse_args(["--kv-cache-dtype", "kivi5"]))
 
 
+def test_a_dtype_entry_carries_knobs_for_its_engine_only(monkeypatch):
+    import os
+
+    p = argparse.ArgumentParser()
+    ee.add_common_arguments(p)
+    entries = ee.dtypes(p.parse_args(["--kv-cache-dtype", "kivi2,kivi2:KVQ_ROTATE=hadamard:KVQ_PREFILL=paged"]))
+    assert entries == ["kivi2", "kivi2:KVQ_ROTATE=hadamard:KVQ_PREFILL=paged"]
+    assert ee.split_knobs(entries[1]) == ("kivi2", {"KVQ_ROTATE": "hadamard", "KVQ_PREFILL": "paged"})
+    for bad in ("kivi5:KVQ_ROTATE=hadamard", "kivi2:ROTATE=hadamard", "kivi2:KVQ_ROTATE"):
+        with pytest.raises(SystemExit):
+            ee.dtypes(p.parse_args(["--kv-cache-dtype", bad]))
+    monkeypatch.setenv("KVQ_PREFILL", "full")
+    monkeypatch.delenv("KVQ_ROTATE", raising=False)
+    with ee.knob_env({"KVQ_ROTATE": "hadamard", "KVQ_PREFILL": "paged"}):
+        assert (os.environ["KVQ_ROTATE"], os.environ["KVQ_PREFILL"]) == ("hadamard", "paged")
+    assert "KVQ_ROTATE" not in os.environ and os.environ["KVQ_PREFILL"] == "full"
+
+
 def test_first_divergence_reports_the_reference_margin():
     assert eval_agree.first_divergence([1, 2, 3], [1, 2, 3], [0.5, 0.1, 2.0]) is None
     assert eval_agree.first_divergence([1, 2, 3], [1, 5, 3], [0.5, 0.1, 2.0]) == {"pos": 1, "ref_margin": 0.1}

@@ -32,7 +32,8 @@ POOL_FIELDS = ("pool_class", "capacity_tokens", "kv_bytes", "kv_bytes_per_token"
 def add_common_arguments(p, default_dtypes: str = ",".join(ALL_DTYPES), flush: bool = True) -> None:
     p.add_argument("--kv-cache-dtype", action="append", dest="kv_cache_dtypes", metavar="X[,Y...]",
                    help=f"KV cache dtype(s), repeatable or comma list; auto = the model's bf16 (default "
-                        f"{default_dtypes})")
+                        f"{default_dtypes}); X:KVQ_NAME=VALUE[:...] runs X with those knobs set for its engine "
+                        f"only (e.g. kivi2,kivi2:KVQ_ROTATE=hadamard)")
     p.add_argument("--model", default="smollm2", help="smollm2 | tiny | a model folder (default smollm2)")
     p.add_argument("--dtype", help="model dtype override (default: float32 for tiny, the engine default otherwise)")
     p.add_argument("--max-total-tokens", type=int, default=16384, help="pool capacity in tokens (default 16384)")
@@ -47,14 +48,45 @@ def add_common_arguments(p, default_dtypes: str = ",".join(ALL_DTYPES), flush: b
 
 
 def dtypes(args) -> list[str]:
+    """The --kv-cache-dtype entries as given (a dtype, or a dtype with knobs: `split_knobs`), validated."""
     from sgl_kvq.config import DTYPE_NAMES, is_kvq_dtype
 
     raw = args.kv_cache_dtypes or [args._default_dtypes]
     out = [d.strip() for item in raw for d in item.split(",") if d.strip()]
-    bad = [d for d in out if d != "auto" and not is_kvq_dtype(d)]
+    bad = [d for d in out if split_knobs(d)[0] != "auto" and not is_kvq_dtype(split_knobs(d)[0])]
     if bad:
         raise SystemExit(f"sgl-kvq eval: unknown --kv-cache-dtype {bad}; use auto or one of {', '.join(DTYPE_NAMES)}")
     return out
+
+
+def split_knobs(entry: str) -> tuple[str, dict[str, str]]:
+    """`kivi2:KVQ_ROTATE=hadamard:KVQ_PREFILL=paged` -> ("kivi2", {"KVQ_ROTATE": "hadamard", ...}): one engine of a
+    run with knobs of its own, so variants of a dtype are measured in the same run and JSON."""
+    dtype, *items = entry.split(":")
+    knobs = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not eq or not name.startswith("KVQ_"):
+            raise SystemExit(f"sgl-kvq eval: {entry!r}: knobs after the dtype are KVQ_NAME=VALUE, got {item!r}")
+        knobs[name] = value
+    return dtype, knobs
+
+
+@contextlib.contextmanager
+def knob_env(knobs: dict[str, str]):
+    """The process environment with `knobs` set for the block (SGLang's spawned processes inherit it), restored."""
+    import os
+
+    saved = {k: os.environ.get(k) for k in knobs}
+    os.environ.update(knobs)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def model_path(name: str) -> Path:
@@ -109,16 +141,19 @@ def per_dtype(args, evaluate, log) -> list[dict]:
     """For each dtype: start an Engine, `evaluate(llm, dtype) -> dict`, record pool bytes and times."""
     path = model_path(args.model)
     rows = []
-    for dt in dtypes(args):
+    for entry in dtypes(args):
+        dt, knobs = split_knobs(entry)
         t0 = time.time()
-        with engine(path, dt, args) as llm:
+        with knob_env(knobs), engine(path, dt, args) as llm:
             startup = time.time() - t0
             pool = pool_stats(llm)
-            log(f"[{dt}] engine up in {startup:.0f}s: {pool.get('kv_bytes_per_token', 0):.0f} B/token "
+            log(f"[{entry}] engine up in {startup:.0f}s: {pool.get('kv_bytes_per_token', 0):.0f} B/token "
                 f"(base {pool.get('base_bytes_per_token', pool.get('kv_bytes_per_token', 0)):.0f}), "
                 f"capacity {pool.get('capacity_tokens')} tokens")
-            row = {"kv_cache_dtype": dt, "kv_pool": pool}
-            row.update(evaluate(llm, dt))
+            row = {"kv_cache_dtype": entry, "kv_pool": pool}
+            if knobs:
+                row.update(dtype=dt, knobs=knobs)
+            row.update(evaluate(llm, entry))
             specache = llm.get_server_info()["internal_states"][0]["kv_pool"].get("specache")
             if specache is not None:  # SpeCache's counters over the whole evaluation (recall, bytes moved, ...)
                 row["specache"] = specache

@@ -1,0 +1,174 @@
+"""KVQ_ROTATE (sgl_kvq/attention_rotation.py) on kvq_torch, driven the way SGLang drives a backend, in fp32:
+
+- the knob is validated before a pool exists, a head_dim that is not a power of two is refused with its value;
+- over K/V the pool holds exactly (every row in the fp32 frames: a context within the fp16 window), the rotated
+  backend gives plain attention over the true K/V: extend, a continuation reading the cached prefix, decode on each
+  kvq_torch decode path; and the frames hold k @ H;
+- over packed pages, the rotated backend's output is the oracle (sgl_kvq/attention_ref.py) run on the rotated q over
+  what the pool stores, rotated back, on each decode path.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("sglang")
+
+from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
+
+from sgl_kvq.attention_ref import _attend, gather_context, ref_decode  # noqa: E402
+from sgl_kvq.attention_rotation import HeadRotation, basis  # noqa: E402
+from sgl_kvq.backends.torch_backend import KVQTorchBackend  # noqa: E402
+from sgl_kvq.config import KVQConfig, KVQConfigError, parse_kv_cache_dtype  # noqa: E402
+from sgl_kvq.kernels import cpu_decode_attention  # noqa: E402
+from sgl_kvq.layout import PoolShape  # noqa: E402
+from sgl_kvq.pool import KVQTokenToKVPool  # noqa: E402
+from sgl_kvq.quant.rotation import is_orthogonal  # noqa: E402
+
+G, H, HQ, D, L = 8, 2, 4, 16, 2
+SCALE = D ** -0.5
+LAYER = [SimpleNamespace(layer_id=i, tp_q_head_num=HQ, tp_k_head_num=H, tp_v_head_num=H, qk_head_dim=D,
+                         v_head_dim=D, scaling=SCALE, is_cross_attention=False, sliding_window_size=None,
+                         logit_cap=0) for i in range(L)]
+DECODE_PATHS = ("padded", "pages", "cpu_kernel")
+
+
+# ---- the knob ----
+
+def test_rotate_knob_is_read_and_validated(monkeypatch):
+    monkeypatch.setenv("KVQ_ROTATE", "hadamard")
+    assert parse_kv_cache_dtype("kivi2").rotate == "hadamard"
+    monkeypatch.setenv("KVQ_ROTATE", "walsh")
+    with pytest.raises(KVQConfigError, match="KVQ_ROTATE='walsh'"):
+        parse_kv_cache_dtype("kivi2")
+    monkeypatch.delenv("KVQ_ROTATE")
+    assert parse_kv_cache_dtype("kivi3").rotate == "none"
+
+
+def test_a_head_dim_that_is_not_a_power_of_two_is_refused_only_when_rotating():
+    KVQConfig("kivi", 2, value_group=16).check_head_dim(48)  # packable, unrotated
+    with pytest.raises(KVQConfigError, match="power-of-two head_dim.*head_dim is 48"):
+        KVQConfig("kivi", 2, value_group=16, rotate="hadamard").check_head_dim(48)
+    KVQConfig("kivi", 3, rotate="hadamard").check_head_dim(128)
+
+
+def test_head_rotation_is_orthogonal_and_round_trips():
+    r = basis("hadamard", D)
+    assert basis("none", D) is None and is_orthogonal(r)
+    rot = HeadRotation(r)
+    x = torch.randn(5, HQ * D, generator=torch.Generator().manual_seed(0))
+    y = rot.into(x)
+    torch.testing.assert_close(y.view(5, HQ, D), x.view(5, HQ, D) @ r)
+    torch.testing.assert_close(rot.back(y), x, atol=1e-6, rtol=1e-6)
+    assert rot.into(None) is None and rot.into(x.to(torch.bfloat16)).dtype == torch.bfloat16
+
+
+# ---- the backend ----
+
+def make(rotate: str, residual: int, path: str):
+    cfg = KVQConfig("kivi", 2, group_size=G, value_group=8, residual=residual, rotate=rotate,
+                    cpu_kernel=int(path == "cpu_kernel"))
+    pool = KVQTokenToKVPool(32 * G, PoolShape(L, H, D, 32, cfg), "cpu", torch.float32, num_req_slots=4)
+    r2t = torch.zeros(4, 256, dtype=torch.int32)
+    r2t[1] = torch.arange(256, dtype=torch.int32) + G  # request slot 1's positions, from pool page 1 on
+    runner = SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=SimpleNamespace(req_to_token=r2t))
+    backend = KVQTorchBackend(runner)
+    if path != "cpu_kernel":  # steer kvq_torch's choice between its two torch decode paths
+        backend._derived = _forced(backend, path)
+    return backend, pool
+
+
+def _forced(backend, path):
+    from sgl_kvq import attention_pages
+
+    original = backend._derived
+
+    def derived(plan, name, build):
+        if name != "decode":
+            return original(plan, name, build)
+        G_, H_ = backend.store.G, backend.store.shape.heads
+        idx = attention_pages.index(plan, G_, H_) if path == "pages" else backend.batched_context(plan)
+        return original(plan, name, lambda: idx)
+
+    return derived
+
+
+class Request:
+    """True K/V per layer and queries of a request at pool slots G + position."""
+
+    def __init__(self, n: int, seed: int):
+        gen = torch.Generator().manual_seed(seed)
+        self.k = [torch.randn(n, H, D, generator=gen) for _ in range(L)]
+        self.v = [torch.randn(n, H, D, generator=gen) for _ in range(L)]
+        self.q = torch.randn(n, HQ, D, generator=gen)
+
+
+def run(backend, req: Request, prefix: int, new: int) -> list[torch.Tensor]:
+    """Positions prefix .. prefix+new through SGLang's forward entry, one forward: an extend, or a decode of one."""
+    mode = ForwardMode.DECODE if new == 1 and prefix else ForwardMode.EXTEND
+    fb = SimpleNamespace(forward_mode=mode, req_pool_indices=torch.tensor([1]), seq_lens=torch.tensor([prefix + new]),
+                         out_cache_loc=torch.arange(prefix, prefix + new) + G, extend_prefix_lens_cpu=[prefix],
+                         extend_seq_lens_cpu=[new])
+    backend.init_forward_metadata(fb)
+    outs = []
+    for li in range(L):
+        q, k, v = (x[prefix:prefix + new].reshape(new, -1) for x in (req.q, req.k[li], req.v[li]))
+        entry = backend.forward_decode if mode.is_decode() else backend.forward_extend
+        outs.append(entry(q, k, v, LAYER[li], fb).view(new, HQ, D))
+    return outs
+
+
+def exact(req: Request, li: int, lo: int, hi: int) -> torch.Tensor:
+    """Positions lo..hi-1 attending causally to every earlier position's true K/V."""
+    mask = torch.arange(hi).unsqueeze(0) <= torch.arange(lo, hi).unsqueeze(1)
+    return _attend(req.q[lo:hi], req.k[li][:hi], req.v[li][:hi], SCALE, mask)
+
+
+@pytest.mark.parametrize("path", DECODE_PATHS)
+def test_rotated_attention_is_plain_attention_over_exactly_held_kv(path):
+    """R = 4 pages: 36 positions never leave the fp32 frames, so nothing is quantized and every output must be
+    plain attention over the true K/V, rotated or not (the rotation is orthogonal, applied to q, k, v, undone on
+    the output)."""
+    if path == "cpu_kernel" and not cpu_decode_attention.available():
+        pytest.skip(cpu_decode_attention.unavailable_reason())
+    req = Request(36, seed=1)
+    backend, pool = make("hadamard", residual=4 * G, path=path)
+    steps = [(0, 20), (20, 10)] + [(p, 1) for p in range(30, 36)]  # prefill, a continuation, six decode steps
+    for prefix, new in steps:
+        outs = run(backend, req, prefix, new)
+        for li in range(L):
+            torch.testing.assert_close(outs[li], exact(req, li, prefix, prefix + new), atol=2e-5, rtol=2e-5)
+    r = basis("hadamard", D)
+    for li in range(L):
+        k_held, v_held = gather_context(pool.store.layer_view(li), backend.forward_plan.steps[0].plan, 0)
+        torch.testing.assert_close(k_held, req.k[li] @ r, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(v_held, req.v[li] @ r, atol=1e-6, rtol=1e-6)
+    if path == "cpu_kernel":
+        assert pool.decode_batches["cpu_kernel"] == 6
+
+
+@pytest.mark.parametrize("path", DECODE_PATHS)
+def test_rotated_decode_over_packed_pages_is_the_oracle_in_the_rotated_basis(path):
+    """R = G: a 72-token context is mostly 2-bit pages. The rotated backend's decode output equals the oracle
+    (attention_ref.ref_decode) of the rotated q over the rotated rows the pool stores, rotated back; the unrotated
+    backend's pages are another basis's, so its output differs."""
+    if path == "cpu_kernel" and not cpu_decode_attention.available():
+        pytest.skip(cpu_decode_attention.unavailable_reason())
+    req = Request(72, seed=2)
+    rot = HeadRotation(basis("hadamard", D))
+    outs = {}
+    for rotate in ("hadamard", "none"):
+        backend, pool = make(rotate, residual=G, path=path)
+        run(backend, req, 0, 64)
+        for p in range(64, 72):
+            outs[rotate] = run(backend, req, p, 1)
+        if rotate == "hadamard":
+            plan = backend.forward_plan.steps[0].plan
+            for li in range(L):
+                want = rot.back(ref_decode(rot.into(req.q[71:72]), pool.store.layer_view(li), plan, SCALE))
+                torch.testing.assert_close(outs[rotate][li], want, atol=2e-5, rtol=2e-5)
+    for li in range(L):
+        assert not torch.allclose(outs["hadamard"][li], outs["none"][li], atol=1e-3)
