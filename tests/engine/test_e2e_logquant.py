@@ -9,7 +9,7 @@ import pytest
 
 from sgl_kvq.tools.models import tiny_llama
 from multiturn import radix_hits_over_http
-from slices import ci_slice
+from slices import ci_slice, matrix_only
 from contended import contended_agreement_in_the_deterministic_mode, contended_prompts
 from engine_runs import refused_before_load, run_engine
 
@@ -44,6 +44,8 @@ def test_http_server_multiturn_and_forked_program_hit_the_radix_cache(tiny, tmp_
     assert stats["base_bytes_per_token"] == pytest.approx(2 * 2 * (8 + 1 + 4 + 1) + 2 / 64)
 
 
+@matrix_only("the same forced retraction runs on gear2 (test_e2e_gear.py) and kivi2 (test_e2e_serving.py); "
+             "logquant2's page writes under it are its store's, unit-tested (161 s of a CI worker)")
 def test_pool_too_small_completes_every_request_and_is_exact_in_the_deterministic_mode(capfd):
     """As tests/engine/test_e2e_gear.py's case, for logquant2: 12 requests x 160 tokens against a 16-page pool with
     retraction forced. With KVQ_PREFILL=paged and KVQ_RESIDUAL=0 a page's codes and rows are a function of its

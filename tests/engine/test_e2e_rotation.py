@@ -16,6 +16,7 @@ import random
 import pytest
 
 from sgl_kvq.tools.models import tiny_llama
+from slices import matrix_only
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -73,6 +74,8 @@ def test_rotation_changes_no_token_where_nothing_is_quantized(tiny, prompts):
     assert ids(rotated[0]) == ids(plain[0])
 
 
+@matrix_only("the rotated basis is checked on every read path over 2-bit pages by tests/unit/test_attention_rotation.py "
+             "and end to end by the exact test above (124 s of a CI worker)")
 def test_rotated_kivi2_gives_the_same_tokens_on_both_backends_across_a_radix_hit(tiny, prompts):
     # R = 0: only each request's open page is fp16, so the second turn reads its whole cached prefix from 2-bit pages
     env = {**ROTATE, "KVQ_RESIDUAL": "0"}

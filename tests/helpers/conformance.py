@@ -59,6 +59,8 @@ CI_KIT_TESTS = [
 # a bound the matrix holds it to). The matrix (`sgl-kvq bench conformance`, KVQ_TEST_CONFORMANCE_KITS=all) runs every
 # kit test on every dtype.
 CI_KIT_TESTS_LEFT_OUT = {
+    # kivi2's decode-hit KL (182 s of a CI worker): a documented excess like its prefix-hit KL, which stays
+    "kivi2": {"kl_divergence.test_input_output_logprobs_match_decode_cache_hit"},
     "specache2": {"cache_hit.test_multiturn_cache_hit",
                   "kl_divergence.test_input_output_logprobs_match_decode_cache_hit",
                   "kl_divergence.test_input_output_logprobs_match_prefill_cache_hit"},

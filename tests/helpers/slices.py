@@ -16,3 +16,10 @@ def ci_slice(every: list, ci: list) -> list:
 def full_matrix() -> bool:
     """True under KVQ_TEST_MATRIX=all: the tests that repeat in CI what a cheaper case covers run too."""
     return os.environ.get("KVQ_TEST_MATRIX") == "all"
+
+
+def matrix_only(why: str):
+    """A skip mark for an engine test CI leaves to the matrix (KVQ_TEST_MATRIX=all); `why`: what covers it in CI."""
+    import pytest
+
+    return pytest.mark.skipif(not full_matrix(), reason=f"KVQ_TEST_MATRIX=all runs it; in CI {why}")
