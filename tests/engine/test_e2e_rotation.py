@@ -10,13 +10,13 @@
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 
 from sgl_kvq.tools.models import tiny_llama
 from slices import matrix_only
+from engine_runs import engine_in_env, pool_stats
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -38,27 +38,13 @@ def prompts():
 
 def serve_turns(model, prompts, env, turns=1, **kw):
     """Greedy outputs of `turns` turns (turn t+1 = turn t's text + its output + two words), the pool's stats."""
-    import sglang
-
-    from sgl_kvq.tools.launch import engine_kwargs
-
-    saved = dict(os.environ)
-    os.environ.update(env)
-    try:
-        llm = sglang.Engine(**engine_kwargs(model, "kivi2", dtype="float32", mem_fraction_static=0.3, **kw))
-        try:
-            outs, texts = [], list(prompts)
-            for _ in range(turns):
-                got = llm.generate(texts, SAMPLING)
-                outs.append(got)
-                texts = [t + o["text"] + " return self" for t, o in zip(texts, got)]
-            stats = llm.get_server_info()["internal_states"][0]["kv_pool"]
-        finally:
-            llm.shutdown()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    return outs, stats
+    with engine_in_env(model, "kivi2", env, **kw) as llm:
+        outs, texts = [], list(prompts)
+        for _ in range(turns):
+            got = llm.generate(texts, SAMPLING)
+            outs.append(got)
+            texts = [t + o["text"] + " return self" for t, o in zip(texts, got)]
+        return outs, pool_stats(llm)
 
 
 def ids(turn) -> list[list[int]]:

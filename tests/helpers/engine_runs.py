@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+from contextlib import contextmanager
 
 import pytest
 
@@ -14,7 +15,10 @@ from sgl_kvq.tools.workload import common_prefix_share
 GREEDY = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
 
 
-def run_engine(model, kv_cache_dtype, prompts, sampling=GREEDY, env=None, **kw):
+@contextmanager
+def engine_in_env(model, kv_cache_dtype, env=None, **kw):
+    """An in-process Engine (float32, 0.3 of memory unless kw says otherwise) started with `env` set, which is
+    restored when the Engine shuts down."""
     import sglang
 
     saved = dict(os.environ)
@@ -23,13 +27,22 @@ def run_engine(model, kv_cache_dtype, prompts, sampling=GREEDY, env=None, **kw):
     try:
         llm = sglang.Engine(**engine_kwargs(model, kv_cache_dtype, **kw))
         try:
-            outs = llm.generate(prompts, sampling)
-            stats = llm.get_server_info()["internal_states"][0]["kv_pool"]
+            yield llm
         finally:
             llm.shutdown()
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+def pool_stats(llm) -> dict:
+    return llm.get_server_info()["internal_states"][0]["kv_pool"]
+
+
+def run_engine(model, kv_cache_dtype, prompts, sampling=GREEDY, env=None, **kw):
+    with engine_in_env(model, kv_cache_dtype, env, **kw) as llm:
+        outs = llm.generate(prompts, sampling)
+        stats = pool_stats(llm)
     return [o["output_ids"] for o in outs], stats
 
 
