@@ -12,6 +12,7 @@ import pytest
 
 from sgl_kvq.tools import data
 from sgl_kvq.tools.commands.serving_stats import scheduler_log_stats
+from sgl_kvq.tools.commands.serving_workloads import ModelShape
 from sgl_kvq.tools.launch import ServerProcess, baseline_page_size
 from sgl_kvq.tools.models import smollm2, tiny_llama
 from slices import ci_slice
@@ -81,11 +82,8 @@ def test_concurrency_follows_memory_at_default_flags(tmp_path, monkeypatch):
     """The issue's case, small: 8 conversations of ~580 tokens (4 shared 512-token prefixes) at a 0.05 GiB budget.
     bf16's pool at that budget cannot hold the 8 prompts at once (2,530 tokens against its 2,330, counted from its
     bytes per token; a bf16 server here ran at most 3 at once, and bench/results/serving-default-*.json measures
-    both servers at 0.12-2 GiB); kivi2's holds
-    6.4x the tokens, its frames (1,024 tokens' pages a request) included, and runs all 8; when they finish every frame
-    is back in the allocator."""
-    import json
-
+    both servers at 0.12-2 GiB); kivi2's holds 6.4x the tokens, its frames (1,024 tokens' pages a request) included,
+    and runs all 8; when they finish every frame is back in the allocator."""
     monkeypatch.setenv("KVQ_KV_CACHE_GB", "0.05")
     essay = data.essay_text(min_chars=12000)
     prefixes = [essay[i * 2500:(i + 1) * 2500] for i in range(4)]  # ~512 tokens each
@@ -94,10 +92,7 @@ def test_concurrency_follows_memory_at_default_flags(tmp_path, monkeypatch):
     kivi2, before, after = peak_running(["--model-path", str(model), "--kv-cache-dtype", "kivi2"], prompts,
                                         tmp_path / "kivi2.log")
     assert kivi2 == len(prompts), kivi2
-    cfg = json.loads((model / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    bf16_bytes_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2
-    bf16_tokens = after["kv_budget_bytes"] // bf16_bytes_per_token
+    bf16_tokens = after["kv_budget_bytes"] // ModelShape.of(model).dense_bytes_per_token()
     needed = bf16_prompt_tokens_at_once(model, prompts, baseline_page_size())
     assert needed > bf16_tokens, (needed, bf16_tokens)
     # finished: no request holds frames, and every page is free or cached in the tree (nothing leaked)

@@ -13,6 +13,7 @@ import pytest
 
 from sgl_kvq.tools.launch import engine_kwargs
 from sgl_kvq.tools.models import tiny_llama
+from engine_runs import pool_stats
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -31,7 +32,7 @@ def run(dtype: str, **kw) -> tuple[list, dict]:
     try:
         outs = [llm.generate(input_ids=ids, sampling_params={"max_new_tokens": 8, "temperature": 0},
                              return_logprob=True) for ids in prompts + [prompts[0] + [7, 8, 9]]]
-        stats = llm.get_server_info()["internal_states"][0]["kv_pool"]
+        stats = pool_stats(llm)
     finally:
         llm.shutdown()
     # the logprobs too: a few greedy tokens of a tiny random model can survive a damaged prefix

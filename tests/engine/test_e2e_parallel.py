@@ -6,8 +6,8 @@ The tiny fp32 Llama (2 KV heads, so tp 2 gives one head per rank) makes greedy t
 tp 1 gives with the same dtype (SGLang all-reduces the row-parallel outputs over gloo on CPU). The tp-1 tokens come
 from a `--dp-size 2` server, whose replicas are tp 1: one DP server and one TP server per dtype serve both tests.
 CI covers kivi2 (the KIVI pool; specache2, its host tier and two lanes split by rank, took 236 s of a CI worker and
-runs in the matrix); KVQ_TEST_PARALLEL_DTYPES=all runs every name in sgl_kvq.config.DTYPE_NAMES, so a dtype added there is covered, and a comma list runs those
-(docs/deployment.md, "Tensor and data parallel")."""
+runs in the matrix); KVQ_TEST_PARALLEL_DTYPES=all runs every name in sgl_kvq.config.DTYPE_NAMES, so a dtype added
+there is covered, and a comma list runs those (docs/deployment.md, "Tensor and data parallel")."""
 
 from __future__ import annotations
 

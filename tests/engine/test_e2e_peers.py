@@ -10,6 +10,7 @@ import random
 import pytest
 
 from sgl_kvq.tools.models import tiny_llama
+from engine_runs import pool_stats
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -35,7 +36,7 @@ def test_peer_int4_serves_two_turns_with_a_radix_hit(tiny):
         outs = llm.generate(first, SAMPLING)
         second = [p + o["text"] + " return self" for p, o in zip(first, outs)]
         outs2 = llm.generate(second, SAMPLING)
-        stats = llm.get_server_info()["internal_states"][0]["kv_pool"]
+        stats = pool_stats(llm)
     finally:
         llm.shutdown()
     assert stats["kv_cache_dtype"] == "peer_int4" and stats["frames_pooled"]

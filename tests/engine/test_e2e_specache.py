@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from slices import ci_slice, full_matrix
+from engine_runs import pool_stats
 from sgl_kvq.formats.specache import SPECACHE_TOP_K
 from sgl_kvq.tools.launch import engine_kwargs
 from sgl_kvq.tools.models import tiny_llama
@@ -36,10 +37,6 @@ def engine(model, kv_cache_dtype, env=None, **kw):
                                                                    "max_running_requests": 8, **kw}))
 
 
-def kv_pool(llm) -> dict:
-    return llm.get_server_info()["internal_states"][0]["kv_pool"]
-
-
 # CI: specache2 (specache1's lanes run in the batched retraction test below; its recall diagnostic in the
 # kvq_triton-vs-kvq_torch test); the matrix adds specache1
 @pytest.mark.parametrize("dtype", ci_slice(["specache1", "specache2"], ["specache2"]))
@@ -59,7 +56,7 @@ def test_multiturn_with_radix_hits_and_prefetch_counters(tiny, dtype, monkeypatc
             histories = [h + "\nassistant:" + o["text"] + "\nuser: " + " ".join(rng.choice(WORDS) for _ in range(30))
                          for h, o in zip(histories, outs)]
             assert all(len(o["output_ids"]) == 20 for o in outs)
-        pool = kv_pool(llm)
+        pool = pool_stats(llm)
     finally:
         llm.shutdown()
     assert all(c == 0 for c in cached[0]) and all(c >= 64 for c in cached[1] + cached[2]), cached
@@ -87,9 +84,9 @@ def test_long_contended_run_completes_and_the_host_tier_does_not_grow(tiny, capf
     prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randrange(60, 140))) for _ in range(24)]
     llm = engine(tiny, "specache2", env={"SGLANG_TEST_RETRACT": "1"}, max_total_tokens=8192)
     try:
-        before = kv_pool(llm)["host_bytes"]
+        before = pool_stats(llm)["host_bytes"]
         outs = llm.generate(prompts, {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True})
-        pool = kv_pool(llm)
+        pool = pool_stats(llm)
     finally:
         llm.shutdown()
         os.environ.pop("SGLANG_TEST_RETRACT", None)
@@ -175,7 +172,7 @@ def _two_turns(model, dtype, backend, prompts):
         first = [llm.generate(p, sampling) for p in prompts]
         follow = [p + o["text"] + " " + " ".join(rng.choice(WORDS) for _ in range(20)) for p, o in zip(prompts, first)]
         second = [llm.generate(p, sampling) for p in follow]
-        stats = kv_pool(llm)["specache"]
+        stats = pool_stats(llm)["specache"]
     finally:
         llm.shutdown()
     return ([o["output_ids"] for o in first + second], [o["meta_info"]["cached_tokens"] for o in second], stats)
@@ -218,7 +215,7 @@ def test_kvq_triton_batched_lanes_with_retraction(tiny, capfd):
                  max_total_tokens=32768)
     try:
         outs = llm.generate(prompts, {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True})
-        sc = kv_pool(llm)["specache"]
+        sc = pool_stats(llm)["specache"]
     finally:
         llm.shutdown()
         os.environ.pop("SGLANG_TEST_RETRACT", None)
@@ -273,7 +270,7 @@ def test_smollm2_two_turn_chat_on_specache1(monkeypatch):
         first = llm.generate(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False), sampling)
         chat += [{"role": "assistant", "content": first["text"]}, {"role": "user", "content": "Say it shorter."}]
         second = llm.generate(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False), sampling)
-        pool = kv_pool(llm)
+        pool = pool_stats(llm)
     finally:
         llm.shutdown()
     assert first["meta_info"]["completion_tokens"] > 0 and any(c.isalpha() for c in first["text"]), first["text"]

@@ -53,7 +53,7 @@ def dtypes(args) -> list[str]:
 
     raw = args.kv_cache_dtypes or [args._default_dtypes]
     out = [d.strip() for item in raw for d in item.split(",") if d.strip()]
-    bad = [d for d in out if split_knobs(d)[0] != "auto" and not is_kvq_dtype(split_knobs(d)[0])]
+    bad = [d for d in out if (name := split_knobs(d)[0]) != "auto" and not is_kvq_dtype(name)]
     if bad:
         raise SystemExit(f"sgl-kvq eval: unknown --kv-cache-dtype {bad}; use auto or one of {', '.join(DTYPE_NAMES)}")
     return out
