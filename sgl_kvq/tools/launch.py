@@ -112,6 +112,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def group_listens_on(pid: int, port: int) -> bool:
+    """Whether process `pid` or one of its descendants listens on TCP `port`: an answer on a port picked by
+    free_port may come from another process that picked the same port and bound it first."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return False
+    for proc in procs:
+        try:
+            conns = proc.net_connections(kind="tcp")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in conns):
+            return True
+    return False
+
+
 # Process groups this process started and has not stopped. They are stopped when it exits, and when it is sent
 # SIGTERM (Python's default there runs no cleanup): a server group outlives its client otherwise, and an idle
 # SGLang scheduler polls a core (seen: one at 80% of a core for half an hour after its soak client was killed).
@@ -177,6 +197,8 @@ class _PortTaken(Exception):
 class ServerProcess:
     """`sgl-kvq serve ARGS` in a child process on 127.0.0.1, with a tiny HTTP client. Use as a context manager."""
 
+    command = [sys.executable, "-m", "sgl_kvq.cli", "serve"]
+
     def __init__(self, args: list[str], log_path: str | os.PathLike | None = None, startup_timeout: float = 600):
         self.args = list(args)
         self.log_path = Path(log_path) if log_path else None
@@ -190,7 +212,9 @@ class ServerProcess:
 
     def __enter__(self) -> "ServerProcess":
         # The port is free when picked but only bound after startup (minutes on a loaded machine): another process
-        # may take it first, and the HTTP server then stops without exiting. Seen in its log: start again elsewhere.
+        # may take it first. Then the HTTP server stops without exiting (seen in its log), and the other process
+        # answers the health check meanwhile (seen in CI: two test workers' servers picked one port, and one test
+        # read the other's radix cache). Either way: start again elsewhere.
         for attempt in range(3):
             try:
                 return self._start()
@@ -202,15 +226,16 @@ class ServerProcess:
     def _start(self) -> "ServerProcess":
         log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
         argv = self.args + ["--host", "127.0.0.1", "--port", str(self.port)]
-        self.proc = start_process_group([sys.executable, "-m", "sgl_kvq.cli", "serve", *argv], stdout=log,
-                                        stderr=subprocess.STDOUT)
+        self.proc = start_process_group([*self.command, *argv], stdout=log, stderr=subprocess.STDOUT)
         deadline = time.time() + self.startup_timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode} during startup{self._log_tail()}")
             try:
                 if self.get("/health_generate", timeout=30) is not None:
-                    return self
+                    if group_listens_on(self.proc.pid, self.port):
+                        return self
+                    raise _PortTaken()
             except OSError:
                 if self._port_taken():
                     raise _PortTaken() from None

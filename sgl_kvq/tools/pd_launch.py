@@ -19,7 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
-from sgl_kvq.tools.launch import ServerProcess, free_port, post_json, start_process_group, stop_process_group
+from sgl_kvq.tools.launch import (ServerProcess, free_port, group_listens_on, post_json, start_process_group,
+                                  stop_process_group)
 
 INSTALL_HINT = ("mooncake's transfer engine is missing: apt-get install -y libibverbs1 && pip install "
                 "mooncake-transfer-engine-non-cuda==0.3.13.post1 msgpack (`make setup` installs both)")
@@ -136,7 +137,10 @@ class Router:
                 raise RuntimeError(f"sglang-router exited with {self.proc.returncode} (log: {self.log_path})")
             try:
                 with urllib.request.urlopen(self.base + "/readiness", timeout=10):
-                    return self
+                    if group_listens_on(self.proc.pid, self.port):
+                        return self
+                    self.__exit__()
+                    raise RuntimeError(f"another process answers on the router's port {self.port}: start it again")
             except OSError:
                 time.sleep(1.0)
         self.__exit__()

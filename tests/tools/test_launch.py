@@ -64,3 +64,60 @@ def test_started_group_stops_with_its_parent(how):
                 os.killpg(pid, signal.SIGKILL) if pid == child else os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+# A stand-in for `sgl-kvq serve`: it binds --port only after a while, as SGLang does after loading the model, and
+# answers every GET with its pid.
+FAKE_SERVER = """
+import http.server, json, os, sys, time
+port = int(sys.argv[sys.argv.index("--port") + 1])
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"pid": os.getpid()}).encode()
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+time.sleep(1.0)
+http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+
+def test_server_process_does_not_take_another_servers_answer_for_its_own(tmp_path):
+    """Two servers that picked the same port: the one that binds it first answers the other's health check, which
+    must not be taken for its own server's (seen in CI: one test then read another test's radix cache)."""
+    import http.server
+    import threading
+
+    from sgl_kvq.tools.launch import ServerProcess, free_port, group_listens_on
+
+    class Stranger(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b'{"pid": "stranger"}')
+
+        def log_message(self, *args):
+            pass
+
+    stranger = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Stranger)
+    taken = stranger.server_address[1]
+    threading.Thread(target=stranger.serve_forever, daemon=True).start()
+    ports = iter([taken])
+
+    class FakeServer(ServerProcess):
+        command = [sys.executable, "-c", FAKE_SERVER]
+
+        def _pick_port(self):
+            self.port = next(ports, None) or free_port()
+            self.base = f"http://127.0.0.1:{self.port}"
+
+    try:
+        with FakeServer([], log_path=tmp_path / "server.log", startup_timeout=60) as server:
+            assert server.port != taken
+            assert server.get("/health_generate") == {"pid": server.proc.pid}
+            assert group_listens_on(server.proc.pid, server.port)
+            assert not group_listens_on(server.proc.pid, taken)
+    finally:
+        stranger.shutdown()
