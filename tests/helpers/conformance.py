@@ -27,6 +27,7 @@ EXPECTED_FAILURES = Path(__file__).resolve().parents[1] / "data" / "expected_fai
 _EXPECTED = json.loads(EXPECTED_FAILURES.read_text())
 KL_OVER_KIT_THRESHOLD: dict[str, dict[str, dict]] = _EXPECTED["kl_over_kit_threshold"]
 GREEDY_TEXT_FAILURES: dict[str, dict[str, str]] = _EXPECTED["greedy_text_failures"]
+BF16_NEAR_TIES: dict[str, str] = _EXPECTED["bf16_near_ties"]
 
 CI_DTYPES = ["kivi2", "specache2"]
 # The client checks and frontend programs exercise SGLang's HTTP and frontend layers over whatever pool serves them:
@@ -181,7 +182,8 @@ def against_baseline(baseline, dtype: str, key: str, row: dict) -> None:
     """Hold a kvq dtype's row to bf16's (`baseline(key)`, asked only for an undocumented miss): pass where bf16 passes
     (an expected failure, with both messages, where bf16 fails too). A KL row over the kit's threshold is a
     documented failure (DocumentedFailure) only when KL_OVER_KIT_THRESHOLD names it, and then must stay under its
-    stated bound; another failure only when GREEDY_TEXT_FAILURES names it."""
+    stated bound; another failure only when GREEDY_TEXT_FAILURES names it, or BF16_NEAR_TIES names the program (an
+    xfail, not strict: the machine's rounding decides it)."""
     if row["outcome"] == "pass":
         return
     # Documented failures were measured where bf16 passes (the committed matrix): they need no baseline run.
@@ -196,6 +198,8 @@ def against_baseline(baseline, dtype: str, key: str, row: dict) -> None:
     text = GREEDY_TEXT_FAILURES.get(dtype, {}).get(key)
     if text:
         raise DocumentedFailure(f"{dtype} {key}: {text}; documented in {EXPECTED_FAILURES.name}")
+    if key in BF16_NEAR_TIES:
+        pytest.xfail(f"{dtype} {key}: {BF16_NEAR_TIES[key]}; {row.get('message', '')}")
     base = baseline(key)
     # Not a documented failure: bf16's outcome is measured in this run (LazyBaseline), so no collection-time mark can
     # name it; the check has nothing to hold the dtype to, and a dtype that passes such a test passes above.

@@ -88,6 +88,9 @@ def test_the_baseline_rule_fails_a_regression_and_reports_a_documented_kl_excess
         against_baseline(base, "kivi1", "k.t", {"outcome": "fail"})
     with pytest.raises(pytest.fail.Exception, match="which bf16 passes"):  # documented for kivi1 only
         against_baseline(base, "kivi4", "k.t", {"outcome": "fail"})
+    monkeypatch.setattr(conformance, "BF16_NEAR_TIES", {"k.t": "a near-tie"})
+    with pytest.raises(pytest.xfail.Exception, match="a near-tie"):  # any dtype: the rounding, not the cache
+        against_baseline(base, "kivi4", "k.t", {"outcome": "fail"})
 
 
 def test_every_documented_failure_is_a_strict_xfail_from_collection():
