@@ -143,7 +143,7 @@ def test_device_decode_metadata_matches_the_host_path(G, bits, residual, method,
     bufs = DecodeBuffers(SLOTS, MAX_CTX // G, host.ring, torch.device(DEVICE))
     ws = dec.DecodeWorkspace(SLOTS, HQ, H, D, torch.device(DEVICE))
     steps = stale = 0
-    for _ in range(150 if triton_interpret else 400):
+    for _ in range(100 if triton_interpret else 400):
         if life.free_slots and (not life.active or life.rng.random() < 0.08):
             life.start()
         if life.rng.random() < 0.1 and (done := life.pick_finisher()) is not None:
