@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sgl_kvq.attention_ref import visible_from
 from sgl_kvq.formats.registry import of_extras
 from sgl_kvq.plan import LayerKV, PagedPlan
 from sgl_kvq.quant import pack
@@ -36,6 +37,7 @@ class BatchedContext:
     ov_rows: torch.Tensor  # [N] int64 overlay rows (frame * G + offset) of the batch's overlay tokens
     ov_dst: torch.Tensor  # [N] int64 their padded positions
     valid: torch.Tensor  # [B, T] bool, t < b's context length
+    length: torch.Tensor  # [B] int64 b's context length
     base_len: torch.Tensor  # [B] int64: b's positions t < base_len[b] come from the packed base, the rest are frames
     # Head-major row indices into a layer's [S * H, ...] / [P * H, ...] / [F * G * H, ...] views: row h * n + i
     # is head h of the i-th slot / page / overlay row. One index_select then gathers straight into the [H, ...]
@@ -74,7 +76,7 @@ def prepare(plan: PagedPlan, G: int, H: int) -> BatchedContext:
     def head_rows(idx):
         return (idx.reshape(1, -1) * H + heads).reshape(-1)
 
-    return BatchedContext(units, slots, pages, is_base_page, is_base_tok, ov_rows, ov_dst, valid, base_len,
+    return BatchedContext(units, slots, pages, is_base_page, is_base_tok, ov_rows, ov_dst, valid, length, base_len,
                           head_rows(slots), head_rows(pages), head_rows(ov_rows))
 
 
@@ -187,14 +189,23 @@ def kivi_padded(kv: LayerKV, ctx: BatchedContext, ws: Workspace | None = None) -
     return k, v.view(H, B * units * G, D)
 
 
+def visible(ctx: BatchedContext, window: int) -> torch.Tensor:
+    """[B, T] bool: the padded positions each request's query sees (its context; the last window + 1 tokens of it
+    under a sliding window, attention_ref)."""
+    if window < 0:
+        return ctx.valid
+    t = torch.arange(ctx.valid.shape[1], device=ctx.valid.device)[None, :]
+    return ctx.valid & (t >= visible_from(ctx.length - 1, window)[:, None])
+
+
 def decode(q: torch.Tensor, kv: LayerKV, ctx: BatchedContext, sm_scale: float,
-           ws: Workspace | None = None) -> torch.Tensor:
-    """q [B, Hq, D]: one query per request over its whole context -> [B, Hq, D] in q's dtype."""
+           ws: Workspace | None = None, window: int = -1) -> torch.Tensor:
+    """q [B, Hq, D]: one query per request over its context (within `window`) -> [B, Hq, D] in q's dtype."""
     B, Hq, D = q.shape
     H = kv.ov_k.shape[2]
     k, v = context(kv, ctx, ws)
     qg = q.float().view(B, H, Hq // H, D).transpose(0, 1)  # [H, B, g, D]: query head i reads KV head i // g
     s = torch.matmul(qg, k.transpose(-1, -2)) * sm_scale  # [H, B, g, T]
-    s.masked_fill_(~ctx.valid[None, :, None, :], float("-inf"))
+    s.masked_fill_(~visible(ctx, window)[None, :, None, :], float("-inf"))
     p = torch.softmax(s, dim=-1)
     return torch.matmul(p, v).transpose(0, 1).reshape(B, Hq, D).to(q.dtype)

@@ -12,21 +12,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sgl_kvq.attention_ref import gather_context
+from sgl_kvq.attention_ref import gather_context, visible_from, window_mask
 from sgl_kvq.plan import LayerKV, PagedPlan
-
-
-def visible(n: int, p: int, device: torch.device) -> torch.Tensor:
-    """[n, p + n] bool: new token i sees the whole prefix (p tokens) and new tokens 0..i."""
-    return torch.arange(p + n, device=device)[None, :] <= torch.arange(p, p + n, device=device)[:, None]
 
 
 def extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, qo_indptr: torch.Tensor, kv: LayerKV,
            plan: PagedPlan, sm_scale: float,
-           contexts: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+           contexts: list[tuple[torch.Tensor, torch.Tensor]] | None = None, window: int = -1) -> torch.Tensor:
     """q [N, Hq, D], k_new/v_new [N, H, D]: request b's new tokens are rows qo_indptr[b]:qo_indptr[b+1] -> [N, Hq, Dv]
     in q's dtype, computed in fp32 as the reference is. The prefix is the plan's pages and frames, or contexts[b] (its
-    K/V [T, H, D] from elsewhere, e.g. SpeCache's 16-bit host tier)."""
+    K/V [T, H, D] from elsewhere, e.g. SpeCache's 16-bit host tier); a sliding `window` (attention_ref) hides what
+    lies before it."""
     out = torch.empty(q.shape[0], q.shape[1], v_new.shape[-1], dtype=q.dtype, device=q.device)
     bounds = qo_indptr.tolist()
     for b in range(plan.batch_size):
@@ -35,10 +31,13 @@ def extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, qo_indptr:
             continue
         k, v = k_new[lo:hi].float(), v_new[lo:hi].float()
         kp, vp = gather_context(kv, plan, b) if contexts is None else (contexts[b][0].float(), contexts[b][1].float())
-        mask = None  # no cached prefix: the fused causal path
-        if kp.shape[0]:
-            mask = visible(hi - lo, kp.shape[0], q.device)
-            k, v = torch.cat([kp, k]), torch.cat([vp, v])
+        n, p = hi - lo, kp.shape[0]
+        mask = None  # no cached prefix and nothing out of the window: the fused causal path
+        if p or 0 <= window < n - 1:
+            # the prefix before the first query's window is never seen: not read into the attention at all
+            first = int(visible_from(p, window))
+            mask = window_mask(n, p, window, q.device)[:, first:]
+            k, v = torch.cat([kp[first:], k]), torch.cat([vp[first:], v])
         # [1, heads, tokens, D]: torch's CPU flash kernel takes 4-d inputs only; 3-d ones run its unfused math path,
         # 1.5-3x slower (SmolLM2 heads, 270-480 tokens, fp32 and bf16, 2 threads).
         o = F.scaled_dot_product_attention(q[lo:hi].float().transpose(0, 1)[None], k.transpose(0, 1)[None],

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from sgl_kvq.attention_batched import Workspace, _rows, frame_rows, unpacked_codes
+from sgl_kvq.attention_ref import visible_from
 from sgl_kvq.formats.registry import of_extras
 from sgl_kvq.plan import LayerKV, PagedPlan
 
@@ -55,6 +56,8 @@ class PageIndex:
     order) then its NF overlay frames (plan.ov_indices order); units of one request need not be adjacent."""
     pages: int  # NP
     unit_req: torch.Tensor  # [NP + NF] int64 request of each unit
+    unit_pos: torch.Tensor  # [NP + NF] int64 position of each unit's first token in its request's context
+    last_pos: torch.Tensor  # [B] int64 position of each request's query (its context's last token)
     # [n] int64 positions u * G + t past their request's context (the tail of its last unit), in units (scores)
     # and in base pages (value scales: the pool may hold anything there)
     tail: torch.Tensor
@@ -78,22 +81,28 @@ def index(plan: PagedPlan, G: int, H: int) -> PageIndex:
         last = torch.zeros(req.numel(), dtype=torch.bool, device=dev)
         last[indptr.long()[1:][n > 0] - 1] = True
         used = torch.where(last, last_len.long()[req], G)
-        return indices.long(), req, (offs[None, :] >= used[:, None]).reshape(-1).nonzero().squeeze(1)
+        pos = (torch.arange(req.numel(), device=dev) - indptr.long()[req]) * G  # from the list's first unit
+        length = torch.where(n > 0, (n - 1) * G + last_len.long(), 0)
+        return indices.long(), req, (offs[None, :] >= used[:, None]).reshape(-1).nonzero().squeeze(1), pos, length
 
-    pages, page_req, base_tail = units(plan.kv_indptr, plan.kv_indices, plan.kv_last_page_len)
-    frames, frame_req, ov_tail = units(plan.ov_indptr, plan.ov_indices, plan.ov_last_page_len)
+    pages, page_req, base_tail, page_pos, base_len = units(plan.kv_indptr, plan.kv_indices, plan.kv_last_page_len)
+    frames, frame_req, ov_tail, frame_pos, ov_len = units(plan.ov_indptr, plan.ov_indices, plan.ov_last_page_len)
 
     def head_rows(idx):
         return (idx.reshape(1, -1) * H + heads).reshape(-1)
 
     NP = pages.numel()
-    return PageIndex(pages=NP, unit_req=torch.cat([page_req, frame_req]), tail=torch.cat([base_tail, NP * G + ov_tail]),
+    return PageIndex(pages=NP, unit_req=torch.cat([page_req, frame_req]),
+                     unit_pos=torch.cat([page_pos, base_len[frame_req] + frame_pos]), last_pos=base_len + ov_len - 1,
+                     tail=torch.cat([base_tail, NP * G + ov_tail]),
                      base_tail=base_tail, ov_tail=ov_tail, slot_rows=head_rows((pages[:, None] * G + offs).reshape(-1)),
                      page_rows=head_rows(pages), frame_rows=head_rows((frames[:, None] * G + offs).reshape(-1)))
 
 
-def decode(q: torch.Tensor, kv: LayerKV, idx: PageIndex, sm_scale: float, ws: Workspace | None = None) -> torch.Tensor:
-    """q [B, Hq, D]: one query per request over its whole context -> [B, Hq, D] in q's dtype (kv: `supports`)."""
+def decode(q: torch.Tensor, kv: LayerKV, idx: PageIndex, sm_scale: float, ws: Workspace | None = None,
+           window: int = -1) -> torch.Tensor:
+    """q [B, Hq, D]: one query per request over its context (within `window`, attention_ref) -> [B, Hq, D] in q's
+    dtype (kv: `supports`)."""
     B, Hq, D = q.shape
     G, H = kv.G, kv.ov_k.shape[2]
     g, NP = Hq // H, idx.pages
@@ -115,6 +124,10 @@ def decode(q: torch.Tensor, kv: LayerKV, idx: PageIndex, sm_scale: float, ws: Wo
     ov_k = frame_rows(kv.ov_k, idx.frame_rows).view(H, NF, G, D).float()
     s = torch.cat([s_base, torch.matmul(qu[:, NP:], ov_k.transpose(-1, -2))], 1)  # [H, NU, g, G]
     s.permute(1, 3, 0, 2)[idx.tail // G, idx.tail % G] = float("-inf")
+    if window >= 0:  # positions before the window: weight 0 (a request's max comes from its query's own unit)
+        hidden = idx.unit_pos[:, None] + torch.arange(G, device=q.device) < visible_from(idx.last_pos, window)[
+            idx.unit_req][:, None]  # [NU, G]
+        s.masked_fill_(hidden[None, :, None, :], float("-inf"))
     # Softmax per request over its units, normalized at the end.
     m = s.new_full((H, B, g), float("-inf")).scatter_reduce_(1, idx.unit_req[None, :, None].expand(H, -1, g),
                                                              s.amax(-1), "amax")

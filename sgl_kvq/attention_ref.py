@@ -4,6 +4,10 @@ This is the oracle of the Triton kernels and the compute of the `kvq_torch` back
 only the pages that request references: never the whole pool.
 
 The plan and layer types are in sgl_kvq/plan.py.
+
+A sliding-window layer (SGLang's `sliding_window_size` W, -1 for none) lets a query at context position i see the
+keys at positions i - W .. i: W + 1 tokens, its own included (SGLang's torch_native and triton backends alike).
+Every path takes that `window` and masks by it; dropping whole hidden pages is only a saving (`visible_from`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,21 @@ def gather_context(kv: LayerKV, plan: PagedPlan, b: int) -> tuple[torch.Tensor, 
     return k, v
 
 
+def visible_from(query_pos, window: int):
+    """The first context position a query at `query_pos` (an int or a tensor of them) sees under `window`."""
+    if window < 0:
+        return query_pos * 0
+    return (query_pos - window).clamp(min=0) if isinstance(query_pos, torch.Tensor) else max(query_pos - window, 0)
+
+
+def window_mask(n: int, p: int, window: int, device: torch.device) -> torch.Tensor:
+    """[n, p + n] bool: new token i (at position p + i, after a prefix of p tokens) sees positions
+    visible_from(p + i) .. p + i."""
+    t = torch.arange(p + n, device=device)[None, :]
+    i = torch.arange(p, p + n, device=device)[:, None]
+    return (t <= i) & (t >= visible_from(i, window))
+
+
 def attention_probs(q: torch.Tensor, k: torch.Tensor, sm_scale: float, mask=None) -> torch.Tensor:
     """q [N, Hq, D], k [T, H, D] (GQA: query head i reads KV head i // (Hq / H)) -> softmax [Hq, N, T] fp32."""
     group = q.shape[1] // k.shape[1]
@@ -51,21 +70,23 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
     return weighted_values(attention_probs(q, k, sm_scale, mask), v)
 
 
-def ref_decode(q: torch.Tensor, kv: LayerKV, plan: PagedPlan, sm_scale: float) -> torch.Tensor:
-    """q [B, Hq, D]: one query per request over its whole context -> [B, Hq, Dv] in q's dtype."""
+def ref_decode(q: torch.Tensor, kv: LayerKV, plan: PagedPlan, sm_scale: float, window: int = -1) -> torch.Tensor:
+    """q [B, Hq, D]: one query per request over its whole context (its last `window` + 1 tokens under a sliding
+    window) -> [B, Hq, Dv] in q's dtype."""
     out = torch.empty(q.shape[0], q.shape[1], kv.ov_v.shape[-1], dtype=q.dtype, device=q.device)
     for b in range(plan.batch_size):
         k, v = gather_context(kv, plan, b)
-        out[b] = _attend(q[b:b + 1], k, v, sm_scale)[0].to(q.dtype)
+        first = visible_from(k.shape[0] - 1, window)
+        out[b] = _attend(q[b:b + 1], k[first:], v[first:], sm_scale)[0].to(q.dtype)
     return out
 
 
 def ref_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, qo_indptr: torch.Tensor, kv: LayerKV,
                plan: PagedPlan, sm_scale: float,
-               contexts: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+               contexts: list[tuple[torch.Tensor, torch.Tensor]] | None = None, window: int = -1) -> torch.Tensor:
     """Extend: request b's new tokens q/k_new/v_new[qo_indptr[b]:qo_indptr[b+1]] attend to b's cached prefix (the
-    plan's pages and frames, all visible; or contexts[b] = its K/V [T, H, D] from elsewhere, e.g. SpeCache's
-    16-bit host tier) and causally to the new tokens (fresh, never re-read from the pool)."""
+    plan's pages and frames; or contexts[b] = its K/V [T, H, D] from elsewhere, e.g. SpeCache's 16-bit host tier)
+    and causally to the new tokens (fresh, never re-read from the pool), all of it within `window`."""
     out = torch.empty(q.shape[0], q.shape[1], v_new.shape[-1], dtype=q.dtype, device=q.device)
     for b in range(plan.batch_size):
         lo, hi = int(qo_indptr[b]), int(qo_indptr[b + 1])
@@ -74,8 +95,6 @@ def ref_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, qo_ind
         kp, vp = gather_context(kv, plan, b) if contexts is None else (contexts[b][0].float(), contexts[b][1].float())
         k = torch.cat([kp, k_new[lo:hi].float()])
         v = torch.cat([vp, v_new[lo:hi].float()])
-        n, p = hi - lo, kp.shape[0]
-        mask = torch.ones(n, p + n, dtype=torch.bool, device=q.device)
-        mask[:, p:] = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        mask = window_mask(hi - lo, kp.shape[0], window, q.device)
         out[lo:hi] = _attend(q[lo:hi], k, v, sm_scale, mask).to(q.dtype)
     return out

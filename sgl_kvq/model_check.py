@@ -4,22 +4,48 @@ from __future__ import annotations
 
 from sgl_kvq.config import KVQConfig, KVQConfigError
 
-# Attention shapes the pool does not model: latent (MLA) KV, sliding windows, linear/state-space layers.
+# Attention shapes the pool does not model: latent (MLA) KV, linear/state-space layers.
 _MLA_KEYS = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim")
+_LAYER_KINDS = ("full_attention", "sliding_attention")  # what every layer keeps in the one pool, all its tokens
+WINDOW_BACKENDS = ("kvq_torch",)  # the backends whose every path masks by a sliding window (backends/base.py)
 
 
-def check_hf_config(hf_config, cfg: KVQConfig) -> None:
-    text = getattr(hf_config, "get_text_config", lambda: hf_config)()
+def _text(hf_config):
+    return getattr(hf_config, "get_text_config", lambda: hf_config)()
+
+
+def has_sliding_windows(hf_config) -> bool:
+    """Whether some layer attends through a sliding window (Gemma 2/3, Mistral, gpt-oss ...)."""
+    text = _text(hf_config)
+    return bool(getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)) \
+        or "sliding_attention" in (getattr(text, "layer_types", None) or ())
+
+
+def check_hf_config(hf_config, cfg: KVQConfig, backends: list[str],
+                    hybrid_swa: bool = False) -> None:
+    """Raise KVQConfigError, before any weight loads, for a model `cfg` cannot serve on `backends` (the attention
+    backends the server will run); hybrid_swa: SGLang would give its sliding-window layers a pool of their own."""
+    text = _text(hf_config)
     arch = ",".join(getattr(hf_config, "architectures", None) or []) or type(hf_config).__name__
     if any(getattr(text, k, None) for k in _MLA_KEYS):
         raise KVQConfigError(f"sgl_kvq: {arch} uses multi-head latent attention (MLA); {cfg.name} quantizes "
                              "per-head K/V pages and does not support MLA models")
-    if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True):
-        raise KVQConfigError(f"sgl_kvq: {arch} uses sliding-window attention, not supported by {cfg.name} yet")
-    layer_types = getattr(text, "layer_types", None) or ()
-    if any(t != "full_attention" for t in layer_types):
-        raise KVQConfigError(f"sgl_kvq: {arch} mixes attention kinds {sorted(set(layer_types))}; {cfg.name} "
-                             "supports models whose layers are all full attention")
+    kinds = set(getattr(text, "layer_types", None) or ())
+    if kinds - set(_LAYER_KINDS):
+        raise KVQConfigError(f"sgl_kvq: {arch} mixes attention kinds {sorted(kinds)}; {cfg.name} supports models "
+                             f"whose layers are {' or '.join(_LAYER_KINDS)}")
+    if has_sliding_windows(hf_config):
+        if hybrid_swa:
+            raise KVQConfigError(f"sgl_kvq: SGLang would give {arch}'s sliding-window layers a KV pool of their own "
+                                 f"(hybrid SWA memory), which {cfg.name} does not build; pass "
+                                 "--disable-hybrid-swa-memory to keep every layer's tokens in one pool")
+        refusal = cfg.format.strategy.refusal("sliding_window", cfg.name)
+        if refusal:
+            raise KVQConfigError(f"sgl_kvq: {arch} has sliding-window layers: {refusal}")
+        other = [b for b in backends if b not in WINDOW_BACKENDS]
+        if other:
+            raise KVQConfigError(f"sgl_kvq: {arch} has sliding-window layers, which {' and '.join(other)} does not "
+                                 f"serve with {cfg.name} yet; use --attention-backend {WINDOW_BACKENDS[0]}")
     heads = getattr(text, "num_attention_heads", None)
     head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
     if head_dim is None:

@@ -19,6 +19,12 @@ def query_heads_on_this_rank(model_runner) -> int:
     return model_runner.model_config.get_max_num_attention_heads() // get_parallel().attn_tp_size
 
 
+def sliding_window(layer) -> int:
+    """A layer's sliding window W (a query at position i sees i - W .. i: sgl_kvq/attention_ref.py), -1 for none."""
+    w = layer.sliding_window_size
+    return -1 if w is None or w < 0 else int(w)
+
+
 class KVQAttentionBackendBase(AttentionBackend):
     """The forward plan built once per batch (sgl_kvq/metadata/), the write order per layer, the layer checks.
     Subclasses supply the attention compute (`extend`, `decode`) and whether writes use the Triton kernels, or
@@ -27,6 +33,9 @@ class KVQAttentionBackendBase(AttentionBackend):
 
     name = "kvq"
     write_kernels = False
+    # whether every attention path of the backend masks by a layer's sliding window (model_check refuses windowed
+    # models before load on the others)
+    sliding_windows = False
 
     def __init__(self, model_runner):
         super().__init__()
@@ -61,12 +70,12 @@ class KVQAttentionBackendBase(AttentionBackend):
         else:
             raise NotImplementedError(f"sgl_kvq: forward mode {mode.name} is not supported by {self.name}")
 
-    @staticmethod
-    def _check_layer(layer):
-        if layer.is_cross_attention or (layer.sliding_window_size is not None and layer.sliding_window_size > -1) \
-                or (layer.logit_cap or 0) > 0 or layer.qk_head_dim != layer.v_head_dim:
-            raise NotImplementedError("sgl_kvq: cross attention, sliding windows, logit caps and qk/v head dims "
-                                      "that differ are not supported")
+    def _check_layer(self, layer):
+        if layer.is_cross_attention or (layer.logit_cap or 0) > 0 or layer.qk_head_dim != layer.v_head_dim:
+            raise NotImplementedError("sgl_kvq: cross attention, logit caps and qk/v head dims that differ are not "
+                                      "supported")
+        if sliding_window(layer) >= 0 and not self.sliding_windows:
+            raise NotImplementedError(f"sgl_kvq: {self.name} does not serve sliding-window layers (kvq_torch does)")
 
     def _views(self, q, k, v, layer):
         self._check_layer(layer)
@@ -97,7 +106,7 @@ class KVQAttentionBackendBase(AttentionBackend):
             sq, sk, sv = (q, k, v) if step.rows is None else (q[step.rows], k[step.rows], v[step.rows])
             # Attend first: the prefix's fp16 frames may be reused by this step's own tokens, so read them before
             # this layer's write (sgl_kvq/kv_store.py).
-            o = self.extend(sq, sk, sv, li, step, layer.scaling)
+            o = self.extend(sq, sk, sv, li, step, layer.scaling, sliding_window(layer))
             if save_kv_cache:
                 self.store.write_layer(li, step.write, sk, sv, kernels=self.write_kernels, q=sq,
                                        sm_scale=layer.scaling)  # q: zipcache2's saliency
@@ -114,13 +123,13 @@ class KVQAttentionBackendBase(AttentionBackend):
         step = self.forward_plan.steps[0]
         if save_kv_cache:
             self.store.write_layer(li, step.write, k, v, kernels=self.write_kernels, q=q, sm_scale=layer.scaling)
-        return self.decode(q, li, step, layer.scaling).reshape(q.shape[0], -1)
+        return self.decode(q, li, step, layer.scaling, sliding_window(layer)).reshape(q.shape[0], -1)
 
     @abc.abstractmethod
-    def extend(self, q, k, v, li, step, sm_scale):
+    def extend(self, q, k, v, li, step, sm_scale, window):
         """q [N, Hq, D], fresh k/v [N, H, D] -> [N, Hq, D]: the context before the step (step.plan) plus the
-        step's own tokens, causally."""
+        step's own tokens, causally, within the sliding `window` (-1: none)."""
 
     @abc.abstractmethod
-    def decode(self, q, li, step, sm_scale):
-        """q [B, Hq, D] -> [B, Hq, D] over each request's whole context (step.plan)."""
+    def decode(self, q, li, step, sm_scale, window):
+        """q [B, Hq, D] -> [B, Hq, D] over each request's context (step.plan), within the sliding `window`."""

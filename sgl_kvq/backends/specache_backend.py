@@ -28,6 +28,8 @@ from sgl_kvq.specache.attention import recall
 
 
 class KVQSpeCacheBackend(KVQTorchBackend):
+    sliding_windows = False  # its lanes read whole contexts (its strategy refuses windowed models before load)
+
     def __init__(self, model_runner):
         super().__init__(model_runner)
         self.sc = self.pool.specache

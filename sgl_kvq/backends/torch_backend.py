@@ -38,6 +38,7 @@ def intra_op_threads(n: int, device: torch.device):
 
 class KVQTorchBackend(KVQAttentionBackendBase):
     name = "kvq_torch"
+    sliding_windows = True
 
     def __init__(self, model_runner):
         super().__init__(model_runner)
@@ -58,8 +59,9 @@ class KVQTorchBackend(KVQAttentionBackendBase):
                        cpu_decode_attention.unavailable_reason())
         return False
 
-    def extend(self, q, k, v, li, step, sm_scale):
-        return attention_extend.extend(q, k, v, step.qo_indptr, self.store.layer_view(li), step.plan, sm_scale)
+    def extend(self, q, k, v, li, step, sm_scale, window):
+        return attention_extend.extend(q, k, v, step.qo_indptr, self.store.layer_view(li), step.plan, sm_scale,
+                                       window=window)
 
     def _derived(self, plan, name, build):
         if self._plan_derived[0] is not plan:
@@ -94,9 +96,10 @@ class KVQTorchBackend(KVQAttentionBackendBase):
         """The decode attention's intra-op thread limit (KVQConfig.attention_threads says why), as a context."""
         return intra_op_threads(self.store.cfg.attention_threads, self.store.device)
 
-    def decode(self, q, li, step, sm_scale):
+    def decode(self, q, li, step, sm_scale, window):
         kv = self.store.layer_view(li)
-        if self._cpu_kernel and cpu_decode_attention.supports(kv):
+        # the C kernel reads whole contexts: a sliding-window layer takes the torch paths
+        if self._cpu_kernel and cpu_decode_attention.supports(kv) and window < 0:
             self._derived(step.plan, "decode", self._count_cpu_kernel_batch)  # batches, not layers
             check = li not in self._checked_layers
             self._checked_layers.add(li)
@@ -105,7 +108,7 @@ class KVQTorchBackend(KVQAttentionBackendBase):
         with self.attention_threads():
             idx = self.decode_index(step.plan, kv)
             path = attention_pages if isinstance(idx, attention_pages.PageIndex) else attention_batched
-            return path.decode(q, kv, idx, sm_scale, self._workspace)
+            return path.decode(q, kv, idx, sm_scale, self._workspace, window=window)
 
     def support_triton(self):
         return False

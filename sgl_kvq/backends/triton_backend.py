@@ -67,11 +67,11 @@ class KVQTritonBackend(KVQAttentionBackendBase):
         q, k, v, li = self._views(q, k, v, layer)
         if save_kv_cache:
             self.store.write_decode_layer(li, self.forward_plan.steps[0].write, k, v, q=q, sm_scale=layer.scaling)
-        return self.decode(q, li, self.forward_plan.steps[0], layer.scaling).reshape(q.shape[0], -1)
+        return self.decode(q, li, self.forward_plan.steps[0], layer.scaling, -1).reshape(q.shape[0], -1)
 
-    def extend(self, q, k, v, li, step, sm_scale):
+    def extend(self, q, k, v, li, step, sm_scale, window):  # window: -1 (sliding_windows is False)
         return extend_attention(q.contiguous(), k.contiguous(), v.contiguous(), step.qo_indptr,
                                 self.store.layer_view(li), step.plan, sm_scale, max_qo_len=step.max_qo_len)
 
-    def decode(self, q, li, step, sm_scale):
+    def decode(self, q, li, step, sm_scale, window):  # window: -1 (sliding_windows is False)
         return decode_kernel.decode_attention(q.contiguous(), self.store.layer_view(li), self.decode_plan, sm_scale)

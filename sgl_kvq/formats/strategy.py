@@ -34,7 +34,8 @@ class DecodeStrategy:
         return 0
 
     def refusal(self, feature: str, name: str) -> str | None:
-        """Why `feature` ("hicache", "disaggregation") cannot serve dtype `name` with this strategy, or None."""
+        """Why `feature` ("hicache", "disaggregation", "sliding_window") cannot serve dtype `name` with this strategy,
+        or None."""
         return None
 
     def state(self, cfg, shape, num_req_slots: int, model_dtype: torch.dtype, device, store=None):

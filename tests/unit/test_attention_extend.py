@@ -11,7 +11,7 @@ import torch
 
 from paged_pool import SHAPES, make_pool, random_requests
 from sgl_kvq import attention_extend
-from sgl_kvq.attention_ref import ref_extend
+from sgl_kvq.attention_ref import ref_extend, window_mask
 
 
 def new_tokens(rng: random.Random, B: int, G: int) -> torch.Tensor:
@@ -84,8 +84,8 @@ def test_extend_model_dtypes(dtype):
 
 
 @pytest.mark.parametrize("n,p", [(1, 0), (5, 0), (3, 7), (4, 1)])
-def test_visible(n, p):
-    m = attention_extend.visible(n, p, torch.device("cpu"))
+def test_window_mask_without_a_window_is_the_prefix_and_causal(n, p):
+    m = window_mask(n, p, -1, torch.device("cpu"))
     expect = torch.ones(n, p + n, dtype=torch.bool)
     expect[:, p:] = torch.ones(n, n, dtype=torch.bool).tril()
     assert torch.equal(m, expect)

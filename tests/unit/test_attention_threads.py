@@ -61,7 +61,7 @@ def test_kvq_torch_decode_runs_under_the_limit(two_threads, monkeypatch, path):
     built = attention_pages.PageIndex.__new__(attention_pages.PageIndex) if path == "pages" else object()
     monkeypatch.setattr(module, build, lambda plan, G, H: seen.append((build, torch.get_num_threads())) or built)
     monkeypatch.setattr(module, "decode",
-                        lambda q, kv, idx, sm, ws: seen.append(("decode", torch.get_num_threads())) or q)
+                        lambda q, kv, idx, sm, ws, window: seen.append(("decode", torch.get_num_threads())) or q)
     backend = KVQTorchBackend.__new__(KVQTorchBackend)
     backend._plan_derived, backend._workspace, backend._cpu_kernel = (None, {}), None, False
     backend.pool = SimpleNamespace(decode_batches=collections.Counter())
@@ -69,7 +69,7 @@ def test_kvq_torch_decode_runs_under_the_limit(two_threads, monkeypatch, path):
                                     shape=SimpleNamespace(heads=3),
                                     layer_view=lambda li: SimpleNamespace(extras=None))
     q = torch.zeros(1, 3, 64)
-    assert backend.decode(q, 0, SimpleNamespace(plan=object()), 0.125) is q
+    assert backend.decode(q, 0, SimpleNamespace(plan=object()), 0.125, -1) is q
     assert seen == [(build, 1), ("decode", 1)] and torch.get_num_threads() == 2
     assert backend.pool.decode_batches == {path: 1}
 

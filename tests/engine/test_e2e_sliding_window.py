@@ -1,0 +1,61 @@
+"""Sliding-window layers through the engine (SGLang's Gemma3ForCausalLM, a tiny random one built here, float32):
+kvq_torch masks each sliding layer by its window on every path, in SGLang's own semantics (a query at position i sees
+i - W .. i). The path-by-path checks against the reference are tests/unit/test_attention_window.py."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine_runs import engine_in_env, pool_stats
+from sgl_kvq.tools.models import tiny_gemma3
+
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
+
+GREEDY = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+
+
+def generate(model, dtype, input_ids, env=None):
+    """Greedy tokens and their logprobs of each prompt, one request at a time (no batch-dependent rounding)."""
+    with engine_in_env(model, dtype, env, max_total_tokens=4096, max_running_requests=4) as llm:
+        outs = [llm.generate(input_ids=ids, sampling_params=GREEDY, return_logprob=True) for ids in input_ids]
+        stats = pool_stats(llm) if dtype != "auto" else None
+    return [o["output_ids"] for o in outs], [[x[0] for x in o["meta_info"]["output_token_logprobs"]] for o in outs], \
+        stats
+
+
+def random_ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(4, 1000) for _ in range(n)]  # the tiny tokenizer's ids past its 4 special tokens
+
+
+def test_inside_the_fp16_window_kivi2_gives_sglangs_own_sliding_window_tokens():
+    """50-token prompts and 16 tokens each, window 24: every key a query sees is still fp16 (R = 64), so kivi2 must
+    give SGLang's bf16 pool's tokens and logprobs (torch_native's own sliding-window mask), decode and prefill both
+    cutting the context at the window."""
+    model = tiny_gemma3(24)
+    rng = random.Random(1)
+    prompts = [random_ids(rng, 50) for _ in range(3)]
+    auto_ids, auto_lp, _ = generate(model, "auto", prompts)
+    kvq_ids, kvq_lp, stats = generate(model, "kivi2", prompts)
+    assert stats["kv_cache_dtype"] == "kivi2"
+    assert kvq_ids == auto_ids
+    for a, b in zip(auto_lp, kvq_lp):
+        assert a == pytest.approx(b, abs=1e-4)
+
+
+def test_tokens_before_the_window_are_never_read_from_the_packed_pages():
+    """Two sliding layers of window 100 with R = 0 (only the open page is fp16: the window reaches into packed
+    pages). Two 400-token prompts that differ only in their first 100 tokens: a layer-2 key at position j depends on
+    tokens j - 100 .. j, and the pages a query at 400 or later reads start at 400 - 100 - 64 or later, so nothing they
+    hold depends on the differing tokens, and the outputs must be the same to the bit. With a window wider than the
+    context the same prompts give different tokens: the check can fail."""
+    rng = random.Random(2)
+    tail = random_ids(rng, 300)
+    prompts = [random_ids(rng, 100) + tail, random_ids(rng, 100) + tail]
+    deterministic = {"KVQ_RESIDUAL": "0"}
+    ids, lp, stats = generate(tiny_gemma3(100, ("sliding_attention",) * 2), "kivi2", prompts, deterministic)
+    assert stats["pages_quantized"] >= 2 * 6  # both prompts' complete pages were packed, then read
+    assert ids[0] == ids[1] and lp[0] == lp[1]
+    wide, _, _ = generate(tiny_gemma3(4096, ("sliding_attention",) * 2), "kivi2", prompts, deterministic)
+    assert wide[0] != wide[1]
