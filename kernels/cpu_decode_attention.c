@@ -16,6 +16,8 @@
  *                              a frame), each frame contiguous
  *   plan       kv_indptr [B+1], kv_indices, kv_last [B]; ov_indptr [B+1], ov_indices, ov_last [B]: int32
  * Request b's context is its base pages then its overlay frames; the last page of each list holds *_last tokens.
+ * window: a sliding layer's W (-1: none): the query, at the context's last position i, sees i - W .. i; the tokens
+ * before are neither read nor counted, and units wholly before them make no task.
  *
  * A base page folds its scales into the query instead of dequantizing its keys: q . k_t = (q * s) . c_t + q . z.
  * Query head i reads KV head i / g (g = Hq / H). Work is split into tasks of up to `chunk` units (pages or frames)
@@ -74,6 +76,7 @@ typedef struct {
     int H, Hq, D, G, NG, q_dtype, ov_dtype;
     long ov_stride;
     float sm_scale;
+    int window; /* a sliding layer's W (the query at position i sees i - W .. i), -1 for none */
 } Args;
 
 /* Byte value -> its 8 / b codes as floats, in element order (a copy per packed byte instead of a shift, mask and
@@ -123,13 +126,13 @@ static inline float dot(const float *restrict a, const float *restrict b, int D)
     return s;
 }
 
-/* Online softmax over one unit's n scores s[j * G + t] per query head j: rescale the running state to the new max,
- * turn the scores into weights in place. */
+/* Online softmax over one unit's scores s[j * G + t], t0 <= t < n, per query head j: rescale the running state to
+ * the new max, turn the scores into weights in place. */
 static inline void softmax_step(float *restrict s, float *restrict m, float *restrict l, float *restrict acc,
-                                int g, int n, int G, int D) {
+                                int g, int t0, int n, int G, int D) {
     for (int j = 0; j < g; j++) {
         float mx = m[j];
-        for (int t = 0; t < n; t++) mx = fmaxf(mx, s[j * G + t]);
+        for (int t = t0; t < n; t++) mx = fmaxf(mx, s[j * G + t]);
         if (mx > m[j]) {
             const float alpha = m[j] == -INFINITY ? 0.f : expf(m[j] - mx);
             l[j] *= alpha;
@@ -137,7 +140,7 @@ static inline void softmax_step(float *restrict s, float *restrict m, float *res
             m[j] = mx;
         }
         float sum = 0.f;
-        for (int t = 0; t < n; t++) {
+        for (int t = t0; t < n; t++) {
             const float e = expf(s[j * G + t] - mx);
             s[j * G + t] = e;
             sum += e;
@@ -151,9 +154,10 @@ static inline void axpy(float *restrict y, const float *restrict x, float a, int
     for (int d = 0; d < D; d++) y[d] += a * x[d];
 }
 
-/* A base page's n tokens of KV head h for the g query rows qh (already scaled by sm_scale). */
-static inline void base_page(const Args *a, int page, int n, int h, const float *restrict qh, float *restrict m,
-                             float *restrict l, float *restrict acc, float *restrict s, const int b) {
+/* A base page's tokens t0 .. n - 1 of KV head h for the g query rows qh (already scaled by sm_scale). */
+static inline void base_page(const Args *a, int page, int t0, int n, int h, const float *restrict qh,
+                             float *restrict m, float *restrict l, float *restrict acc, float *restrict s,
+                             const int b) {
     const int D = a->D, H = a->H, G = a->G, NG = a->NG, g = a->Hq / a->H, Dp = D * b / 8, VG = D / NG;
     float qs[g * D], qz[g], c[D], v[D];
     const long kp = ((long)page * H + h) * D;
@@ -165,12 +169,12 @@ static inline void base_page(const Args *a, int page, int n, int h, const float 
         }
         qz[j] = z;
     }
-    for (int t = 0; t < n; t++) {
+    for (int t = t0; t < n; t++) {
         unpack_row(a->k_codes + ((long)(page * G + t) * H + h) * Dp, c, D, b);
         for (int j = 0; j < g; j++) s[j * G + t] = dot(qs + j * D, c, D) + qz[j];
     }
-    softmax_step(s, m, l, acc, g, n, G, D);
-    for (int t = 0; t < n; t++) {
+    softmax_step(s, m, l, acc, g, t0, n, G, D);
+    for (int t = t0; t < n; t++) {
         const long row = (long)(page * G + t) * H + h;
         unpack_row(a->v_codes + row * Dp, c, D, b);
         for (int grp = 0; grp < NG; grp++) {
@@ -181,18 +185,18 @@ static inline void base_page(const Args *a, int page, int n, int h, const float 
     }
 }
 
-/* An overlay frame's n tokens of KV head h, as stored. */
-static inline void overlay_frame(const Args *a, int frame, int n, int h, const float *restrict qh,
+/* An overlay frame's tokens t0 .. n - 1 of KV head h, as stored. */
+static inline void overlay_frame(const Args *a, int frame, int t0, int n, int h, const float *restrict qh,
                                  float *restrict m, float *restrict l, float *restrict acc, float *restrict s) {
     const int D = a->D, H = a->H, G = a->G, g = a->Hq / a->H;
     float c[D];
-    for (int t = 0; t < n; t++) {
+    for (int t = t0; t < n; t++) {
         const long row = frame * a->ov_stride + ((long)t * H + h) * D;
         for (int d = 0; d < D; d++) c[d] = load(a->ov_k, row + d, a->ov_dtype);
         for (int j = 0; j < g; j++) s[j * G + t] = dot(qh + j * D, c, D);
     }
-    softmax_step(s, m, l, acc, g, n, G, D);
-    for (int t = 0; t < n; t++) {
+    softmax_step(s, m, l, acc, g, t0, n, G, D);
+    for (int t = t0; t < n; t++) {
         const long row = frame * a->ov_stride + ((long)t * H + h) * D;
         for (int d = 0; d < D; d++) c[d] = load(a->ov_v, row + d, a->ov_dtype);
         for (int j = 0; j < g; j++) axpy(acc + j * D, c, s[j * G + t], D);
@@ -204,8 +208,24 @@ static inline int units_of(const Args *a, int b) {
     return a->kv_indptr[b + 1] - a->kv_indptr[b] + a->ov_indptr[b + 1] - a->ov_indptr[b];
 }
 
-/* Units [u0, u1) of request b for KV head h into one partial state. */
-static inline void run_task(const Args *a, int b, int h, int u0, int u1, float *restrict part, const int bits) {
+/* The first token request b's query sees, as (unit, token in it): 0, 0 without a window. Every unit but the
+ * context's last is whole (G tokens), so positions map to units by division. */
+static inline void window_start(const Args *a, int b, int *unit, int *tok) {
+    const int G = a->G, np = a->kv_indptr[b + 1] - a->kv_indptr[b], nf = a->ov_indptr[b + 1] - a->ov_indptr[b];
+    const int base = np ? (np - 1) * G + a->kv_last[b] : 0, len = base + (nf ? (nf - 1) * G + a->ov_last[b] : 0);
+    const int lo = a->window < 0 || len - 1 - a->window < 0 ? 0 : len - 1 - a->window;
+    if (lo < base) {
+        *unit = lo / G;
+        *tok = lo % G;
+    } else {
+        *unit = np + (lo - base) / G;
+        *tok = (lo - base) % G;
+    }
+}
+
+/* Units [u0, u1) of request b for KV head h into one partial state; unit u0 from token t0 on. */
+static inline void run_task(const Args *a, int b, int h, int u0, int t0, int u1, float *restrict part,
+                            const int bits) {
     const int D = a->D, G = a->G, g = a->Hq / a->H;
     const int np = a->kv_indptr[b + 1] - a->kv_indptr[b], nf = a->ov_indptr[b + 1] - a->ov_indptr[b];
     float qh[g * D], s[g * G];
@@ -218,12 +238,13 @@ static inline void run_task(const Args *a, int b, int h, int u0, int u1, float *
     }
     memset(acc, 0, sizeof(float) * g * D);
     for (int u = u0; u < u1; u++) {
+        const int from = u == u0 ? t0 : 0;
         if (u < np) {
             const int n = u == np - 1 ? a->kv_last[b] : G;
-            base_page(a, a->kv_indices[a->kv_indptr[b] + u], n, h, qh, m, l, acc, s, bits);
+            base_page(a, a->kv_indices[a->kv_indptr[b] + u], from, n, h, qh, m, l, acc, s, bits);
         } else {
             const int f = u - np, n = f == nf - 1 ? a->ov_last[b] : G;
-            overlay_frame(a, a->ov_indices[a->ov_indptr[b] + f], n, h, qh, m, l, acc, s);
+            overlay_frame(a, a->ov_indices[a->ov_indptr[b] + f], from, n, h, qh, m, l, acc, s);
         }
     }
 }
@@ -234,18 +255,21 @@ int kvq_cpu_decode(const void *q, void *out, const uint8_t *k_codes, const uint8
                    const uint16_t *ov_k, const uint16_t *ov_v, const int32_t *kv_indptr, const int32_t *kv_indices,
                    const int32_t *kv_last, const int32_t *ov_indptr, const int32_t *ov_indices,
                    const int32_t *ov_last, int B, int H, int Hq, int D, int G, int bits, int NG, int q_dtype,
-                   int ov_dtype, long ov_stride, float sm_scale, int chunk, int threads, float *partial) {
+                   int ov_dtype, long ov_stride, float sm_scale, int window, int chunk, int threads,
+                   float *partial) {
     const Args a = {q, out, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, ov_k, ov_v, kv_indptr, kv_indices,
-                    kv_last, ov_indptr, ov_indices, ov_last, H, Hq, D, G, NG, q_dtype, ov_dtype, ov_stride, sm_scale};
+                    kv_last, ov_indptr, ov_indices, ov_last, H, Hq, D, G, NG, q_dtype, ov_dtype, ov_stride, sm_scale,
+                    window};
     /* partial [tasks, g, D + 2]: per query head of a task its weighted values, then max and sum */
     const int g = Hq / H, stride = g * (D + 2);
-    /* request b's tasks are first[b] .. first[b + 1] - 1, H x its chunks in (head, chunk) order; task_b[t]: the
-     * request of task t */
-    int *first = malloc(sizeof(int) * (B + 1));
+    /* request b's tasks are first[b] .. first[b + 1] - 1, H x its chunks of the units its window sees (from unit
+     * u_lo[b], token t_lo[b] in it) in (head, chunk) order; task_b[t]: the request of task t */
+    int *first = malloc(sizeof(int) * (3 * B + 1)), *u_lo = first + B + 1, *t_lo = u_lo + B;
     if (!first) return -1;
     first[0] = 0;
     for (int b = 0; b < B; b++) {
-        first[b + 1] = first[b] + H * ((units_of(&a, b) + chunk - 1) / chunk);
+        window_start(&a, b, u_lo + b, t_lo + b);
+        first[b + 1] = first[b] + H * ((units_of(&a, b) - u_lo[b] + chunk - 1) / chunk);
     }
     const int tasks = first[B];
     int *task_b = malloc(sizeof(int) * (tasks > 0 ? tasks : 1));
@@ -259,14 +283,15 @@ int kvq_cpu_decode(const void *q, void *out, const uint8_t *k_codes, const uint8
     for (int t = 0; t < tasks; t++) {
         const int b = task_b[t], chunks = (first[b + 1] - first[b]) / H, i = t - first[b];
         const int h = i / chunks, c = i % chunks;
-        const int units = units_of(&a, b), u0 = c * chunk, u1 = u0 + chunk < units ? u0 + chunk : units;
+        const int units = units_of(&a, b), u0 = u_lo[b] + c * chunk, u1 = u0 + chunk < units ? u0 + chunk : units;
+        const int t0 = c == 0 ? t_lo[b] : 0;
         float *part = partial + (long)t * stride;
         switch (bits) {
-            case 1: run_task(&a, b, h, u0, u1, part, 1); break;
-            case 2: run_task(&a, b, h, u0, u1, part, 2); break;
-            case 3: run_task(&a, b, h, u0, u1, part, 3); break;
-            case 4: run_task(&a, b, h, u0, u1, part, 4); break;
-            default: run_task(&a, b, h, u0, u1, part, 8); break;
+            case 1: run_task(&a, b, h, u0, t0, u1, part, 1); break;
+            case 2: run_task(&a, b, h, u0, t0, u1, part, 2); break;
+            case 3: run_task(&a, b, h, u0, t0, u1, part, 3); break;
+            case 4: run_task(&a, b, h, u0, t0, u1, part, 4); break;
+            default: run_task(&a, b, h, u0, t0, u1, part, 8); break;
         }
     }
     /* merge each (request, KV head)'s chunks; a request without units (none in a decode batch) gets zeros */

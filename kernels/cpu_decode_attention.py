@@ -98,7 +98,7 @@ def _load() -> None:
     fn = lib.kvq_cpu_decode
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p] * 16 + [ctypes.c_int] * 9
-                   + [ctypes.c_long, ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_void_p])
+                   + [ctypes.c_long, ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p])
     _lib = lib
 
 
@@ -164,9 +164,10 @@ def chunk_units(plan: PagedPlan, G: int, H: int, threads: int) -> int:
 
 
 def decode_attention(q: torch.Tensor, kv: LayerKV, plan: PagedPlan, sm_scale: float,
-                     check: bool = True) -> torch.Tensor:
-    """q [B, Hq, D] (fp32, fp16 or bf16): one query per request over its whole context (the plan's base pages then
-    overlay frames) -> [B, Hq, D] in q's dtype. check=False skips check_layer for a view already checked."""
+                     check: bool = True, window: int = -1) -> torch.Tensor:
+    """q [B, Hq, D] (fp32, fp16 or bf16): one query per request over its context (the plan's base pages then
+    overlay frames; its last window + 1 tokens under a sliding window, sgl_kvq/attention_ref.py) -> [B, Hq, D] in
+    q's dtype. check=False skips check_layer for a view already checked."""
     _load()
     _require(_lib is not None, f"not available: {_reason}")
     if check:
@@ -185,7 +186,7 @@ def decode_attention(q: torch.Tensor, kv: LayerKV, plan: PagedPlan, sm_scale: fl
                              kv.k_scale.data_ptr(), kv.k_zero.data_ptr(), kv.v_scale.data_ptr(),
                              kv.v_zero.data_ptr(), kv.ov_k.data_ptr(), kv.ov_v.data_ptr(), *_plan_args(plan),
                              B, H, Hq, D, G, kv.bits, kv.v_scale.shape[-1], _DTYPE_CODE[q.dtype],
-                             _DTYPE_CODE[kv.ov_k.dtype], kv.ov_k.stride(0), sm_scale, chunk, threads,
+                             _DTYPE_CODE[kv.ov_k.dtype], kv.ov_k.stride(0), sm_scale, window, chunk, threads,
                              partial.data_ptr())
     _require(rc == 0, "out of memory for the task table")
     return out

@@ -98,13 +98,13 @@ class KVQTorchBackend(KVQAttentionBackendBase):
 
     def decode(self, q, li, step, sm_scale, window):
         kv = self.store.layer_view(li)
-        # the C kernel reads whole contexts: a sliding-window layer takes the torch paths
-        if self._cpu_kernel and cpu_decode_attention.supports(kv) and window < 0:
+        if self._cpu_kernel and cpu_decode_attention.supports(kv):
             self._derived(step.plan, "decode", self._count_cpu_kernel_batch)  # batches, not layers
             check = li not in self._checked_layers
             self._checked_layers.add(li)
             with self.attention_threads():
-                return cpu_decode_attention.decode_attention(q.contiguous(), kv, step.plan, sm_scale, check=check)
+                return cpu_decode_attention.decode_attention(q.contiguous(), kv, step.plan, sm_scale, check=check,
+                                                             window=window)
         with self.attention_threads():
             idx = self.decode_index(step.plan, kv)
             path = attention_pages if isinstance(idx, attention_pages.PageIndex) else attention_batched

@@ -1,5 +1,5 @@
 """Sliding-window layers (SGLang's `sliding_window_size` W: a query at position i sees positions i - W .. i) on every
-kvq_torch path, against the oracle attention_ref: windows that end inside a base page, inside an overlay frame, on a
+kvq_torch path (the C decode kernel included, where a compiler is found), against the oracle attention_ref: windows that end inside a base page, inside an overlay frame, on a
 page boundary, W = 0 (the query's own token only) and windows wider than the context; every format's pages."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 from paged_pool import SHAPES, make_pool, random_requests
 from sgl_kvq import attention_batched, attention_extend, attention_pages
 from sgl_kvq.attention_ref import gather_context, ref_decode, ref_extend, window_mask
+from sgl_kvq.kernels import cpu_decode_attention
 
 
 def windows_for(reqs: list[tuple[int, int]], G: int) -> list[int]:
@@ -61,8 +62,8 @@ FORMATS = {  # make_pool's arguments for each format's pages
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("B", [1, 6])
 def test_decode_paths_match_the_reference_under_windows(fmt, B):
-    """attention_batched (every format) and attention_pages (KIVI's plain pages) against ref_decode, for every
-    window of windows_for; NaN past each context's end must not reach the output."""
+    """attention_batched (every format), attention_pages and the C kernel (KIVI's plain pages) against ref_decode,
+    for every window of windows_for; NaN past each context's end must not reach the output."""
     rng = random.Random(B * 31 + len(fmt))
     for shape_i, (G, H, D, VG) in enumerate(SHAPES):
         reqs = random_requests(rng, B, G)
@@ -75,9 +76,13 @@ def test_decode_paths_match_the_reference_under_windows(fmt, B):
             out = attention_batched.decode(q, kv, ctx, D ** -0.5, window=window)
             assert not out.isnan().any(), (fmt, window)
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"{fmt} W={window}: {m}")
-            if idx is not None:
-                out = attention_pages.decode(q, kv, idx, D ** -0.5, window=window)
-                torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"{fmt} W={window}: {m}")
+            if idx is None:
+                continue
+            out = attention_pages.decode(q, kv, idx, D ** -0.5, window=window)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"{fmt} W={window}: {m}")
+            if cpu_decode_attention.available():
+                out = cpu_decode_attention.decode_attention(q, kv, plan, D ** -0.5, window=window)
+                torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"C {fmt} W={window}: {m}")
 
 
 @pytest.mark.parametrize("bits", [2, 4])
