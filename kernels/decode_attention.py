@@ -86,8 +86,10 @@ def plan(paged: PagedPlan, *, num_qo_heads: int, num_kv_heads: int, head_dim: in
 
 
 def decode_attention(q: torch.Tensor, kv: LayerKV, p: DecodePlan, sm_scale: float,
-                     out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B, Hq, D] (one new token per request) -> out [B, Hq, D] in q's dtype; lse_out [B, Hq] fp32 if given."""
+                     out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None,
+                     window: int = -1) -> torch.Tensor:
+    """q [B, Hq, D] (one new token per request) -> out [B, Hq, D] in q's dtype; lse_out [B, Hq] fp32 if given.
+    window: a sliding layer's W (the query at position i sees i - W .. i; sgl_kvq/attention_ref.py), -1 for none."""
     H, D, G, VG = check_layer(kv)
     require(q.dim() == 3 and tuple(q.shape) == (p.batch_size, p.num_qo_heads, D),
             f"q must be [B={p.batch_size}, Hq={p.num_qo_heads}, D={D}], got {tuple(q.shape)}")
@@ -102,7 +104,7 @@ def decode_attention(q: torch.Tensor, kv: LayerKV, p: DecodePlan, sm_scale: floa
     if p.batch_size:
         _decode_attention_kernel[(p.batch_size, H, p.max_splits)](
             q, pool_args(kv), extras, page_lists(p.paged), p.num_splits, split_parts(p.o_partial, p.lse_partial), H,
-            sm_scale * LOG2E, q.stride(0), q.stride(1),
+            sm_scale * LOG2E, q.stride(0), q.stride(1), window,
             GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=D, G=G, BITS=kv.bits, VG=VG,
             DOT_FP32=dot_in_fp32(q.dtype), **extras_consts,
         )

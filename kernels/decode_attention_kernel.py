@@ -2,7 +2,9 @@
 
 Program (b, kv_head, split): the query heads of one KV head ([BLOCK_H, D], GQA group padded to a tl.dot tile)
 walk a contiguous run of the request's logical pages (base pages, then overlay frames), one page of G tokens per
-iteration, so each packed page is read once per KV head. It writes a normalized partial output and its
+iteration, so each packed page is read once per KV head. Under a sliding window (window >= 0: the query at the
+context's last position i sees i - window .. i) the splits share the pages from the first one the window reaches, the
+tokens before it masked. It writes a normalized partial output and its
 log-sum-exp; merge_state_kernel.py combines the splits. POOL, PAGES and PARTS are argument groups
 (arg_groups.py), EXTRAS / FORMAT / SIZES the format's extras (format_extras.py).
 """
@@ -15,7 +17,7 @@ from .paged_kv_kernel import _base_page_step, _frame_step
 
 @triton.jit
 def _decode_attention_kernel(
-    Q, POOL, EXTRAS, PAGES, num_splits, PARTS, n_heads, sm_scale_log2, stride_qb, stride_qh,
+    Q, POOL, EXTRAS, PAGES, num_splits, PARTS, n_heads, sm_scale_log2, stride_qb, stride_qh, window,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
     VG: tl.constexpr, FORMAT: tl.constexpr, SIZES: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
@@ -28,11 +30,18 @@ def _decode_attention_kernel(
         n_base = tl.load(PAGES.kv_indptr + b + 1) - kv_lo
         ov_lo = tl.load(PAGES.ov_indptr + b)
         n_pages = n_base + tl.load(PAGES.ov_indptr + b + 1) - ov_lo
-        per_split = tl.cdiv(n_pages, ns)
-        p_start = split * per_split
-        p_end = tl.minimum(p_start + per_split, n_pages)
         last_base = tl.load(PAGES.kv_last_page_len + b)
         last_ov = tl.load(PAGES.ov_last_page_len + b)
+        # the first position the window shows, as (unit u_lo, token t_lo in it); every unit but the last is whole
+        base_len = tl.where(n_base > 0, (n_base - 1) * G + last_base, 0)
+        ctx_len = base_len + tl.where(n_pages > n_base, (n_pages - n_base - 1) * G + last_ov, 0)
+        lo = tl.where(window >= 0, tl.maximum(ctx_len - 1 - window, 0), 0)
+        in_base = lo < base_len
+        u_lo = tl.where(in_base, lo // G, n_base + (lo - base_len) // G)
+        t_lo = tl.where(in_base, lo % G, (lo - base_len) % G)
+        per_split = tl.cdiv(n_pages - u_lo, ns)
+        p_start = u_lo + split * per_split
+        p_end = tl.minimum(p_start + per_split, n_pages)
 
         offs_h = tl.arange(0, BLOCK_H)
         heads = kvh * GROUP + offs_h
@@ -49,13 +58,16 @@ def _decode_attention_kernel(
         for j in range(p_start, tl.minimum(p_end, n_base)):
             page = tl.load(PAGES.kv_indices + kv_lo + j).to(tl.int64)
             n_valid = tl.where(j == n_base - 1, last_base, G)
-            m, l, acc = _base_page_step(q, m, l, acc, POOL, EXTRAS, page, n_valid, kvh, n_heads, offs_t, offs_d,
-                                        sm_scale_log2, G, D, BITS, VG, FORMAT, SIZES, DOT_FP32)
+            valid = (offs_t >= tl.where(j == u_lo, t_lo, 0))[None, :] & (offs_t < n_valid)[None, :]
+            m, l, acc = _base_page_step(q, m, l, acc, POOL, EXTRAS, page, n_valid, valid, kvh, n_heads, offs_t,
+                                        offs_d, sm_scale_log2, G, D, BITS, VG, FORMAT, SIZES, DOT_FP32)
 
         for j in range(tl.maximum(p_start, n_base), p_end):
             frame = tl.load(PAGES.ov_indices + ov_lo + j - n_base).to(tl.int64)
             n_valid = tl.where(j == n_pages - 1, last_ov, G)
-            m, l, acc = _frame_step(q, m, l, acc, POOL, frame, n_valid, kvh, offs_t, offs_d, sm_scale_log2, DOT_FP32)
+            valid = (offs_t >= tl.where(j == u_lo, t_lo, 0))[None, :] & (offs_t < n_valid)[None, :]
+            m, l, acc = _frame_step(q, m, l, acc, POOL, frame, n_valid, valid, kvh, offs_t, offs_d, sm_scale_log2,
+                                    DOT_FP32)
 
         # An empty split (possible when pages do not divide evenly) leaves l == 0: it stores o = 0, lse = -inf,
         # which the merge weighs by exp(-inf) = 0.

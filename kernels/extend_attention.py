@@ -20,10 +20,10 @@ _BLOCK_N = 64  # fresh keys per iteration
 
 def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, qo_indptr: torch.Tensor,
                      kv: LayerKV, paged: PagedPlan, sm_scale: float, max_qo_len: int | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, window: int = -1) -> torch.Tensor:
     """q [N, Hq, D], k_new/v_new [N, H, D] (request b's rows are qo_indptr[b]:qo_indptr[b+1], int32 [B+1])
     -> out [N, Hq, D] in q's dtype. max_qo_len (the longest request's new tokens) sizes the grid; when None it is
-    read from qo_indptr, which syncs with the device."""
+    read from qo_indptr, which syncs with the device. window: a sliding layer's W, -1 for none (decode_attention)."""
     H, D, G, VG = check_layer(kv)
     extras, extras_consts = format_extras(kv, layer_geometry(kv))
     dev = kv.ov_k.device
@@ -50,7 +50,7 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     _extend_attention_kernel[(B, triton.cdiv(max_qo_len, block_m), H)](
         q, k_new, v_new, out, qo_indptr, pool_args(kv), extras, page_lists(paged), H, sm_scale * LOG2E,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), window,
         GROUP=group, GP=gp, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, D=D, G=G, BITS=kv.bits, VG=VG,
         DOT_FP32=dot_in_fp32(q.dtype), **extras_consts,
     )

@@ -94,23 +94,32 @@ def _softmax_step(qk, valid, m, l, acc, v, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
-def _base_page_step(q, m, l, acc, POOL, EXTRAS, page, n_valid, kvh, n_heads, offs_t, offs_d, sm_scale_log2,
+def _base_page_step(q, m, l, acc, POOL, EXTRAS, page, n_valid, valid, kvh, n_heads, offs_t, offs_d, sm_scale_log2,
                     G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, VG: tl.constexpr, FORMAT: tl.constexpr,
                     SIZES: tl.constexpr, DOT_FP32: tl.constexpr):
     # One packed base page into the online softmax of q [M, D] (already in the dot dtype): -> updated (m, l, acc).
+    # valid [M or 1, G]: the keys each row sees (tokens < n_valid, within a sliding window: _window_valid).
     kt = _page_kt(POOL, EXTRAS, page, kvh, n_heads, offs_t, offs_d, G, D, BITS, VG, FORMAT, SIZES)
     qk = _dot(q, kt.to(q.dtype), DOT_FP32) * sm_scale_log2
     v = _page_v(POOL, EXTRAS, page, kvh, n_heads, offs_t, offs_d, n_valid, G, D, BITS, VG, FORMAT, SIZES)
-    return _softmax_step(qk, (offs_t < n_valid)[None, :], m, l, acc, v.to(q.dtype), DOT_FP32)
+    return _softmax_step(qk, valid, m, l, acc, v.to(q.dtype), DOT_FP32)
 
 
 @triton.jit
-def _frame_step(q, m, l, acc, POOL, frame, n_valid, kvh, offs_t, offs_d, sm_scale_log2, DOT_FP32: tl.constexpr):
-    # One fp16 overlay frame into the online softmax of q [M, D]: -> updated (m, l, acc).
+def _frame_step(q, m, l, acc, POOL, frame, n_valid, valid, kvh, offs_t, offs_d, sm_scale_log2,
+                DOT_FP32: tl.constexpr):
+    # One fp16 overlay frame into the online softmax of q [M, D]: -> updated (m, l, acc); valid as _base_page_step.
     base = frame * POOL.stride_ov_frame + kvh * POOL.stride_ov_head
     kt = tl.load(POOL.ov_k + base + offs_t[None, :] * POOL.stride_ov_tok + offs_d[:, None])
     qk = _dot(q, kt.to(q.dtype), DOT_FP32) * sm_scale_log2
     # rows past the frame's last token are never loaded: they may hold NaN (see _base_page_v)
     v = tl.load(POOL.ov_v + base + offs_t[:, None] * POOL.stride_ov_tok + offs_d[None, :],
                 mask=(offs_t < n_valid)[:, None], other=0.0)
-    return _softmax_step(qk, (offs_t < n_valid)[None, :], m, l, acc, v.to(q.dtype), DOT_FP32)
+    return _softmax_step(qk, valid, m, l, acc, v.to(q.dtype), DOT_FP32)
+
+
+@triton.jit
+def _window_valid(offs_t, unit_pos, n_valid, row_first):
+    # [M, G] keys of a unit (its first token at context position unit_pos, n_valid tokens) that rows see: those at
+    # or after each row's first visible position row_first [M] (a sliding window; -1 for none)
+    return ((unit_pos + offs_t)[None, :] >= row_first[:, None]) & (offs_t < n_valid)[None, :]

@@ -121,8 +121,8 @@ def _specache_decode_kernel(
             for j in range(tl.maximum(p_start, n_base), p_end):
                 frame = tl.load(PAGES.ov_indices + ov_lo + j - n_base).to(tl.int64)
                 n_valid = tl.where(j == n_pages - 1, last_ov, G)
-                m, l, acc = _frame_step(q, m, l, acc, POOL, frame, n_valid, kvh, offs_t, offs_d, sm_scale_log2,
-                                        DOT_FP32)
+                m, l, acc = _frame_step(q, m, l, acc, POOL, frame, n_valid, (offs_t < n_valid)[None, :], kvh,
+                                        offs_t, offs_d, sm_scale_log2, DOT_FP32)
             slot = split + 1
 
         has = l > 0.0

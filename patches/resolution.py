@@ -7,21 +7,19 @@ import logging
 
 from sgl_kvq import env
 from sgl_kvq.config import KVQConfigError, looks_like_kvq_dtype, parse_kv_cache_dtype
-from sgl_kvq.model_check import check_hf_config, has_sliding_windows
+from sgl_kvq.model_check import check_hf_config
 
 logger = logging.getLogger("sgl_kvq")
 
 _SOURCE = "sgl_kvq"
 
 
-def kvq_backend_for(device: str | None, cfg, sliding_windows: bool = False) -> str:
+def kvq_backend_for(device: str | None, cfg) -> str:
     # kvq_triton reads packed pages in fused Triton kernels on CUDA (SpeCache's two lanes included); kvq_torch is
-    # the reference, the CPU path, the path of a format with no kernel (Format.kernel None) and of a model with
-    # sliding-window layers (model_check.WINDOW_BACKENDS).
+    # the reference, the CPU path and the path of a format with no kernel (Format.kernel None).
     from sgl_kvq.patches.backends import triton_backend_available
 
-    triton = device in (None, "cuda") and triton_backend_available() and cfg.format.kernel is not None \
-        and not sliding_windows
+    triton = device in (None, "cuda") and triton_backend_available() and cfg.format.kernel is not None
     return "kvq_triton" if triton else "kvq_torch"
 
 
@@ -60,9 +58,8 @@ def _check_pinned_budget(cfg, model_config, view, requested: int | None) -> None
                  requested=max(1, requested // dp))
 
 
-def validate(server_args, view, cfg) -> bool:
-    """Raise KVQConfigError for every combination the quantized pool cannot serve; -> whether the model has
-    sliding-window layers (they pick the default backend)."""
+def validate(server_args, view, cfg) -> None:
+    """Raise KVQConfigError for every combination the quantized pool cannot serve."""
     page = server_args.page_size  # the user's own value (None when not given)
     if page is not None and page != cfg.group_size:
         raise KVQConfigError(f"sgl_kvq: --page-size {page} conflicts with {cfg.name}'s quantization group "
@@ -119,15 +116,10 @@ def validate(server_args, view, cfg) -> bool:
     from sglang.srt.arg_groups.overrides import model_config_of
 
     model_config = model_config_of(server_args)
-    windows = has_sliding_windows(model_config.hf_config)
-    chosen = {backend or kvq_backend_for(view.device, cfg, windows)} | {
-        getattr(server_args, w) for w in ("prefill_attention_backend", "decode_attention_backend")
-        if getattr(server_args, w, None)}
-    check_hf_config(model_config.hf_config, cfg, sorted(chosen), hybrid_swa=model_config.is_hybrid_swa)
+    check_hf_config(model_config.hf_config, cfg, hybrid_swa=model_config.is_hybrid_swa)
     _check_pinned_budget(cfg, model_config, view, server_args.max_running_requests)
-    if "kvq_triton" in chosen:
+    if (backend or kvq_backend_for(view.device, cfg)) == "kvq_triton":
         _check_triton_shapes(cfg, model_config.head_dim)
-    return windows
 
 
 def resolve(server_args, previous) -> None:
@@ -137,13 +129,13 @@ def resolve(server_args, previous) -> None:
     if not looks_like_kvq_dtype(view.kv_cache_dtype):
         return previous(server_args)
     cfg = parse_kv_cache_dtype(view.kv_cache_dtype)
-    windows = validate(server_args, view, cfg)
+    validate(server_args, view, cfg)
     # max_running_requests is left to the pool sizing (patches/sizing.py): it follows from the KV budget.
     decided = {"page_size": cfg.group_size}
     if (view.disaggregation_mode or "null") == "decode" and view.disaggregation_decode_retraction_backup is None:
         decided["disaggregation_decode_retraction_backup"] = "none"  # see validate()
     if server_args.attention_backend is None:
-        decided["attention_backend"] = kvq_backend_for(view.device, cfg, windows)
+        decided["attention_backend"] = kvq_backend_for(view.device, cfg)
     declare_resolution(server_args, _SOURCE, **decided)
     logger.info("sgl_kvq: %s with %s", cfg, decided)
     previous(server_args)

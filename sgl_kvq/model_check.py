@@ -7,7 +7,6 @@ from sgl_kvq.config import KVQConfig, KVQConfigError
 # Attention shapes the pool does not model: latent (MLA) KV, linear/state-space layers.
 _MLA_KEYS = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim")
 _LAYER_KINDS = ("full_attention", "sliding_attention")  # what every layer keeps in the one pool, all its tokens
-WINDOW_BACKENDS = ("kvq_torch",)  # the backends whose every path masks by a sliding window (backends/base.py)
 
 
 def _text(hf_config):
@@ -21,10 +20,10 @@ def has_sliding_windows(hf_config) -> bool:
         or "sliding_attention" in (getattr(text, "layer_types", None) or ())
 
 
-def check_hf_config(hf_config, cfg: KVQConfig, backends: list[str],
-                    hybrid_swa: bool = False) -> None:
-    """Raise KVQConfigError, before any weight loads, for a model `cfg` cannot serve on `backends` (the attention
-    backends the server will run); hybrid_swa: SGLang would give its sliding-window layers a pool of their own."""
+def check_hf_config(hf_config, cfg: KVQConfig, hybrid_swa: bool = False) -> None:
+    """Raise KVQConfigError, before any weight loads, for a model `cfg` cannot serve; hybrid_swa: SGLang would give
+    its sliding-window layers a pool of their own. Sliding windows are masked by both kvq backends' every path
+    (backends/base.py sliding_windows), not by SpeCache's lanes (its strategy's refusal)."""
     text = _text(hf_config)
     arch = ",".join(getattr(hf_config, "architectures", None) or []) or type(hf_config).__name__
     if any(getattr(text, k, None) for k in _MLA_KEYS):
@@ -42,10 +41,6 @@ def check_hf_config(hf_config, cfg: KVQConfig, backends: list[str],
         refusal = cfg.format.strategy.refusal("sliding_window", cfg.name)
         if refusal:
             raise KVQConfigError(f"sgl_kvq: {arch} has sliding-window layers: {refusal}")
-        other = [b for b in backends if b not in WINDOW_BACKENDS]
-        if other:
-            raise KVQConfigError(f"sgl_kvq: {arch} has sliding-window layers, which {' and '.join(other)} does not "
-                                 f"serve with {cfg.name} yet; use --attention-backend {WINDOW_BACKENDS[0]}")
     heads = getattr(text, "num_attention_heads", None)
     head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
     if head_dim is None:

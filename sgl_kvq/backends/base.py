@@ -33,8 +33,8 @@ class KVQAttentionBackendBase(AttentionBackend):
 
     name = "kvq"
     write_kernels = False
-    # whether every attention path of the backend masks by a layer's sliding window (model_check refuses windowed
-    # models before load on the others)
+    # whether every attention path of the backend masks by a layer's sliding window (SpeCache's lanes do not: its
+    # strategy refuses windowed models before load)
     sliding_windows = False
 
     def __init__(self, model_runner):

@@ -8,7 +8,7 @@ and runs eagerly. Attention reads packed codes and dequantizes in registers."""
 
 from __future__ import annotations
 
-from sgl_kvq.backends.base import KVQAttentionBackendBase, query_heads_on_this_rank
+from sgl_kvq.backends.base import KVQAttentionBackendBase, query_heads_on_this_rank, sliding_window
 from sgl_kvq.kernels import decode_attention as decode_kernel
 from sgl_kvq.kernels.extend_attention import extend_attention
 from sgl_kvq.metadata.device import DecodeBuffers, build_decode
@@ -18,6 +18,7 @@ from sgl_kvq.plan import ForwardPlan, Step
 class KVQTritonBackend(KVQAttentionBackendBase):
     name = "kvq_triton"
     write_kernels = True
+    sliding_windows = True
 
     def __init__(self, model_runner):
         super().__init__(model_runner)
@@ -67,11 +68,14 @@ class KVQTritonBackend(KVQAttentionBackendBase):
         q, k, v, li = self._views(q, k, v, layer)
         if save_kv_cache:
             self.store.write_decode_layer(li, self.forward_plan.steps[0].write, k, v, q=q, sm_scale=layer.scaling)
-        return self.decode(q, li, self.forward_plan.steps[0], layer.scaling, -1).reshape(q.shape[0], -1)
+        return self.decode(q, li, self.forward_plan.steps[0], layer.scaling, sliding_window(layer)).reshape(
+            q.shape[0], -1)
 
-    def extend(self, q, k, v, li, step, sm_scale, window):  # window: -1 (sliding_windows is False)
+    def extend(self, q, k, v, li, step, sm_scale, window):
         return extend_attention(q.contiguous(), k.contiguous(), v.contiguous(), step.qo_indptr,
-                                self.store.layer_view(li), step.plan, sm_scale, max_qo_len=step.max_qo_len)
+                                self.store.layer_view(li), step.plan, sm_scale, max_qo_len=step.max_qo_len,
+                                window=window)
 
-    def decode(self, q, li, step, sm_scale, window):  # window: -1 (sliding_windows is False)
-        return decode_kernel.decode_attention(q.contiguous(), self.store.layer_view(li), self.decode_plan, sm_scale)
+    def decode(self, q, li, step, sm_scale, window):
+        return decode_kernel.decode_attention(q.contiguous(), self.store.layer_view(li), self.decode_plan, sm_scale,
+                                              window=window)

@@ -9,6 +9,7 @@ import random
 import pytest
 
 from engine_runs import engine_in_env, pool_stats
+from slices import matrix_only
 from sgl_kvq.tools.models import tiny_gemma3
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
@@ -16,9 +17,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.engine]
 GREEDY = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
 
 
-def generate(model, dtype, input_ids, env=None):
+def generate(model, dtype, input_ids, env=None, **kw):
     """Greedy tokens and their logprobs of each prompt, one request at a time (no batch-dependent rounding)."""
-    with engine_in_env(model, dtype, env, max_total_tokens=4096, max_running_requests=4) as llm:
+    with engine_in_env(model, dtype, env, max_total_tokens=4096, max_running_requests=4, **kw) as llm:
         outs = [llm.generate(input_ids=ids, sampling_params=GREEDY, return_logprob=True) for ids in input_ids]
         stats = pool_stats(llm) if dtype != "auto" else None
     return [o["output_ids"] for o in outs], [[x[0] for x in o["meta_info"]["output_token_logprobs"]] for o in outs], \
@@ -57,3 +58,17 @@ def test_tokens_before_the_window_are_never_read_from_the_packed_pages():
     ids, lp, stats = generate(tiny_gemma3(100, ("sliding_attention",) * 2), "kivi2", prompts, deterministic)
     assert stats["pages_quantized"] >= 2 * 6  # both prompts' complete pages were packed, then read
     assert ids[0] == ids[1] and lp[0] == lp[1]
+
+
+@matrix_only("the Triton kernels' windows are compared with the reference in tests/kernels/test_kernels_attention.py")
+def test_kvq_triton_gives_kvq_torchs_tokens_on_sliding_layers():
+    """The window test above through kvq_triton (Triton's interpreter): the same tokens as kvq_torch's C kernel and
+    extend, packed pages inside the window."""
+    rng = random.Random(2)
+    tail = random_ids(rng, 300)
+    prompts = [random_ids(rng, 100) + tail, random_ids(rng, 100) + tail]
+    model, env = tiny_gemma3(100, ("sliding_attention",) * 2), {"KVQ_RESIDUAL": "0"}
+    torch_ids, _, _ = generate(model, "kivi2", prompts, env)
+    triton_ids, _, stats = generate(model, "kivi2", prompts, {**env, "TRITON_INTERPRET": "1"},
+                                    attention_backend="kvq_triton")
+    assert triton_ids == torch_ids and triton_ids[0] == triton_ids[1]

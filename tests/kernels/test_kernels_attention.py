@@ -129,6 +129,40 @@ def test_extend_matches_reference(case, bits, dtype):
     assert_close_written(out, ref, dtype)
 
 
+# Sliding windows (a query at position i sees i - W .. i): W = 0, ending mid base page, on a page boundary, in the
+# overlay, inside the new tokens, wider than every context; every case's geometry, 2-bit pages, fp32.
+WINDOWS = [0, 5, 16, 40, 200]
+
+
+@pytest.mark.parametrize("case", ["G16-mha-odd", "G32-gqa3-d128"])
+def test_decode_under_sliding_windows_matches_reference(case):
+    G, H, group, D, VG, reqs = CASES[case]
+    kv, paged = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=7)
+    q = torch.randn(len(reqs), H * group, D, generator=torch.Generator().manual_seed(3))
+    p = dec.plan(to_device(paged), num_qo_heads=H * group, num_kv_heads=H, head_dim=D, page_size=G,
+                 max_splits=3, min_pages_per_split=1)
+    for window in WINDOWS:
+        out = torch.full_like(q, float("nan"), device=DEVICE)
+        dec.decode_attention(q.to(DEVICE), to_device(kv), p, D ** -0.5, out=out, window=window)
+        assert_close_written(out, ref_decode(q, kv, paged, D ** -0.5, window=window), torch.float32)
+
+
+@pytest.mark.parametrize("case", ["G16-mha", "G64-gqa4"])
+def test_extend_under_sliding_windows_matches_reference(case):
+    G, H, group, D, VG, reqs = EXTEND_CASES[case]
+    kv, paged = make_pool(G, H, D, VG, 2, [(b, o) for b, o, _ in reqs], torch.float32, seed=8)
+    gen = torch.Generator().manual_seed(4)
+    qo_indptr = torch.tensor([0] + [n for _, _, n in reqs]).cumsum(0).int()
+    N = int(qo_indptr[-1])
+    q, k_new, v_new = (torch.randn(N, h, D, generator=gen) for h in (H * group, H, H))
+    for window in WINDOWS:
+        out = torch.full_like(q, float("nan"), device=DEVICE)
+        extend_attention(q.to(DEVICE), k_new.to(DEVICE), v_new.to(DEVICE), qo_indptr.to(DEVICE), to_device(kv),
+                         to_device(paged), D ** -0.5, out=out, window=window)
+        assert_close_written(out, ref_extend(q, k_new, v_new, qo_indptr, kv, paged, D ** -0.5, window=window),
+                             torch.float32)
+
+
 def _check_decode_format(case, dtype, *, seed, **extras):
     """Decode over 2-bit pages carrying a format's extras (make_pool's gear= / salient= / rows=) vs ref_decode."""
     G, H, group, D, VG, reqs = CASES[case]

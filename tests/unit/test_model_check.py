@@ -1,6 +1,6 @@
-"""sgl_kvq/model_check.py: which models a kvq dtype serves, on which attention backend, judged from the config
-before any weight loads. Sliding-window layers are served by kvq_torch (every path masks by the window); the other
-backends, SpeCache's lanes and SGLang's hybrid SWA pools are refused with the reason and what would work."""
+"""sgl_kvq/model_check.py: which models a kvq dtype serves, judged from the config before any weight loads.
+Sliding-window layers are served (both backends mask every path by the window); SpeCache's lanes and SGLang's hybrid
+SWA pools are refused with the reason and what would work."""
 
 from __future__ import annotations
 
@@ -25,30 +25,19 @@ def test_which_configs_have_sliding_windows():
 
 
 @pytest.mark.parametrize("dtype", ["kivi2", "kivi4", "gear2", "logquant2", "zipcache2", "peer_int4"])
-def test_sliding_window_models_are_served_on_kvq_torch(dtype):
-    check_hf_config(GEMMA3, parse_kv_cache_dtype(dtype), ["kvq_torch"])
-    check_hf_config(LLAMA, parse_kv_cache_dtype(dtype), ["kvq_torch", "kvq_triton"])
+def test_sliding_window_models_are_served(dtype):
+    check_hf_config(GEMMA3, parse_kv_cache_dtype(dtype))
+    check_hf_config(LLAMA, parse_kv_cache_dtype(dtype))
 
 
-@pytest.mark.parametrize("config,dtype,backends,hybrid,message", [
-    (GEMMA3, "kivi2", ["kvq_torch", "kvq_triton"], False, "which kvq_triton does not serve with kivi2 yet; use "
-                                                           "--attention-backend kvq_torch"),
-    (GEMMA3, "specache2", ["kvq_torch"], False, "specache2's decode lanes do not serve sliding-window layers"),
-    (GEMMA3, "kivi2", ["kvq_torch"], True, "pass --disable-hybrid-swa-memory"),
+@pytest.mark.parametrize("config,dtype,hybrid,message", [
+    (GEMMA3, "specache2", False, "specache2's decode lanes do not serve sliding-window layers"),
+    (GEMMA3, "kivi2", True, "pass --disable-hybrid-swa-memory"),
     (SimpleNamespace(architectures=["Lin"], layer_types=["full_attention", "linear_attention"], head_dim=64),
-     "kivi2", ["kvq_torch"], False, "mixes attention kinds ['full_attention', 'linear_attention']"),
-    (SimpleNamespace(architectures=["DeepseekV3ForCausalLM"], kv_lora_rank=512, head_dim=64), "kivi2",
-     ["kvq_torch"], False, "multi-head latent attention"),
+     "kivi2", False, "mixes attention kinds ['full_attention', 'linear_attention']"),
+    (SimpleNamespace(architectures=["DeepseekV3ForCausalLM"], kv_lora_rank=512, head_dim=64), "kivi2", False,
+     "multi-head latent attention"),
 ])
-def test_what_is_refused_names_the_cause_and_what_works(config, dtype, backends, hybrid, message):
+def test_what_is_refused_names_the_cause_and_what_works(config, dtype, hybrid, message):
     with pytest.raises(KVQConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
-        check_hf_config(config, parse_kv_cache_dtype(dtype), backends, hybrid_swa=hybrid)
-
-
-def test_a_sliding_window_model_defaults_to_kvq_torch_where_kvq_triton_would_be_the_default(monkeypatch):
-    from sgl_kvq.patches import backends, resolution
-
-    monkeypatch.setattr(backends, "triton_backend_available", lambda: True)
-    cfg = parse_kv_cache_dtype("kivi2")
-    assert resolution.kvq_backend_for("cuda", cfg) == "kvq_triton"
-    assert resolution.kvq_backend_for("cuda", cfg, sliding_windows=True) == "kvq_torch"
+        check_hf_config(config, parse_kv_cache_dtype(dtype), hybrid_swa=hybrid)
