@@ -27,7 +27,7 @@ DEFAULT_DTYPES = "auto,fp8_e4m3,kivi4,kivi2,kivi1,specache2,specache1"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", default="smollm2", help="smollm2 | tiny | a model folder")
+    p.add_argument("--model", default="smollm2", help="smollm2 | gemma3 | tiny | a model folder")
     p.add_argument("--kv-cache-dtype", default=DEFAULT_DTYPES, help="comma list; auto = the model's bf16")
     p.add_argument("--mem-fraction-static", default="0.03,0.05,0.1",
                    help="comma list of SGLang --mem-fraction-static values (SGLang's own sizing); '' for none")

@@ -317,7 +317,7 @@ def run_groups(server, model, files: dict, todo: dict[str, list[str]], skip=froz
 def add_arguments(p) -> None:
     from sgl_kvq.config import DTYPE_NAMES
 
-    p.add_argument("--model", default="smollm2", help="smollm2 | tiny | a model folder")
+    p.add_argument("--model", default="smollm2", help="smollm2 | gemma3 | tiny | a model folder")
     p.add_argument("--dtypes", default=",".join(DTYPE_NAMES),
                    help="comma list of kvq dtypes (bf16 always runs first, as the baseline)")
     p.add_argument("--kits", default="", help="comma list of kit names to run (default: all)")

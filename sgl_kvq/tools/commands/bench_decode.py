@@ -40,7 +40,7 @@ DEFAULT_DTYPES = "auto,kivi4,kivi2,specache2"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", default="smollm2", help="smollm2 | tiny | a model folder")
+    p.add_argument("--model", default="smollm2", help="smollm2 | gemma3 | tiny | a model folder")
     p.add_argument("--kv-cache-dtype", default=DEFAULT_DTYPES, help="comma list; auto = the model's bf16 (first)")
     p.add_argument("--context", default="1024,2048,4096,max",
                    help="comma list of context lengths in tokens; max = the model's limit less the new tokens")

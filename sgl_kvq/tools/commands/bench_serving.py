@@ -44,7 +44,7 @@ run's `loadgen_command` is the same run as a standalone command line. It flushes
 
 def add_arguments(p) -> None:
     p.formatter_class, p.epilog = argparse.RawDescriptionHelpFormatter, SOURCES
-    p.add_argument("--model", default="smollm2", help="smollm2 | tiny | a model folder")
+    p.add_argument("--model", default="smollm2", help="smollm2 | gemma3 | tiny | a model folder")
     p.add_argument("--kv-cache-dtype", default=DEFAULT_DTYPES, help="comma list; auto = the model's bf16 (baseline)")
     p.add_argument("--concurrency", default="1,4,16", help="comma list of the load generator's --max-concurrency")
     p.add_argument("--workload", default="shared-prefix,sharegpt", help="comma list: shared-prefix, sharegpt")

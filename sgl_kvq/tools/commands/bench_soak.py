@@ -28,7 +28,7 @@ RSS_GROWTH_MIB = 64
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", default="smollm2", help="smollm2 | tiny | a model folder")
+    p.add_argument("--model", default="smollm2", help="smollm2 | gemma3 | tiny | a model folder")
     p.add_argument("--dtypes", default="kivi2,specache2", help="comma list of kv cache dtypes (auto = bf16)")
     p.add_argument("--modes", default="deterministic,default", help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--seconds", type=float, default=180, help="load time per run")

@@ -19,7 +19,7 @@ _DEFAULTS = {f.name: f.default for f in KVQConfig.__dataclass_fields__.values()}
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", default="smollm2", help="smollm2 | tiny | a model folder (default smollm2)")
+    p.add_argument("--model", default="smollm2", help="smollm2 | gemma3 | tiny | a model folder (default smollm2)")
     p.add_argument("--text", type=Path, help="text file to run on (default: the Paul Graham essays)")
     p.add_argument("--tokens", type=int, default=1536, help="sequence length T (default 1536)")
     p.add_argument("--layers", help="layer subset, e.g. 0,5,10-12 (default: all)")

@@ -34,7 +34,7 @@ def add_common_arguments(p, default_dtypes: str = ",".join(ALL_DTYPES), flush: b
                    help=f"KV cache dtype(s), repeatable or comma list; auto = the model's bf16 (default "
                         f"{default_dtypes}); X:KVQ_NAME=VALUE[:...] runs X with those knobs set for its engine "
                         f"only (e.g. kivi2,kivi2:KVQ_ROTATE=hadamard)")
-    p.add_argument("--model", default="smollm2", help="smollm2 | tiny | a model folder (default smollm2)")
+    p.add_argument("--model", default="smollm2", help="smollm2 | gemma3 | tiny | a model folder (default smollm2)")
     p.add_argument("--dtype", help="model dtype override (default: float32 for tiny, the engine default otherwise)")
     p.add_argument("--max-total-tokens", type=int, default=16384, help="pool capacity in tokens (default 16384)")
     p.add_argument("--max-running-requests", type=int, default=8,
