@@ -89,7 +89,9 @@ def _how_to_read(layers: list[int] | None) -> list[str]:
         f"the reporting half of the needle set; {OLD_NEEDLES}: a file from before the split (one needle, six "
         "trials).",
         f"**{HEADERS['agree']}**: share of greedy tokens equal to bf16's, position by position, over 4 prompts x 64 "
-        "tokens (`eval agree`; bf16's own row is a second bf16 engine).",
+        "tokens (`eval agree`; bf16's own row is a second bf16 engine). It measures bf16 arithmetic too: kvq_torch "
+        "and SGLang's bf16 backend break greedy near-ties differently even where the cache is exact ([Results: "
+        "quality](results.md#quality-through-the-engine)).",
         f"**{HEADERS['kl_prefill']}**, **{HEADERS['kl_decode']}**: the average KL of SGLang's KL kit (its logprobs "
         "read back from a prefix-cache hit against those it decoded: consistency, not error against bf16), `bench "
         f"conformance`; {OVER_KIT}: above the kit's 0.002.",
