@@ -52,15 +52,16 @@ def test_a_window_wider_than_the_context_changes_nothing_and_a_narrow_one_does()
     assert (ref_decode(q, kv, plan, D ** -0.5, window=G) - full).abs().max() > 1e-3
 
 
-FORMATS = {  # make_pool's arguments for each format's pages
-    "kivi1": dict(bits=1), "kivi2": dict(bits=2), "kivi3": dict(bits=3), "kivi4": dict(bits=4),
-    "gear2": dict(bits=2, gear=(2, 1, 1)), "zipcache2": dict(bits=2, salient=3), "logquant2": dict(bits=2, rows=3),
-    "peer_int4": dict(bits=4, peer="peer_int4"),
+# make_pool's arguments for each kind of page: the window is masked alike at every width (kivi1 and kivi4 read as
+# kivi2 does; kivi3 has two code planes), per-page extras and a peer's own base go through the padded path
+FORMATS = {
+    "kivi2": dict(bits=2), "kivi3": dict(bits=3), "gear2": dict(bits=2, gear=(2, 1, 1)),
+    "zipcache2": dict(bits=2, salient=3), "logquant2": dict(bits=2, rows=3), "peer_int4": dict(bits=4, peer="peer_int4"),
 }
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("B", [1, 6])
+@pytest.mark.parametrize("B", [1, 3])
 def test_decode_paths_match_the_reference_under_windows(fmt, B):
     """attention_batched (every format), attention_pages and the C kernel (KIVI's plain pages) against ref_decode,
     for every window of windows_for; NaN past each context's end must not reach the output."""
