@@ -72,3 +72,24 @@ def test_kvq_triton_gives_kvq_torchs_tokens_on_sliding_layers():
     triton_ids, _, stats = generate(model, "kivi2", prompts, {**env, "TRITON_INTERPRET": "1"},
                                     attention_backend="kvq_triton")
     assert triton_ids == torch_ids and triton_ids[0] == triton_ids[1]
+
+
+@matrix_only("the tiny Gemma 3 above serves the same architecture; building the real one takes about 70 s")
+def test_gemma3_270m_serves_every_layer_from_packed_pages():
+    """The embedded Gemma 3 270M (sgl-kvq model gemma3: 18 layers, 15 of them sliding-window of 512, one KV head of 256
+    channels): kivi4 and kivi2 serve a 1.4k-token essay prompt and its follow-up turn from the radix cache, at the
+    packed layout's bytes per token and head: K and V codes (kivi4 2 x 128, kivi2 2 x 64), the key scale and zero per
+    page and channel (2 x 256 x 2 B / 64 tokens) and the value scale and zero per token and group of 64 channels
+    (4 x 2 x 2 B)."""
+    from sgl_kvq.tools.data import essay_text
+    from sgl_kvq.tools.models import gemma3
+
+    text = essay_text(min_chars=9000)[:6000]
+    greedy = {"temperature": 0, "max_new_tokens": 8}
+    for dtype, per_head in (("kivi4", 2 * 128 + 16 + 16), ("kivi2", 2 * 64 + 16 + 16)):
+        with engine_in_env(gemma3(), dtype, dtype="bfloat16", max_total_tokens=16384, max_running_requests=4) as llm:
+            first = llm.generate(text, greedy)
+            second = llm.generate(text + first["text"] + " What else does the essay say?", greedy)
+            stats = pool_stats(llm)
+        assert first["meta_info"]["prompt_tokens"] > 1024 and second["meta_info"]["cached_tokens"] >= 1024
+        assert stats["base_bytes_per_token"] == 18 * per_head, stats
