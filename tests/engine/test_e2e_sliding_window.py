@@ -1,6 +1,7 @@
-"""Sliding-window layers through the engine (SGLang's Gemma3ForCausalLM, a tiny random one built here, float32):
-kvq_torch masks each sliding layer by its window on every path, in SGLang's own semantics (a query at position i sees
-i - W .. i). The path-by-path checks against the reference are tests/unit/test_attention_window.py."""
+"""Sliding-window layers through the engine (SGLang's Gemma3ForCausalLM: a tiny random one built here, float32, and
+in the matrix the embedded Gemma 3 270M): each sliding layer attends within its window on every path, in SGLang's
+own semantics (a query at position i sees i - W .. i). The path-by-path checks against the reference are
+tests/unit/test_attention_window.py and tests/kernels/test_kernels_attention.py."""
 
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ def random_ids(rng: random.Random, n: int) -> list[int]:
 
 def test_inside_the_fp16_window_kivi2_gives_sglangs_own_sliding_window_tokens():
     """50-token prompts and 16 tokens each, window 24: every key a query sees is still fp16 (R = 64), so kivi2 must
-    give SGLang's bf16 pool's tokens and logprobs (torch_native's own sliding-window mask), decode and prefill both
-    cutting the context at the window."""
+    give the tokens and logprobs of SGLang's own pool and torch_native's own sliding-window mask, decode and prefill
+    both cutting the context at the window."""
     model = tiny_gemma3(24)
     rng = random.Random(1)
     prompts = [random_ids(rng, 50) for _ in range(3)]
