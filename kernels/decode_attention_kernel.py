@@ -12,7 +12,7 @@ log-sum-exp; merge_state_kernel.py combines the splits. POOL, PAGES and PARTS ar
 import triton
 import triton.language as tl
 
-from .paged_kv_kernel import _base_page_step, _frame_step
+from .paged_kv_kernel import _base_page_step, _frame_step, _window_valid
 
 
 @triton.jit
@@ -32,13 +32,11 @@ def _decode_attention_kernel(
         n_pages = n_base + tl.load(PAGES.ov_indptr + b + 1) - ov_lo
         last_base = tl.load(PAGES.kv_last_page_len + b)
         last_ov = tl.load(PAGES.ov_last_page_len + b)
-        # the first position the window shows, as (unit u_lo, token t_lo in it); every unit but the last is whole
+        # the first position the window shows, lo, and the unit holding it; every unit but the last is whole
         base_len = tl.where(n_base > 0, (n_base - 1) * G + last_base, 0)
         ctx_len = base_len + tl.where(n_pages > n_base, (n_pages - n_base - 1) * G + last_ov, 0)
         lo = tl.where(window >= 0, tl.maximum(ctx_len - 1 - window, 0), 0)
-        in_base = lo < base_len
-        u_lo = tl.where(in_base, lo // G, n_base + (lo - base_len) // G)
-        t_lo = tl.where(in_base, lo % G, (lo - base_len) % G)
+        u_lo = tl.where(lo < base_len, lo // G, n_base + (lo - base_len) // G)
         per_split = tl.cdiv(n_pages - u_lo, ns)
         p_start = u_lo + split * per_split
         p_end = tl.minimum(p_start + per_split, n_pages)
@@ -58,14 +56,14 @@ def _decode_attention_kernel(
         for j in range(p_start, tl.minimum(p_end, n_base)):
             page = tl.load(PAGES.kv_indices + kv_lo + j).to(tl.int64)
             n_valid = tl.where(j == n_base - 1, last_base, G)
-            valid = (offs_t >= tl.where(j == u_lo, t_lo, 0))[None, :] & (offs_t < n_valid)[None, :]
+            valid = _window_valid(offs_t, j * G, n_valid, lo)
             m, l, acc = _base_page_step(q, m, l, acc, POOL, EXTRAS, page, n_valid, valid, kvh, n_heads, offs_t,
                                         offs_d, sm_scale_log2, G, D, BITS, VG, FORMAT, SIZES, DOT_FP32)
 
         for j in range(tl.maximum(p_start, n_base), p_end):
             frame = tl.load(PAGES.ov_indices + ov_lo + j - n_base).to(tl.int64)
             n_valid = tl.where(j == n_pages - 1, last_ov, G)
-            valid = (offs_t >= tl.where(j == u_lo, t_lo, 0))[None, :] & (offs_t < n_valid)[None, :]
+            valid = _window_valid(offs_t, base_len + (j - n_base) * G, n_valid, lo)
             m, l, acc = _frame_step(q, m, l, acc, POOL, frame, n_valid, valid, kvh, offs_t, offs_d, sm_scale_log2,
                                     DOT_FP32)
 

@@ -59,14 +59,14 @@ def _extend_attention_kernel(
         for j in range(tl.minimum(lo // G, n_base), n_base):
             page = tl.load(PAGES.kv_indices + kv_lo + j).to(tl.int64)
             n_valid = tl.where(j == n_base - 1, last_base, G)
-            valid = _window_valid(offs_t, j * G, n_valid, row_first)
+            valid = _window_valid(offs_t, j * G, n_valid, row_first[:, None])
             m, l, acc = _base_page_step(q, m, l, acc, POOL, EXTRAS, page, n_valid, valid, kvh, n_heads, offs_t,
                                         offs_d, sm_scale_log2, G, D, BITS, VG, FORMAT, SIZES, DOT_FP32)
 
         for j in range(tl.maximum(lo - base_len, 0) // G, n_ov):
             frame = tl.load(PAGES.ov_indices + ov_lo + j).to(tl.int64)
             n_valid = tl.where(j == n_ov - 1, last_ov, G)
-            valid = _window_valid(offs_t, base_len + j * G, n_valid, row_first)
+            valid = _window_valid(offs_t, base_len + j * G, n_valid, row_first[:, None])
             m, l, acc = _frame_step(q, m, l, acc, POOL, frame, n_valid, valid, kvh, offs_t, offs_d, sm_scale_log2,
                                     DOT_FP32)
 

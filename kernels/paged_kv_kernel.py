@@ -119,7 +119,8 @@ def _frame_step(q, m, l, acc, POOL, frame, n_valid, valid, kvh, offs_t, offs_d, 
 
 
 @triton.jit
-def _window_valid(offs_t, unit_pos, n_valid, row_first):
-    # [M, G] keys of a unit (its first token at context position unit_pos, n_valid tokens) that rows see: those at
-    # or after each row's first visible position row_first [M] (a sliding window; -1 for none)
-    return ((unit_pos + offs_t)[None, :] >= row_first[:, None]) & (offs_t < n_valid)[None, :]
+def _window_valid(offs_t, unit_pos, n_valid, first):
+    # [M or 1, G] keys of a unit (its first token at context position unit_pos, n_valid tokens) that rows see: those
+    # at or after the first visible position `first` (a sliding window; -1 for none): a scalar shared by every row,
+    # or [M, 1], one per row
+    return ((unit_pos + offs_t)[None, :] >= first) & (offs_t < n_valid)[None, :]

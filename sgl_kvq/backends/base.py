@@ -75,7 +75,8 @@ class KVQAttentionBackendBase(AttentionBackend):
             raise NotImplementedError("sgl_kvq: cross attention, logit caps and qk/v head dims that differ are not "
                                       "supported")
         if sliding_window(layer) >= 0 and not self.sliding_windows:
-            raise NotImplementedError(f"sgl_kvq: {self.name} does not serve sliding-window layers (kvq_torch does)")
+            raise NotImplementedError(f"sgl_kvq: {self.name} does not serve sliding-window layers (its strategy "
+                                      "refuses such models before load)")
 
     def _views(self, q, k, v, layer):
         self._check_layer(layer)
