@@ -1,11 +1,12 @@
-"""Sliding-window layers through the engine (SGLang's Gemma3ForCausalLM: a tiny random one built here, float32, and
-in the matrix the embedded Gemma 3 270M): each sliding layer attends within its window on every path, in SGLang's
-own semantics (a query at position i sees i - W .. i). The path-by-path checks against the reference are
-tests/unit/test_attention_window.py and tests/kernels/test_kernels_attention.py."""
+"""Sliding-window layers through the engine and SGLang's HTTP server (SGLang's Gemma3ForCausalLM: a tiny random one
+built here, float32, and in the matrix the embedded Gemma 3 270M): each sliding layer attends within its window on
+every path, in SGLang's own semantics (a query at position i sees i - W .. i). The path-by-path checks against the
+reference are tests/unit/test_attention_window.py and tests/kernels/test_kernels_attention.py."""
 
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 
@@ -59,6 +60,64 @@ def test_tokens_before_the_window_are_never_read_from_the_packed_pages():
     ids, lp, stats = generate(tiny_gemma3(100, ("sliding_attention",) * 2), "kivi2", prompts, deterministic)
     assert stats["pages_quantized"] >= 2 * 6  # both prompts' complete pages were packed, then read
     assert ids[0] == ids[1] and lp[0] == lp[1]
+
+
+# CI: one server start on the tiny model (about 50 s on a loaded 2-core machine)
+def test_launch_server_and_a_frontend_program_slide_the_window_on_kivi2(tmp_path, monkeypatch):
+    """The window test above through SGLang's HTTP server, started as users start it (`python -m sglang.launch_server
+    --kv-cache-dtype kivi2`, the plugin loading itself), and a two-turn frontend-language program against it: the
+    server's pool is kivi2's at the packed layout's bytes per token; over /generate the two prompts that differ only
+    before the window give the same tokens and logprobs to the bit, and a third that differs inside the window (its
+    last 100 tokens; its first 256 a radix hit) does not (so the equality is no constant output); the program's
+    turns exceed the window, and its second turn is served from the radix cache in whole pages. (With a window of
+    1,000, wider than the context, the first two prompts' tokens differ from the first: tried.)"""
+    import sglang as sgl
+
+    from sgl_kvq.tools.launch import ServerProcess, server_argv
+
+    class LaunchServer(ServerProcess):
+        command = [sys.executable, "-m", "sglang.launch_server"]
+
+    @sgl.function
+    def two_turns(s, first, follow):
+        s += first
+        s += sgl.gen("a1", max_tokens=8, temperature=0, ignore_eos=True)
+        s += follow
+        s += sgl.gen("a2", max_tokens=8, temperature=0, ignore_eos=True)
+
+    monkeypatch.setenv("KVQ_RESIDUAL", "0")  # inherited by the server: the windows reach into packed pages
+    model = tiny_gemma3(100, ("sliding_attention",) * 2)
+    rng = random.Random(2)
+    tail = random_ids(rng, 300)
+    prompts = [random_ids(rng, 100) + tail, random_ids(rng, 100) + tail]
+    prompts.append(prompts[0][:300] + random_ids(rng, 100))
+    words = "def class return import from self lambda yield while for if else try except with as print".split()
+    first = " ".join(rng.choice(words) for _ in range(200))
+    follow = "\n" + " ".join(rng.choice(words) for _ in range(60))
+    args = server_argv(["--model-path", str(model), "--kv-cache-dtype", "kivi2", "--dtype", "float32",
+                        "--max-total-tokens", "4096", "--mem-fraction-static", "0.3", "--max-running-requests", "4"])
+    with LaunchServer(args, log_path=tmp_path / "server.log") as server:
+        outs = [server.post("/generate", {"input_ids": ids, "sampling_params": GREEDY, "return_logprob": True})
+                for ids in prompts]
+        state = two_turns.run(first=first, follow=follow, backend=sgl.RuntimeEndpoint(server.base))
+        state.sync()  # run() returns while the program's thread still sends its turns
+        assert state.error() is None, state.error()
+        stats = server.kv_pool_stats()
+    ids = [o["output_ids"] for o in outs]
+    lp = [[x[0] for x in o["meta_info"]["output_token_logprobs"]] for o in outs]
+    assert stats["pool_class"] == "KVQTokenToKVPool" and stats["kv_cache_dtype"] == "kivi2"
+    assert stats["config"]["residual"] == 0
+    # 2 layers x 2 KV heads x (K and V codes 2 x 16 ch x 2 bit = 8 B, the key scale and zero per page and channel
+    # 2 x 16 x 2 B / 64 tokens = 1 B, the value scale and zero per token and group of 16 channels 2 x 2 B = 4 B)
+    assert stats["base_bytes_per_token"] == 2 * 2 * (8 + 1 + 4), stats
+    assert stats["pages_quantized"] >= 2 * 6  # the first two prompts' complete pages were packed, then read
+    assert all(len(x) == GREEDY["max_new_tokens"] for x in ids)
+    assert ids[0] == ids[1] and lp[0] == lp[1]
+    assert ids[2] != ids[0]
+    m1, m2 = state.get_meta_info("a1"), state.get_meta_info("a2")
+    assert m1["prompt_tokens"] > 100 and m2["prompt_tokens"] > m1["prompt_tokens"] + 8, (m1, m2)
+    assert m1["completion_tokens"] == m2["completion_tokens"] == 8
+    assert m2["cached_tokens"] % 64 == 0 and m2["cached_tokens"] >= 64 * (m1["prompt_tokens"] // 64 - 1), (m1, m2)
 
 
 @matrix_only("the Triton kernels' windows are compared with the reference in tests/kernels/test_kernels_attention.py")
