@@ -8,14 +8,17 @@ allocator and charged where SGLang admits requests (the layout: sgl_kvq/layout.p
   tokens; its available_size falls while a request holds them. Token pages are handed out from frames already in
   use by tokens first, whole free frames last, so the free pages stay in whole frames (tokens fill holes; frames
   come from the top).
-- PrefillAdder.add_one_req (AROUND): a request without a request slot is admitted only while its frames (and those
-  of the requests admitted before it in the same step) can be made whole: free pages scattered over frames whose
-  other pages running requests hold add up in admission's count but form no frame. Such a request waits (NO_TOKEN)
-  until running requests finish; with none running every non-free page is evictable, so it never waits forever.
-- alloc_req_slots (AROUND): a request that gets a request slot gets its frames (FrameTable.per_request), evicting
-  radix-tree pages while no whole frame is free (admission checked the frames can be made whole; eviction makes
-  them whole). Its req_to_token row is zeroed, so the pages the row names are its own (what admission counts as
-  held).
+- PrefillAdder.add_one_req (AROUND): a request without a request slot takes its frames when admission accepts it,
+  before SGLang's own checks run (which then charge the request no request_slot_reserve: its frames are no longer
+  free). Taken first, they are whole: HiCache's load-back, which places the request's prefix pages inside the
+  admission, cannot split them. Free pages scattered over frames whose other pages requests hold add up in
+  admission's count but form no frame, so a request whose frames cannot be made whole (by evicting radix-tree pages
+  nothing locks) waits (NO_TOKEN) until running requests finish; with none running every non-free page is evictable,
+  so it never waits forever. A request admission turns away gives its frames back.
+- alloc_req_slots (AROUND): a request that gets a request slot owns the frames admission took for it
+  (FrameTable.per_request); one that came another way (SGLang's ignore-eos admission without a radix cache) takes
+  them here, evicting radix-tree pages while no whole frame is free. Its req_to_token row is zeroed, so the pages
+  the row names are its own (what admission counts as held).
 - ReqToTokenPool.free_rows (AROUND): a freed request slot (finished, retracted, aborted) gives its frames back.
 """
 
@@ -42,14 +45,18 @@ class FramePageAllocator(PagedTokenToKVPoolAllocator):
         super().__init__(size, page_size, dtype, device, kvcache, need_sort)
         kvcache.frame_allocator = self
         self.req_to_token_pool = getattr(kvcache, "req_to_token_pool", None)  # whose slots own the frames
+        # rid -> the frames admission took for a request, until its request slot owns them (the same scheduler step)
+        self.reserved: dict[str, list[int]] = {}
+        self.admitting_reserved = False  # inside add_one_req for a request whose frames are taken
 
     def clear(self):
         super().clear()
         # Frame 0 holds page 0, which is never free: it is never handed out (the padded rows' dummy frame).
         self.store.frames.release_all()
+        self.reserved = {}
 
     def request_slot_reserve(self, *, has_req_pool_slot: bool, prefill_tokens: int = 0) -> int:
-        return 0 if has_req_pool_slot else self.frame_tokens
+        return 0 if has_req_pool_slot or self.admitting_reserved else self.frame_tokens
 
     def max_new_tokens_for_memory(self, input_tokens: int, max_new_tokens: int, *, token_capacity: int, **kwargs):
         """What an empty pool holds for one request besides its frames (admission charges them): a prompt that
@@ -94,23 +101,27 @@ class FramePageAllocator(PagedTokenToKVPoolAllocator):
         self.free_pages = self.free_pages[~torch.isin(self.free_pages // self.k, chosen)]
         return chosen.tolist()
 
+    def _pages_of(self, frames: list[int]) -> torch.Tensor:
+        ids = torch.tensor(frames, dtype=torch.int64, device=self.device)
+        return (ids[:, None] * self.k + torch.arange(self.k, device=self.device)).reshape(-1)
+
     def held_pages(self, prefixes: list[torch.Tensor] = ()) -> torch.Tensor:
         """Per page, whether a request holds it: a page a slot's req_to_token row names (its radix prefix, locked
         while it runs, and its own tokens; the row is zeroed when the slot gets frames, so nothing stale), a page of a
-        frame it owns, page 0, or a token index in `prefixes` (the radix prefixes admission locked for requests that
-        have no slot yet). A page neither free nor held is a radix-tree page nothing locks: evictable."""
-        frames = self.store.frames
+        frame it owns or admission took for it, page 0, or a token index in `prefixes` (the radix prefixes admission
+        locked for requests that have no slot yet). A page neither free nor held is a radix-tree page nothing locks:
+        evictable."""
         held = torch.zeros(self.num_frames * self.k, dtype=torch.bool, device=self.device)
         held[0] = True
         for tokens in prefixes:
             held[tokens.to(self.device).long() // self.page_size] = True
-        slots = list(frames.owned)
-        if slots:
-            rows = self.req_to_token_pool.req_to_token[torch.tensor(slots, device=self.device)]
+        owned = self.store.frames.owned
+        if owned:
+            rows = self.req_to_token_pool.req_to_token[torch.tensor(list(owned), device=self.device)]
             held[rows.reshape(-1).long() // self.page_size] = True
-            owned = torch.tensor([f for fs in frames.owned.values() for f in fs], dtype=torch.int64,
-                                 device=self.device)
-            held[(owned[:, None] * self.k + torch.arange(self.k, device=self.device)).reshape(-1)] = True
+        taken = [f for fs in [*owned.values(), *self.reserved.values()] for f in fs]
+        if taken:
+            held[self._pages_of(taken)] = True
         return held
 
     def frames_obtainable(self, n: int, prefixes: list[torch.Tensor] = ()) -> bool:
@@ -122,8 +133,7 @@ class FramePageAllocator(PagedTokenToKVPoolAllocator):
 
     def give_back_frames(self, frames: list[int]) -> None:
         if frames:
-            ids = torch.tensor(frames, dtype=torch.int64, device=self.device)
-            self._release_page_ids((ids[:, None] * self.k + torch.arange(self.k, device=self.device)).reshape(-1))
+            self._release_page_ids(self._pages_of(frames))
 
 
 def build_allocator(orig, self, *, token_to_kv_pool, **kwargs):
@@ -161,18 +171,50 @@ def _locked_prefix_indices(tree_cache, reqs) -> list[torch.Tensor]:
 
 
 def add_one_req(orig, self, req, *args, **kwargs):
-    """PrefillAdder.add_one_req: a request that would need a new request slot waits while its frames cannot be made
-    whole (see the module docstring)."""
+    """PrefillAdder.add_one_req: a request that would need a new request slot takes its frames first, or waits (see
+    the module docstring)."""
     allocator = self.token_to_kv_pool_allocator
-    if isinstance(allocator, FramePageAllocator) and not req.kv.holds_kv:
-        new = [r for r in self.can_run_list if not r.kv.holds_kv] + [req]
-        # their matched prefixes are locked (admission pins them) but in no request slot's row yet
-        prefixes = _locked_prefix_indices(self.tree_cache, new)
-        if not allocator.frames_obtainable(len(new) * allocator.store.frames.per_request, prefixes):
-            from sglang.srt.managers.schedule_policy import AddReqResult
+    if not isinstance(allocator, FramePageAllocator) or req.kv.holds_kv:
+        return orig(self, req, *args, **kwargs)
+    from sglang.srt.managers.schedule_policy import AddReqResult
 
-            return AddReqResult.NO_TOKEN
-    return orig(self, req, *args, **kwargs)
+    if not self.can_run_list:
+        _drop_stale_reservations(allocator)
+    frames = _take_frames_for(self, allocator, req)
+    if frames is None:
+        return AddReqResult.NO_TOKEN
+    allocator.reserved[req.rid] = frames
+    allocator.admitting_reserved = True
+    try:
+        return orig(self, req, *args, **kwargs)
+    finally:
+        allocator.admitting_reserved = False
+        if not (self.can_run_list and self.can_run_list[-1] is req):  # SGLang's own test of admission
+            allocator.give_back_frames(allocator.reserved.pop(req.rid))
+
+
+def _take_frames_for(adder, allocator: FramePageAllocator, req) -> list[int] | None:
+    """The whole frames `req` runs with, evicting unlocked radix-tree pages to make them, or None while they cannot be
+    made: its own matched prefix, and those of the requests admitted before it in this step (locked, in no request
+    slot's row yet), count as held."""
+    n = allocator.store.frames.per_request
+    new = [r for r in adder.can_run_list if not r.kv.holds_kv] + [req]
+    if not allocator.frames_obtainable(n, _locked_prefix_indices(adder.tree_cache, new)):
+        return None
+    with adder._lock_node(req.last_node):  # eviction must not take the prefix it matched
+        _make_whole_frames(allocator, adder.tree_cache, n)
+    return allocator.take_frames(n)
+
+
+def _drop_stale_reservations(allocator: FramePageAllocator) -> None:
+    """Frames taken for a request whose scheduler step built no batch: a new step's first admission gives them back
+    (a step's admitted requests get their request slots in the same step)."""
+    import logging
+
+    for rid in list(allocator.reserved):
+        logging.getLogger(__name__).warning("sgl_kvq: request %s was admitted but got no request slot; its frames go "
+                                            "back to the pool", rid)
+        allocator.give_back_frames(allocator.reserved.pop(rid))
 
 
 def alloc_req_slots(orig, req_to_token_pool, reqs, tree_cache):
@@ -180,13 +222,14 @@ def alloc_req_slots(orig, req_to_token_pool, reqs, tree_cache):
     if pool is None:
         return orig(req_to_token_pool, reqs, tree_cache)
     allocator, frames = pool.frame_allocator, pool.store.frames
-    new = sum(1 for r in reqs if not r.kv.holds_kv)
-    _make_whole_frames(allocator, tree_cache, new * frames.per_request)
+    taken = [None if r.kv.holds_kv else allocator.reserved.pop(r.rid, None) for r in reqs]
+    unreserved = sum(1 for r, t in zip(reqs, taken) if not r.kv.holds_kv and t is None)
+    _make_whole_frames(allocator, tree_cache, unreserved * frames.per_request)
     indices = orig(req_to_token_pool, reqs, tree_cache)
-    for slot in indices:
+    for slot, got in zip(indices, taken):
         if frames.holds(slot):
             continue
-        got = allocator.take_frames(frames.per_request)
+        got = got or allocator.take_frames(frames.per_request)
         if got is None:
             raise RuntimeError(
                 f"sgl_kvq: no {frames.per_request} whole free frames of {allocator.k} pages for request slot {slot} "

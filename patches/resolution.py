@@ -52,8 +52,7 @@ def _check_pinned_budget(cfg, model_config, view, requested: int | None) -> None
 
     dp = max(getattr(view, "attn_dp_size", 1) or 1, 1)
     shape = pool_shape(model_config, cfg, layers=model_config.num_hidden_layers, attn_tp_size=view.tp_size // dp)
-    pooled = pooled_frames(shape, model_config.dtype, getattr(view, "disaggregation_mode", "null"),
-                           bool(getattr(view, "enable_hierarchical_cache", False)))
+    pooled = pooled_frames(shape, model_config.dtype, getattr(view, "disaggregation_mode", "null"))
     split_budget(budget, shape, model_config.dtype, host_is_device=view.device == "cpu", frames_pooled=pooled,
                  requested=max(1, requested // dp))
 

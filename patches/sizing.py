@@ -79,14 +79,13 @@ def profile_available_bytes(orig, self, *args, **kwargs):
 
 def frames_pooled(shape, model_dtype) -> bool:
     """Whether this server's frames come out of the pool per running request (sgl_kvq/frames.py)."""
-    from sglang.srt.runtime_context import get_disagg, get_memory
+    from sglang.srt.runtime_context import get_disagg
 
     from sgl_kvq.frames import pooled_frames
 
-    pooled = pooled_frames(shape, model_dtype, get_disagg().disaggregation_mode,
-                           bool(get_memory().enable_hierarchical_cache))
+    pooled = pooled_frames(shape, model_dtype, get_disagg().disaggregation_mode)
     if not pooled:
-        logger.info("sgl_kvq: static fp16 frames per request slot (prefill/decode disaggregation, HiCache, KVQ_FRAMES, "
+        logger.info("sgl_kvq: static fp16 frames per request slot (prefill/decode disaggregation, KVQ_FRAMES, "
                     "or a frame of more pages than the %d tokens of a page: frames.can_pool)", shape.G)
     return pooled
 

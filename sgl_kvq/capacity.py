@@ -14,7 +14,7 @@ page count is rounded down to whole frames, and frame 0's pages are the padded r
 SpeCache's per-request top-k rows are pooled frames too (its strategy's request_frames: ceil(top-k / G) more
 frames per running request, sgl_kvq/specache/topk_rows.py), charged with the ring.
 
-Per-slot state that does stay fixed: the frames themselves under prefill/decode disaggregation and HiCache (static
+Per-slot state that does stay fixed: the frames themselves under prefill/decode disaggregation (static
 frames: SGLang sends a slot's frames as one row of its per-request state, so they sit at fixed places), with
 SpeCache's top-k rows per slot beside them. For those the rule is: per-slot state takes at most
 `cfg.overlay_share` of the budget, and max_running_requests follows from it (min. 1); an explicit
@@ -59,10 +59,10 @@ def per_token_bytes(shape: PoolShape, model_dtype: torch.dtype, host_is_device: 
 
 
 def config_pools(shape: PoolShape, model_dtype: torch.dtype) -> bool:
-    """Whether a server without prefill/decode disaggregation or HiCache pools this config's frames (KVQ_FRAMES)."""
+    """Whether a server without prefill/decode disaggregation pools this config's frames (KVQ_FRAMES)."""
     from sgl_kvq.frames import pooled_frames
 
-    return pooled_frames(shape, model_dtype, "null", False)
+    return pooled_frames(shape, model_dtype, "null")
 
 
 def _frame_kv_bytes(shape: PoolShape, model_dtype: torch.dtype) -> int:
@@ -173,7 +173,7 @@ def split_budget(budget_bytes: int, shape: PoolShape, model_dtype: torch.dtype, 
                  host_budget_bytes: int | None = None) -> BudgetSplit:
     """Decide max_running_requests for a kvq pool of `shape` in `budget_bytes` (see the module doc).
     frames_pooled: frames carved from the pool per running request (else static per slot: prefill/decode
-    disaggregation, HiCache); None: as a plain server of this config (KVQ_FRAMES). requested: the user's
+    disaggregation); None: as a plain server of this config (KVQ_FRAMES). requested: the user's
     --max-running-requests per worker, or None. context_len: the model's,
     for SGLang's own cap on the default (2048..4096 requests, tokens // 2). host_budget_bytes: the host RAM
     SpeCache's host tier may take where it is not the device's memory."""

@@ -99,7 +99,7 @@ class KVQConfig:
     cpu_kernel: int = 1
     # "pooled": running requests' fp16 frames are pages of the pool, taken from the KV budget while they run
     # (sgl_kvq/frames.py); "static": `ring` frames per request slot in a region of their own, sized by
-    # overlay_share (what prefill/decode disaggregation and HiCache always use). Pooled frames run as many requests
+    # overlay_share (what prefill/decode disaggregation always uses). Pooled frames run as many requests
     # as memory holds (SmolLM2, 0.12 GiB, the shared-prefix load: kivi2 16 running and 1.92x bf16's output tok/s,
     # bench/results/serving-concurrency-smollm2.json) where static frames run 1.
     frames: str = "pooled"

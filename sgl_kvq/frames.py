@@ -14,7 +14,7 @@ back the frames (sgl_kvq/layout.py has the bytes):
           k <= G (can_pool); pages 1 .. k-1 serve tokens like any other.
   static  every request slot owns frames r*ring .. r*ring+ring-1 for the server's life, in a separate region sized
           for all slots (layout.frame_of): under prefill/decode disaggregation (SGLang sends a slot's frames as one
-          row of its per-request state, which needs them at fixed places) and HiCache (pooled_frames says why).
+          row of its per-request state, which needs them at fixed places).
 
 Pooled, a request slot may own `extra` frames beyond its ring: its decode strategy's per-request state, carved and
 charged with the ring (SpeCache's prefetched top-k rows: sgl_kvq/specache/topk_rows.py), addressed by request slot
@@ -48,13 +48,11 @@ def frame_view(codes: torch.Tensor, num_frames: int, G: int, H: int, D: int,
     return codes.view(L, num_frames, -1)[:, :, :frame_bytes].view(model_dtype).view(L, num_frames, G, H, D)
 
 
-def pooled_frames(shape: PoolShape, model_dtype: torch.dtype, disaggregation_mode: str, hicache: bool) -> bool:
+def pooled_frames(shape: PoolShape, model_dtype: torch.dtype, disaggregation_mode: str) -> bool:
     """Frames are pooled where KVQ_FRAMES=pooled asks for it, unless SGLang's prefill/decode disaggregation sends them
-    as one row of its per-request state (indexed by request slot: sgl_kvq/pd_transfer.py), HiCache is on (its
-    load-back places a request's prefix pages before the request gets its frames, and those pages, locked, can leave
-    no whole frame free: measured on the tiny Llama's 3-frame pool), or a frame spans more pages than a page has
-    tokens."""
-    return shape.cfg.frames == "pooled" and disaggregation_mode not in ("prefill", "decode") and not hicache \
+    as one row of its per-request state (indexed by request slot: sgl_kvq/pd_transfer.py) or a frame spans more pages
+    than a page has tokens."""
+    return shape.cfg.frames == "pooled" and disaggregation_mode not in ("prefill", "decode") \
         and can_pool(shape, model_dtype)
 
 

@@ -43,13 +43,19 @@ def run(dtype: str, **kw) -> tuple[list, dict]:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_evicted_prefix_comes_back_from_the_host_tier(monkeypatch, dtype):
     monkeypatch.setenv("KVQ_KV_CACHE_GB", "0.25")  # a small budget; max_total_tokens sizes the device pool
-    hi, stats = run(dtype, max_total_tokens=1024, enable_hierarchical_cache=True, hicache_ratio=4.0)
-    # the device holds fewer tokens than the four prompts sent after the first: its pages had to leave the device
-    assert stats["capacity_tokens"] < 4 * PROMPT
+    ref, ref_stats = run(dtype, max_total_tokens=8192)  # the prefix never leaves the device
+    assert ref[-1][0] == PAGES_KEPT * 64
+    # Under HiCache too a running request's fp16 frames are pages of the pool, taken while it runs, and taken when
+    # admission accepts it, so the load-back cannot split them. The pool: the frames, the padded rows' dummy frame
+    # and tokens.
+    frames = ref_stats["frame_tokens"]
+    hi, stats = run(dtype, max_total_tokens=frames + 2048, enable_hierarchical_cache=True, hicache_ratio=4.0)
+    assert stats["frames_pooled"] and stats["frame_tokens"] == frames > 0
+    # beside one running request (its frames, its prompt's pages and a page of output) the device holds fewer tokens
+    # than the four prompts sent after the first: the first one's pages had to leave the device
+    assert stats["capacity_tokens"] - frames - (PROMPT + 64) < 4 * PROMPT
     assert stats["hicache_host_tokens"] >= 4 * stats["capacity_tokens"]
     assert stats["hicache_host_bytes"] == stats["hicache_host_tokens"] * stats["base_bytes_per_token"]
     assert hi[-1][0] == PAGES_KEPT * 64, "the first prompt's complete pages are a host hit"
-    ref, _ = run(dtype, max_total_tokens=8192)  # the prefix never leaves the device
-    assert ref[-1][0] == PAGES_KEPT * 64
     assert [o for _, o, _ in hi] == [o for _, o, _ in ref]
     assert [lp for _, _, lp in hi] == [lp for _, _, lp in ref]

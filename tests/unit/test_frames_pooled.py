@@ -190,6 +190,57 @@ def test_admission_reads_locked_prefixes_off_the_servers_rust_tree():
     assert not alloc.frames_obtainable(1, prefixes)  # the locked prefix touches every frame
 
 
+def test_admission_takes_the_frames_before_sglang_admits_and_the_slot_owns_them():
+    """PrefillAdder.add_one_req's hook takes a request's frames before SGLang's own admission runs, so what that
+    admission allocates (HiCache's load-back of the request's prefix) cannot split them, and charges it no
+    request_slot_reserve for them; a request admission turns away gives them back; alloc_req_slots hands the taken
+    frames to the request's slot. (With the frames taken at the slot instead, HiCache's load-back of the first
+    prompt left no two whole frames: tests/engine/test_e2e_hicache.py.)"""
+    import contextlib
+
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    from sgl_kvq.patches import frames as hooks
+
+    _, pooled, _ = make_pair(16, 2, 16, "kivi", 63)  # 8 frames of k = 8 pages; 2 frames a request
+    alloc = make_allocator(pooled)
+    G, k = 16, alloc.k
+    alloc.req_to_token_pool = types.SimpleNamespace(req_to_token=torch.zeros(SLOTS, MAX_CTX, dtype=torch.int32))
+    alloc.alloc(3 * G)  # a running request's pages: frame 0's pages 1..3, a partly used frame
+    adder = types.SimpleNamespace(token_to_kv_pool_allocator=alloc, can_run_list=[], tree_cache=None,
+                                  _lock_node=lambda node: contextlib.nullcontext())
+    seen = {}
+
+    def admit_with_load_back(adder, req):
+        seen["reserve"] = alloc.request_slot_reserve(has_req_pool_slot=False)
+        seen["loaded"] = alloc.alloc(6 * G)  # more pages than frame 0's holes: a whole frame breaks
+        adder.can_run_list.append(req)
+        return AddReqResult.CONTINUE
+
+    def turn_away(adder, req):
+        return AddReqResult.NO_TOKEN
+
+    whole = alloc.free_frames().tolist()
+    req = types.SimpleNamespace(rid="a", kv=types.SimpleNamespace(holds_kv=False), last_node=None)
+    assert hooks.add_one_req(turn_away, adder, req) == AddReqResult.NO_TOKEN
+    assert alloc.free_frames().tolist() == whole and not alloc.reserved
+    assert hooks.add_one_req(admit_with_load_back, adder, req) == AddReqResult.CONTINUE
+    taken = alloc.reserved["a"]
+    assert taken == whole[-2:] and seen["reserve"] == 0
+    assert not set((seen["loaded"] // G // k).tolist()) & set(taken)
+    assert alloc.request_slot_reserve(has_req_pool_slot=False) == 2 * k * G  # outside the hook: charged again
+    pool = types.SimpleNamespace(frame_allocator=alloc, store=pooled)
+    r2t = types.SimpleNamespace(req_to_token=alloc.req_to_token_pool.req_to_token)
+    hooks.register_slot_pool(r2t, pool)
+    try:
+        assert hooks.alloc_req_slots(lambda *_: [4], r2t, [req], None) == [4]
+    finally:
+        hooks._slot_pools.pop(id(r2t))
+    assert pooled.frames.owned[4] == taken and not alloc.reserved
+    held = alloc.held_pages()
+    assert held[torch.tensor(taken)[:, None] * k + torch.arange(k)].all()
+
+
 class Life:
     """Requests through SGLang's real paged allocator (FramePageAllocator): a request slot takes `ring` frames,
     pages are allocated one at a time as requests grow, finished requests leave their complete pages to a 'tree'
