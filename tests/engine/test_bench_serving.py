@@ -1,6 +1,6 @@
-"""`sgl-kvq bench serving` end to end on the tiny model (float32): bf16 and kivi2, one concurrency, both workloads,
-the tight regime; the JSON must hold the load generator's metrics and the server's stats for each dtype, and the
-plots must be written."""
+"""`sgl-kvq bench serving` end to end on the tiny model (float32): bf16 and kivi2 (with a knob of its own server:
+KVQ_PREFILL=paged), one concurrency, both workloads, the tight regime; the JSON must hold the load generator's metrics
+and the server's stats for each dtype, and the plots must be written."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 def test_bench_serving_tiny_writes_loadgen_metrics_server_stats_and_plots(venv_bin, tmp_path):
     out = tmp_path / "serving-tiny.json"
-    cmd = [str(venv_bin / "sgl-kvq"), "bench", "serving", "--model", "tiny", "--kv-cache-dtype", "auto,kivi2",
+    cmd = [str(venv_bin / "sgl-kvq"), "bench", "serving", "--model", "tiny", "--kv-cache-dtype", "auto,kivi2:KVQ_PREFILL=paged",
            "--concurrency", "2", "--waves", "1", "--regime", "tight", "--groups", "1", "--turns", "2",
            "--system-prompt-len", "64", "--question-len", "16", "--output-len", "4", "--sharegpt-context-len", "256",
            "--flags", "default", "--server-args", "--dtype float32", "--json", str(out)]
@@ -24,13 +24,15 @@ def test_bench_serving_tiny_writes_loadgen_metrics_server_stats_and_plots(venv_b
     assert report["command"].startswith("sgl-kvq bench serving --model tiny")
     assert report["machine"]["cpus"] >= 1 and len(report["machine"]["load_average_before"]) == 3
     servers = {s["kv_cache_dtype"]: s for s in report["servers"]}
-    assert set(servers) == {"auto", "kivi2"}
+    kivi2 = "kivi2:KVQ_PREFILL=paged"
+    assert set(servers) == {"auto", kivi2}
+    assert servers[kivi2]["config"]["prefill"] == "paged"  # the knob reached its server (the default is full)
     for s in servers.values():
         assert s["capacity_tokens"] > 0 and s["max_running_requests"] >= 1 and s["kv_budget_bytes"] > 0
         assert s["flags"] == "default"  # no --max-running-requests: SGLang's default, kvq's pooled frames
     runs = report["runs"]
     assert {(r["kv_cache_dtype"], r["workload"]) for r in runs} == {
-        (d, w) for d in ("auto", "kivi2") for w in ("shared-prefix-multiturn", "sharegpt")}
+        (d, w) for d in ("auto", kivi2) for w in ("shared-prefix-multiturn", "sharegpt")}
     for r in runs:
         assert r["error"] is None, r
         m = r["loadgen"]

@@ -45,7 +45,9 @@ run's `loadgen_command` is the same run as a standalone command line. It flushes
 def add_arguments(p) -> None:
     p.formatter_class, p.epilog = argparse.RawDescriptionHelpFormatter, SOURCES
     p.add_argument("--model", default="smollm2", help="smollm2 | gemma3 | tiny | a model folder")
-    p.add_argument("--kv-cache-dtype", default=DEFAULT_DTYPES, help="comma list; auto = the model's bf16 (baseline)")
+    p.add_argument("--kv-cache-dtype", default=DEFAULT_DTYPES,
+                   help="comma list; auto = the model's bf16 (baseline); an entry may carry knobs for its server "
+                   "only, as kivi4:KVQ_PREFILL=paged")
     p.add_argument("--concurrency", default="1,4,16", help="comma list of the load generator's --max-concurrency")
     p.add_argument("--workload", default="shared-prefix,sharegpt", help="comma list: shared-prefix, sharegpt")
     p.add_argument("--regime", default=",".join(REGIMES), help="comma list: tight, generous")
@@ -148,6 +150,7 @@ def serve_dtype(model: Path, dtype: str, budget: int, max_running: int | None, e
 def run(args) -> int:
     from sgl_kvq.tools.commands.bench_capacity import startup_error
     from sgl_kvq.tools.commands.bench_multiturn import resolve_model
+    from sgl_kvq.tools.eval.engine_eval import knob_env, split_knobs
 
     apply_quick(args)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -161,6 +164,7 @@ def run(args) -> int:
         wl.write_sharegpt_file(sharegpt_file, records=max(500, 40 * args.waves * top))
     loads = {c: workloads(args, sharegpt_file, c) for c in concurrencies}
     dtypes = [d for d in args.kv_cache_dtype.split(",") if d]
+    knobs = {d: split_knobs(d) for d in dtypes}  # entry -> (dtype, its server's KVQ_ knobs), checked before any server
     budgets = regime_budgets(args, shape, loads[top], top)
     command = "sgl-kvq " + shlex.join(getattr(args, "_argv", None) or sys.argv[1:])
     report = {"command": command, "model": args.model, "machine": describe(), "concurrencies": concurrencies,
@@ -169,7 +173,10 @@ def run(args) -> int:
               "regimes": {}, "servers": [], "runs": [], "sources": SOURCES}
     print(f"serving benchmark: {args.model}, {len(budgets) * len(dtypes)} servers, logs in {tmp}", flush=True)
     for regime, budget in budgets.items():
-        predicted = {d: wl.predicted_pool(shape, d, budget, top) for d in dtypes}
+        predicted = {}
+        for d in dtypes:
+            with knob_env(knobs[d][1]):
+                predicted[d] = wl.predicted_pool(shape, knobs[d][0], budget, top)
         report["regimes"][regime] = {"kv_cache_gb": budget / 2**30, "predicted": predicted}
         for dtype, flags in [(d, f) for d in dtypes for f in args.flags.split(",") if f]:
             t0 = time.time()
@@ -183,8 +190,11 @@ def run(args) -> int:
             print(f"{label}: starting the server (log {log})", flush=True)
             max_running = predicted[dtype]["max_running_requests"] if flags == "explicit" else None
             try:
-                with serve_dtype(model, dtype, budget, max_running, shlex.split(args.server_args), log) as server:
-                    report["servers"].append({**row, **stats.server_summary(server.get("/get_server_info"))})
+                extra = shlex.split(args.server_args)
+                with knob_env(knobs[dtype][1]), \
+                        serve_dtype(model, knobs[dtype][0], budget, max_running, extra, log) as server:
+                    # the row's dtype entry (with its knobs) names the server, not the pool's dtype name
+                    report["servers"].append({**stats.server_summary(server.get("/get_server_info")), **row})
                     for kind in range(len(loads[top])):  # each workload, at every concurrency
                         for c in concurrencies:
                             load = loads[c][kind]

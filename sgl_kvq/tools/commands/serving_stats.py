@@ -80,6 +80,8 @@ def server_summary(info: dict) -> dict:
     keys = ("kv_cache_dtype", "capacity_tokens", "max_running_requests", "kv_budget_bytes", "kv_bytes_per_token",
             "base_bytes_per_token", "request_state_bytes", "host_bytes_per_token")
     out = {k: pool[k] for k in keys if k in pool}
+    if "config" in pool:  # the kvq pool's quantization config as the server resolved it (its knobs included)
+        out["config"] = pool["config"]
     out["effective_max_running_requests"] = state.get("effective_max_running_requests_per_dp")
     return out
 
