@@ -59,7 +59,25 @@ def test_a_format_without_a_kernel_is_refused_by_kvq_triton():
 
 # ---- nothing outside sgl_kvq/formats/ asks which format it is ----
 
-_IDENTITY = re.compile(r"cfg\.method\b|\.method\s*(==|!=|in\b)|is_specache|is_zipcache|has_correction|has_rows")
+_FAMILY = r"(kivi|gear|logquant|zipcache|specache|peer)"
+_IDENTITY = re.compile(
+    r"cfg\.method\b|\.method\s*(==|!=|in\b)|is_specache|is_zipcache|has_correction|has_rows"
+    rf"|(==|!=)\s*[\"']{_FAMILY}|[\"']{_FAMILY}\w*[\"']\s*(==|!=)"  # a name compared with a family's
+    rf"|startswith\(\s*[\"']{_FAMILY}|\bin\s*[(\[{{]\s*[\"']{_FAMILY}"  # a name's prefix, a list of names
+    rf"|\b(is|has)_{_FAMILY}\b"  # a predicate named after a family
+    r"|isinstance\([^)]*\b(PageCorrection|PageRows|SalientPlane|PeerBase)\b")  # a format's tensors' type
+# the one place a family is named outside sgl_kvq/formats/: the kernels' constexpr dispatch to each format's jitted
+# correction (Format.kernel selects it: docs/formats.md)
+_DISPATCH = {Path("kernels/format_extras_kernel.py")}
+
+_SAMPLES = ['if fmt.family == "gear":', "if cfg.name.startswith('specache'):", 'if name in ("gear2", "gearl2"):',
+            "if is_gear(cfg):", "if isinstance(kv.extras, PageCorrection):", "if cfg.method == 'kivi':",
+            "if 'zipcache2' != dtype:"]
+
+
+def test_the_identity_pattern_catches_each_way_of_naming_a_format():
+    assert all(_IDENTITY.search(line) for line in _SAMPLES)
+    assert not _IDENTITY.search("fmt = registry.BY_NAME[cfg.name]; if fmt.kernel is None: return")
 
 
 def test_no_product_code_tests_a_formats_identity():
@@ -70,7 +88,8 @@ def test_no_product_code_tests_a_formats_identity():
     hits = []
     for f in files:
         rel = f.relative_to(root)
-        if rel.parts[:2] in {("sgl_kvq", "formats"), ("sgl_kvq", "tools")} or "__pycache__" in rel.parts:
+        if rel.parts[:2] in {("sgl_kvq", "formats"), ("sgl_kvq", "tools")} or "__pycache__" in rel.parts \
+                or rel in _DISPATCH:
             continue
         for i, line in enumerate(f.read_text().splitlines(), 1):
             if _IDENTITY.search(line):
