@@ -16,8 +16,8 @@ allocator and charged where SGLang admits requests (the layout: sgl_kvq/layout.p
   nothing locks) waits (NO_TOKEN) until running requests finish; with none running every non-free page is evictable,
   so it never waits forever. A request admission turns away gives its frames back.
 - alloc_req_slots (AROUND): a request that gets a request slot owns the frames admission took for it
-  (FrameTable.per_request); one that came another way (SGLang's ignore-eos admission without a radix cache) takes
-  them here, evicting radix-tree pages while no whole frame is free. Its req_to_token row is zeroed, so the pages
+  (FrameTable.per_request); one that reaches a request slot without passing add_one_req takes them here,
+  evicting radix-tree pages while no whole frame is free. Its req_to_token row is zeroed, so the pages
   the row names are its own (what admission counts as held).
 - ReqToTokenPool.free_rows (AROUND): a freed request slot (finished, retracted, aborted) gives its frames back.
 """
