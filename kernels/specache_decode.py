@@ -4,6 +4,7 @@
     out, lse = specache_decode(q, k_own, v_own, kv, p, topk, sm_scale, scores=s)               # per layer
     pos = select_topk(s, lse_spec, base_tokens, num_kv_heads, top_k)  # per layer: head_mass (Triton) + torch.topk
     # follow=True: s holds both lanes' scores [2n, Hq, T]; select_topk(s[n:], lse[n:], ..., follow=(s[:n], lse[:n]))
+# a sliding layer (window W >= 0): specache_decode(..., window=W), select_topk(..., first=window_first(p, W))
 
 Rows of q [n_lanes * n, Hq, D] are lane-major; with two lanes rows [0, n) are the real tokens (the output lane) and
 rows [n, 2n) their speculative tokens; with one lane (the pre-decode) every row is speculative. Both lanes read the
@@ -20,6 +21,11 @@ prefetched one), nothing past it (not even a fill: at batch 64, 32 query heads a
 layer); select_topk masks by base length, turning them and the merged lse into the next top-k positions on the
 device, with fixed shapes and no host sync. With follow=True (two lanes) the output lane's scores are stored too,
 lane-major in scores [2n, Hq, T], and select_topk adds their mass one position later (KVQ_SPECACHE_FOLLOW).
+
+A sliding-window layer (window W >= 0, sgl_kvq/attention_ref.py): the output lane's row (at its context's last
+position T - 1) sees T - 1 - W .. T - 1, the speculative lane's (its own key at T) T - W .. T, the prefetched rows
+included; scores are written inside each row's window only, and select_topk, given the speculative rows' first
+visible positions (window_first), chooses among them.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ class SpeCachePlan:
     o_partial: torch.Tensor  # [n_lanes * n, Hq, max_splits + 1, D] fp32
     lse_partial: torch.Tensor  # [n_lanes * n, Hq, max_splits + 1] fp32
     base_tokens: torch.Tensor  # [n] int64 tokens in request b's packed base
+    context_tokens: torch.Tensor  # [n] int64 tokens in request b's context (base and frames)
 
     @property
     def batch_size(self) -> int:
@@ -112,6 +119,8 @@ def plan(paged: PagedPlan, *, n_lanes: int, num_qo_heads: int, num_kv_heads: int
     n_pages = n_base + paged.ov_indptr.diff()
     num_splits = ((n_pages + min_pages_per_split - 1) // min_pages_per_split).clamp(1, max_splits).to(torch.int32)
     base_tokens = torch.where(n_base > 0, (n_base - 1) * page_size + paged.kv_last_page_len, 0).long()
+    n_frames = paged.ov_indptr.diff()
+    context_tokens = base_tokens + torch.where(n_frames > 0, (n_frames - 1) * page_size + paged.ov_last_page_len, 0)
     S = max_splits + 1
     return SpeCachePlan(
         paged=paged, n_lanes=n_lanes, num_splits=num_splits, merge_splits=(num_splits + 1).repeat(n_lanes),
@@ -119,16 +128,24 @@ def plan(paged: PagedPlan, *, n_lanes: int, num_qo_heads: int, num_kv_heads: int
         page_size=page_size,
         o_partial=torch.empty(n_lanes * B, num_qo_heads, S, head_dim, dtype=torch.float32, device=dev),
         lse_partial=torch.empty(n_lanes * B, num_qo_heads, S, dtype=torch.float32, device=dev),
-        base_tokens=base_tokens,
+        base_tokens=base_tokens, context_tokens=context_tokens,
     )
+
+
+def window_first(p: SpeCachePlan, window: int) -> torch.Tensor | None:
+    """[n] int64: the first context position each request's speculative row sees under a sliding `window` (its own
+    key at position context_tokens), where select_topk's candidates start; None without a window."""
+    return None if window < 0 else (p.context_tokens - window).clamp(min=0)
 
 
 def specache_decode(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, kv: LayerKV, p: SpeCachePlan,
                     topk: TopK | None, sm_scale: float, scores: torch.Tensor,
-                    out: torch.Tensor | None = None, follow: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                    out: torch.Tensor | None = None, follow: bool = False,
+                    window: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (out [n_lanes * n, Hq, D] in q's dtype, lse [n_lanes * n, Hq] fp32 natural log); writes `scores` below
-    each request's base tokens: the speculative rows' [n, Hq, T], or with follow both lanes' [2n, Hq, T].
-    topk None: no prefetched rows (the pre-decode reads the context as stored)."""
+    each request's base tokens (within each row's window): the speculative rows' [n, Hq, T], or with follow both
+    lanes' [2n, Hq, T]. topk None: no prefetched rows (the pre-decode reads the context as stored). window: a
+    sliding layer's W, -1 for none."""
     H, D, G, VG = check_layer(kv)
     extras, extras_consts = format_extras(kv, layer_geometry(kv))
     # the kernel applies extras as decode does, but no format with extras serves SpeCache: its reference
@@ -177,7 +194,7 @@ def specache_decode(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, k
             q, pool_args(kv), extras, k_own, v_own, topk_args, page_lists(p.paged), p.num_splits,
             split_parts(p.o_partial, p.lse_partial), scores, sm_scale * LOG2E, n, H,
             q.stride(0), q.stride(1), k_own.stride(0), k_own.stride(1), v_own.stride(0), v_own.stride(1),
-            scores.stride(0), scores.stride(1),
+            scores.stride(0), scores.stride(1), window,
             GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(L * group)), D=D, G=G, BITS=kv.bits, VG=VG,
             K=K, BLOCK_K=max(16, triton.next_power_of_2(K + 1)), BLOCK_P=triton.next_power_of_2(K), NLANES=L,
             SPEC_LANE=L - 1, USE_TOPK=topk is not None, FOLLOW=follow, MAX_SPLITS=p.max_splits, TOPK_ROWS=C,
@@ -188,34 +205,43 @@ def specache_decode(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, k
 
 
 def head_mass_ref(scores: torch.Tensor, lse: torch.Tensor, base_tokens: torch.Tensor,
-                  num_kv_heads: int, follow: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                  num_kv_heads: int, follow: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  first: torch.Tensor | None = None) -> torch.Tensor:
     """Torch reference of head_mass."""
     n, Hq, T = scores.shape
-    in_base = torch.arange(T, device=scores.device)[None, None, :] < base_tokens[:, None, None]
+    t = torch.arange(T, device=scores.device)[None, None, :]
+    in_base = t < base_tokens[:, None, None]
+    if first is not None:
+        in_base = in_base & (t >= first[:, None, None])
 
-    def mass(s, l):
-        p = torch.exp2(torch.where(in_base.expand(n, Hq, T), s, float("-inf")) - (l * LOG2E)[:, :, None])
+    def mass(s, l, where):
+        p = torch.exp2(torch.where(where.expand(n, Hq, T), s, float("-inf")) - (l * LOG2E)[:, :, None])
         return p.view(n, num_kv_heads, Hq // num_kv_heads, T).sum(2)
 
-    out = mass(scores, lse)
-    if follow is not None:
-        out[..., 1:] += mass(*follow)[..., :-1]
+    out = mass(scores, lse, in_base)
+    if follow is not None:  # the output rows' mass at t - 1 for every candidate t (t - 1 may precede the window)
+        read = torch.zeros_like(in_base)
+        read[..., :-1] = in_base[..., 1:]
+        out[..., 1:] += mass(*follow, read)[..., :-1]
     return torch.where(in_base, out, -1.0)
 
 
 def head_mass(scores: torch.Tensor, lse: torch.Tensor, base_tokens: torch.Tensor, num_kv_heads: int,
               out: torch.Tensor | None = None,
-              follow: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+              follow: tuple[torch.Tensor, torch.Tensor] | None = None,
+              first: torch.Tensor | None = None) -> torch.Tensor:
     """scores [n, Hq, T] (specache_decode's, log2 units), lse [n, Hq] (the speculative rows' merged lse), base_tokens
     [n] -> [n, H, T] fp32: each base position's attention probability summed over the KV head's query heads; -1 at
     positions past a request's base (never read there: the decode kernel leaves them unwritten). follow: the output
-    rows' (scores, lse), same shapes and strides: their mass at position t - 1 is added at t."""
+    rows' (scores, lse), same shapes and strides: their mass at position t - 1 is added at t. first [n] (a sliding
+    window, window_first): positions before it are not read either and get -1."""
     n, Hq, T = scores.shape
     require(Hq % num_kv_heads == 0 and scores.dtype == torch.float32 and scores.stride(-1) == 1,
             "scores must be [n, Hq, T] fp32 with Hq a multiple of the KV heads")
     require(tuple(lse.shape) == (n, Hq) and lse.dtype == torch.float32 and lse.stride(-1) == 1,
             f"lse must be [{n}, {Hq}] fp32")
     require(tuple(base_tokens.shape) == (n,), f"base_tokens must be [{n}]")
+    require(first is None or tuple(first.shape) == (n,), f"first must be [{n}]")
     fs, flse = (scores, lse) if follow is None else follow  # never read without FOLLOW
     require(fs.shape == scores.shape and fs.stride() == scores.stride() and flse.shape == lse.shape
             and flse.stride() == lse.stride(), "follow's scores and lse must match the speculative ones' shapes")
@@ -226,23 +252,28 @@ def head_mass(scores: torch.Tensor, lse: torch.Tensor, base_tokens: torch.Tensor
     block_t = 256
     if n and T:
         _head_mass_kernel[(n, num_kv_heads, triton.cdiv(T, block_t))](
-            scores, lse, fs, flse, base_tokens, out, T, scores.stride(0), scores.stride(1), lse.stride(0),
-            out.stride(0), out.stride(1), GROUP=group, BLOCK_G=triton.next_power_of_2(group), BLOCK_T=block_t,
-            FOLLOW=follow is not None)
+            scores, lse, fs, flse, base_tokens, base_tokens if first is None else first, out, T, scores.stride(0),
+            scores.stride(1), lse.stride(0), out.stride(0), out.stride(1), GROUP=group,
+            BLOCK_G=triton.next_power_of_2(group), BLOCK_T=block_t, FOLLOW=follow is not None, WINDOW=first is not None)
     return out
 
 
 def select_topk(scores: torch.Tensor, lse: torch.Tensor, base_tokens: torch.Tensor, num_kv_heads: int,
-                top_k: int, follow: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                top_k: int, follow: tuple[torch.Tensor, torch.Tensor] | None = None,
+                first: torch.Tensor | None = None) -> torch.Tensor:
     """scores [n, Hq, T], lse [n, Hq] as head_mass takes them -> [n, H, top_k] int64: per KV head the base positions
     with the most attention mass summed over its query heads, -1 padded past each request's base tokens
-    (sgl_kvq/specache/attention.py top_positions). Device ops only."""
+    (sgl_kvq/specache/attention.py top_positions). first [n] (window_first): only positions from it on are chosen.
+    Device ops only."""
     n, _, T = scores.shape
-    # -1 past the base: base positions are picked first
-    mass = head_mass(scores, lse, base_tokens, num_kv_heads, follow=follow)
+    # -1 past the base (and before the window): base positions are picked first
+    mass = head_mass(scores, lse, base_tokens, num_kv_heads, follow=follow, first=first)
     k = min(top_k, T)
     idx = mass.topk(k, dim=-1).indices
-    pos = torch.where(idx < base_tokens[:, None, None], idx, -1)
+    chosen = idx < base_tokens[:, None, None]
+    if first is not None:
+        chosen &= idx >= first[:, None, None]
+    pos = torch.where(chosen, idx, -1)
     if k < top_k:
         pos = torch.cat([pos, pos.new_full((n, num_kv_heads, top_k - k), -1)], dim=-1)
     return pos

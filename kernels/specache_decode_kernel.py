@@ -11,6 +11,11 @@ The speculative lane's scores over the packed base (log2 units, top-k positions 
 SCORES [n_req, Hq, T] so the next top-k is selected on the device; with FOLLOW both lanes' do, lane-major
 ([NLANES * n_req, Hq, T]: the real rows' mass one position later joins the ranking, specache_mass_kernel.py).
 
+Under a sliding window (window >= 0; -1 for none) each tile row sees its own window (the output lane's row at the
+context's last position ctx - 1 sees ctx - 1 - window on, the speculative lane's, its own key at ctx, ctx - window
+on): pages, frames and top-k rows before it are masked per row, its scores there never stored, and the splits share
+the pages from the first one the earliest row's window reaches.
+
 Masking can leave a base page (or a whole split) without a valid key: _softmax_step keeps m = -inf there, and an
 empty split stores lse = -inf, which merge_state weighs by 0. POOL, TOPK, PAGES and PARTS are argument groups
 (arg_groups.py, specache_decode.TopKArgs), EXTRAS / FORMAT / SIZES the format's extras (format_extras.py; the
@@ -20,13 +25,13 @@ launcher takes plain KIVI pages, FORMAT "").
 import triton
 import triton.language as tl
 
-from .paged_kv_kernel import _dot, _frame_step, _page_kt, _page_v, _softmax_step
+from .paged_kv_kernel import _dot, _frame_step, _page_kt, _page_v, _softmax_step, _window_valid
 
 
 @triton.jit
 def _specache_decode_kernel(
     Q, POOL, EXTRAS, KOWN, VOWN, TOPK, PAGES, num_splits, PARTS, SCORES, sm_scale_log2, n_req, n_heads,
-    stride_qb, stride_qh, stride_kob, stride_koh, stride_vob, stride_voh, stride_sb, stride_sh,
+    stride_qb, stride_qh, stride_kob, stride_koh, stride_vob, stride_voh, stride_sb, stride_sh, window,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
     VG: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, NLANES: tl.constexpr,
     SPEC_LANE: tl.constexpr, USE_TOPK: tl.constexpr, FOLLOW: tl.constexpr, MAX_SPLITS: tl.constexpr,
@@ -52,6 +57,10 @@ def _specache_decode_kernel(
         rows = b + lane * n_req  # q row of each tile row: lane-major [lane 0 rows, lane 1 rows]
         spec = (lane == SPEC_LANE) & mask_m
         scored = mask_m if FOLLOW else spec  # rows whose scores over the base are stored
+        # each row's first visible position (-1: no window), and the earliest over the lanes, lo
+        ctx_len = base_tokens + tl.where(n_pages > n_base, (n_pages - n_base - 1) * G + last_ov, 0)
+        row_first = tl.where(window >= 0, ctx_len - window - tl.where(lane == SPEC_LANE, 0, 1), -1)
+        lo = tl.where(window >= 0, tl.maximum(ctx_len - window - (NLANES - 1), 0), 0)
         offs_d = tl.arange(0, D)
         offs_t = tl.arange(0, G)
         offs_k = tl.arange(0, BLOCK_K)
@@ -88,13 +97,15 @@ def _specache_decode_kernel(
             kt = tl.where(is_own[None, :], own_k[:, None], kt)
             v = tl.where(is_own[:, None], own_v[None, :], v)
             qk = _dot(q, kt.to(q.dtype), DOT_FP32) * sm_scale_log2
-            valid = usable[None, :] | (is_own[None, :] & spec[:, None])
-            tl.store(score_row[:, None] + tpos[None, :], qk, mask=scored[:, None] & usable[None, :])
+            seen = usable[None, :] & (tpos[None, :] >= row_first[:, None])
+            valid = seen | (is_own[None, :] & spec[:, None])
+            tl.store(score_row[:, None] + tpos[None, :], qk, mask=scored[:, None] & seen)
             m, l, acc = _softmax_step(qk, valid, m, l, acc, v.to(q.dtype), DOT_FP32)
             slot = 0
         else:
-            per_split = tl.cdiv(n_pages, ns)
-            p_start = split * per_split
+            u_lo = tl.where(lo < base_tokens, lo // G, n_base + (lo - base_tokens) // G)  # the unit holding lo
+            per_split = tl.cdiv(n_pages - u_lo, ns)
+            p_start = u_lo + split * per_split
             p_end = tl.minimum(p_start + per_split, n_pages)
             if USE_TOPK:
                 # the membership test runs on every base page: over the K slots only (BLOCK_P = K padded), not the
@@ -109,20 +120,21 @@ def _specache_decode_kernel(
                 page = tl.load(PAGES.kv_indices + kv_lo + j).to(tl.int64)
                 n_valid = tl.where(j == n_base - 1, last_base, G)
                 pos = j * G + offs_t
-                valid = offs_t < n_valid
+                valid = _window_valid(offs_t, j * G, n_valid, row_first[:, None])  # [BLOCK_M, G]
                 if USE_TOPK:
                     replaced = tl.sum((pos[:, None] == mpos[None, :]).to(tl.int32), axis=1)
-                    valid = valid & (replaced == 0)
+                    valid = valid & (replaced == 0)[None, :]
                 kt = _page_kt(POOL, EXTRAS, page, kvh, n_heads, offs_t, offs_d, G, D, BITS, VG, FORMAT, SIZES)
                 qk = _dot(q, kt.to(q.dtype), DOT_FP32) * sm_scale_log2
-                tl.store(score_row[:, None] + pos[None, :], qk, mask=scored[:, None] & valid[None, :])
+                tl.store(score_row[:, None] + pos[None, :], qk, mask=scored[:, None] & valid)
                 v = _page_v(POOL, EXTRAS, page, kvh, n_heads, offs_t, offs_d, n_valid, G, D, BITS, VG, FORMAT, SIZES)
-                m, l, acc = _softmax_step(qk, valid[None, :], m, l, acc, v.to(q.dtype), DOT_FP32)
+                m, l, acc = _softmax_step(qk, valid, m, l, acc, v.to(q.dtype), DOT_FP32)
             for j in range(tl.maximum(p_start, n_base), p_end):
                 frame = tl.load(PAGES.ov_indices + ov_lo + j - n_base).to(tl.int64)
                 n_valid = tl.where(j == n_pages - 1, last_ov, G)
-                m, l, acc = _frame_step(q, m, l, acc, POOL, frame, n_valid, (offs_t < n_valid)[None, :], kvh,
-                                        offs_t, offs_d, sm_scale_log2, DOT_FP32)
+                valid = _window_valid(offs_t, base_tokens + (j - n_base) * G, n_valid, row_first[:, None])
+                m, l, acc = _frame_step(q, m, l, acc, POOL, frame, n_valid, valid, kvh, offs_t, offs_d, sm_scale_log2,
+                                        DOT_FP32)
             slot = split + 1
 
         has = l > 0.0

@@ -13,6 +13,8 @@ sgl_kvq/specache/attention.py):
              keys plus their own K/V, never written, and pick next step's top-k, prefetched per layer.
   predecode  a request's first decode step: its real token, read-only, as a speculative row (the paper's
              pre-decoding): picks the first top-k; specache/lanes.py takes its next-token guess.
+A sliding-window layer's rows (extend, both lanes, the pre-decode) attend within the window, and the top-k is chosen
+inside the window of the row that reads it next (sgl_kvq/specache/attention.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from sgl_kvq import attention_extend
+from sgl_kvq.backends.base import sliding_window
 from sgl_kvq.backends.torch_backend import KVQTorchBackend
 from sgl_kvq.metadata.forward import build_forward_plan, read_plan
 from sgl_kvq.plan import ForwardPlan, Step
@@ -28,7 +31,7 @@ from sgl_kvq.specache.attention import recall
 
 
 class KVQSpeCacheBackend(KVQTorchBackend):
-    sliding_windows = False  # its lanes read whole contexts (its strategy refuses windowed models before load)
+    sliding_windows = True  # the extend, both lanes and the top-k mask by a layer's window
 
     def __init__(self, model_runner):
         super().__init__(model_runner)
@@ -73,31 +76,33 @@ class KVQSpeCacheBackend(KVQTorchBackend):
         if self.store.cfg.specache_prefix == "host":
             contexts = [self.sc.host.rows(li, s) for s in self.prefix_slots]
         out = attention_extend.extend(q, k, v, step.qo_indptr, self.store.layer_view(li), step.plan, layer.scaling,
-                                      contexts=contexts)
+                                      contexts=contexts, window=sliding_window(layer))
         if save_kv_cache:
             self.store.write_layer(li, step.write, k, v, kernels=self.write_kernels)
             self.sc.host.write(li, step.write.slots, k, v)
         return out.reshape(q.shape[0], -1)
 
-    def _count_recall(self, q, li: int, plan, sm_scale: float) -> None:
+    def _count_recall(self, q, li: int, plan, sm_scale: float, window: int = -1) -> None:
         """The recall diagnostic (KVQ_SPECACHE_RECALL=1): the real rows q [n, Hq, D] against their exact top-k
-        over the 16-bit context read back from the host tier (a full-context read per layer and step)."""
+        (within `window`) over the 16-bit context read back from the host tier (a full-context read per layer and
+        step)."""
         sc, G = self.sc, self.store.G
         n = q.shape[0]
         lens = [plan.seq_len(b, G) for b in range(n)]
         exact = [sc.host.rows(li, self.req_to_token[r, :t].long()) for r, t in zip(self.req.tolist(), lens)]
-        counts = recall(q, exact, [plan.base_len(b, G) for b in range(n)], sc.topk.positions(li, self.req), sm_scale)
+        counts = recall(q, exact, [plan.base_len(b, G) for b in range(n)], sc.topk.positions(li, self.req), sm_scale,
+                        window)
         sc.recall_hits += sum(h for h, _ in counts)
         sc.recall_wanted += sum(w for _, w in counts)
 
     def attend_decode(self, q, k, v, layer, forward_batch, save_kv_cache):
         q, k, v, li = self._views(q, k, v, layer)
-        sc, step = self.sc, self.forward_plan.steps[0]
+        sc, step, window = self.sc, self.forward_plan.steps[0], sliding_window(layer)
         if sc.lanes.kind == "predecode":
             with self.attention_threads():
                 out, pos = lanes_batched.predecode(q, k, v, self.store.layer_view(li),
                                                    self.batched_context(step.plan), layer.scaling, sc.top_k,
-                                                   self._workspace)
+                                                   self._workspace, window)
             sc.prefetch(li, self.req, pos, self.req_to_token)
             return out.reshape(q.shape[0], -1)
         n = sc.lanes.n_real
@@ -106,12 +111,12 @@ class KVQSpeCacheBackend(KVQTorchBackend):
             sc.host.write(li, step.write.slots, k[:n], v[:n])
         sc.host.wait(li)
         if sc.recall:
-            self._count_recall(q[:n], li, step.plan, layer.scaling)
+            self._count_recall(q[:n], li, step.plan, layer.scaling, window)
         topk_k, topk_v, topk_pos = sc.topk.rows(li, self.req)
         with self.attention_threads():
             out, pos = lanes_batched.two_lane(q, k[n:], v[n:], self.store.layer_view(li),
                                               self.batched_context(step.plan), layer.scaling, sc.top_k,
                                               topk_k, topk_v, topk_pos, bool(self.store.cfg.specache_follow),
-                                              self._workspace)
+                                              self._workspace, window)
         sc.prefetch(li, self.req, pos, self.req_to_token)
         return out.reshape(q.shape[0], -1)

@@ -11,7 +11,8 @@ Extends run eagerly, as kvq_triton's do, in kvq_triton's fused extend kernel: a 
 host tier (the default) is staged per layer as fp16 frames of a plan with no base pages (sgl_kvq/specache/
 prefix_frames.py); with KVQ_SPECACHE_PREFIX=device the kernel reads the prefix as stored. Decode runs eagerly too:
 the lanes hook is on SGLang's eager decode forward (patches/specache_lanes.py), so patches/resolution.py turns
-decode CUDA graphs off for specache.
+decode CUDA graphs off for specache. A sliding-window layer's window reaches the extend kernel, the lanes' kernel and
+select_topk (kernels/specache_decode.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import dataclasses
 
 import torch
 
-from sgl_kvq.backends.base import query_heads_on_this_rank
+from sgl_kvq.backends.base import query_heads_on_this_rank, sliding_window
 from sgl_kvq.backends.specache_backend import KVQSpeCacheBackend
 from sgl_kvq.kernels import specache_decode as sd
 from sgl_kvq.kernels.extend_attention import extend_attention
@@ -82,7 +83,7 @@ class KVQSpeCacheTritonBackend(KVQSpeCacheBackend):
             ov_k, ov_v = prefix_frames.stage(self.prefix_frames, self.sc.host, li)
             kv, plan = dataclasses.replace(kv, ov_k=ov_k, ov_v=ov_v), self.prefix_frames.plan
         out = extend_attention(q.contiguous(), k.contiguous(), v.contiguous(), step.qo_indptr, kv, plan,
-                               layer.scaling, max_qo_len=step.max_qo_len)
+                               layer.scaling, max_qo_len=step.max_qo_len, window=sliding_window(layer))
         if save_kv_cache:
             self.store.write_layer(li, step.write, k, v, kernels=True)
             self.sc.host.write(li, step.write.slots, k, v)
@@ -93,10 +94,13 @@ class KVQSpeCacheTritonBackend(KVQSpeCacheBackend):
         sc, step, p = self.sc, self.forward_plan.steps[0], self.lane_plan
         kv = self.store.layer_view(li)  # views of the pool: they read this step's write below
         H = self.store.shape.heads
+        window = sliding_window(layer)
+        first = sd.window_first(p, window)
         if sc.lanes.kind == "predecode":
             out, lse = sd.specache_decode(q.contiguous(), k.contiguous(), v.contiguous(), kv, p, None,
-                                          layer.scaling, self.scores)
-            sc.prefetch(li, self.req, sd.select_topk(self.scores, lse, p.base_tokens, H, sc.top_k), self.req_to_token)
+                                          layer.scaling, self.scores, window=window)
+            sc.prefetch(li, self.req, sd.select_topk(self.scores, lse, p.base_tokens, H, sc.top_k, first=first),
+                        self.req_to_token)
             return out.reshape(q.shape[0], -1)
         n = sc.lanes.n_real
         if save_kv_cache:
@@ -104,14 +108,14 @@ class KVQSpeCacheTritonBackend(KVQSpeCacheBackend):
             sc.host.write(li, self.write_slots, k[:n], v[:n])
         sc.host.wait(li)
         if sc.recall:
-            self._count_recall(q[:n], li, step.plan, layer.scaling)
+            self._count_recall(q[:n], li, step.plan, layer.scaling, window)
         topk = sd.TopK(*sc.topk.layer(li), self.req, sc.top_k)
         out, lse = sd.specache_decode(q.contiguous(), k[n:].contiguous(), v[n:].contiguous(), kv, p, topk,
-                                      layer.scaling, self.scores, follow=self.follow)
+                                      layer.scaling, self.scores, follow=self.follow, window=window)
         s = self.scores
         if self.follow:  # lane-major: the output rows' scores first
-            pos = sd.select_topk(s[n:], lse[n:], p.base_tokens, H, sc.top_k, follow=(s[:n], lse[:n]))
+            pos = sd.select_topk(s[n:], lse[n:], p.base_tokens, H, sc.top_k, follow=(s[:n], lse[:n]), first=first)
         else:
-            pos = sd.select_topk(s, lse[n:], p.base_tokens, H, sc.top_k)
+            pos = sd.select_topk(s, lse[n:], p.base_tokens, H, sc.top_k, first=first)
         sc.prefetch(li, self.req, pos, self.req_to_token)
         return out.reshape(q.shape[0], -1)

@@ -139,6 +139,99 @@ def test_lanes_match_torch(case, bits, dtype, lanes, follow):
             torch.testing.assert_close(mass[h, got].sum(), mass[h, want].sum(), rtol=10 * rtol, atol=10 * atol)
 
 
+def _windows(G: int) -> list[int]:
+    """With CASES' lengths these cut contexts mid base page, on a base page boundary, at and inside the frames; W = 0
+    (the output row's own token, the speculative row's own key) and wider than any context."""
+    return [0, 5, G - 1, G + 3, 2 * G + 6, 10 * G]
+
+
+@pytest.mark.parametrize("case", ["G16-mha-odd-k5", "G32-gqa3-k24"])
+@pytest.mark.parametrize("lanes,follow", [(2, False), (2, True), (1, False)])
+def test_lanes_match_torch_under_sliding_windows(case, lanes, follow):
+    """A sliding layer: the output row (at its context's last position T - 1) sees T - 1 - W .., the speculative row
+    (own key at T) T - W .., prefetched rows included; the kernel against the torch lanes with the same window, its
+    scores written at every visible base position, and select_topk (given window_first) choosing inside the
+    speculative row's window only, the torch lanes' set up to near-ties. Split-KV with 3 splits starting at the
+    window's first page."""
+    G, H, group, D, VG, K, reqs = CASES[case]
+    dtype, bits = torch.float32, 1 + lanes % 2
+    kv, paged = make_pool(G, H, D, VG, bits, reqs, dtype, seed=bits + 11)
+    n, Hq = len(reqs), H * group
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(lanes * n, Hq, D, generator=gen)
+    k_own, v_own = torch.randn(n, H, D, generator=gen) * 1.5, torch.randn(n, H, D, generator=gen)
+    base = [paged.base_len(b, G) for b in range(n)]
+    total = [paged.seq_len(b, G) for b in range(n)]
+    dense = _topk_buffers(n, H, K, D, base, dtype, gen) if lanes == 2 else None
+    sm_scale = D ** -0.5
+    contexts = [gather_context(kv, paged, b) for b in range(n)]
+    if dense is not None:
+        tk, tv, tpos, req = dense
+        contexts = with_topk(contexts, base, tk[req], tv[req], tpos[req])
+    p = sd.plan(to_device(paged), n_lanes=lanes, num_qo_heads=Hq, num_kv_heads=H, head_dim=D, page_size=G,
+                max_splits=3, min_pages_per_split=1)
+    assert p.context_tokens.tolist() == total
+    dev_topk = None if dense is None else framed_topk(*dense, rows_per_frame=3, gen=gen)
+    T = max(base) + 3
+    for window in _windows(G):
+        ref_real, real_probs = output_rows(q[:n], contexts, sm_scale, window=window)
+        ref_spec, ref_pos = speculative_rows(q[(lanes - 1) * n:], k_own, v_own, contexts, base, sm_scale, K,
+                                             real_probs if follow else None, window=window)
+        ref = torch.cat([ref_real, ref_spec]) if lanes == 2 else ref_spec
+        p.o_partial.fill_(float("nan"))
+        p.lse_partial.fill_(float("nan"))
+        scores = torch.full(((2 if follow else 1) * n, Hq, T), float("nan"), device=DEVICE)
+        out, lse = sd.specache_decode(q.to(DEVICE), k_own.to(DEVICE), v_own.to(DEVICE), to_device(kv), p, dev_topk,
+                                      sm_scale, scores, follow=follow, window=window)
+        assert_close_written(out, ref, dtype)
+        first = sd.window_first(p, window)
+        assert first.tolist() == [max(t - window, 0) for t in total]
+        for r in range(scores.shape[0]):  # follow: the output rows' first, seeing one position more
+            b, seen = r % n, int(first[r % n]) - int(follow and r < n and first[r % n] > 0)
+            assert scores[r, :, seen:base[b]].isfinite().all(), f"W={window}: a visible score was not written"
+        if follow:
+            pos = sd.select_topk(scores[n:], lse[n:], p.base_tokens, H, K, follow=(scores[:n], lse[:n]), first=first)
+        else:
+            pos = sd.select_topk(scores, lse[(lanes - 1) * n:], p.base_tokens, H, K, first=first)
+        pos = pos.cpu()
+        assert torch.equal(pos < 0, ref_pos < 0), f"W={window}: a different number of positions was selected"
+        for b in range(n):
+            chosen = pos[b][pos[b] >= 0]
+            assert bool((chosen >= first[b].cpu()).all()), f"W={window}: a top-k position before the window"
+            f = int(first[b])
+            keys = torch.cat([contexts[b][0], k_own[b:b + 1]])
+            seen = (torch.arange(keys.shape[0]) >= f) if f else None
+            mass = _mass(attention_probs(q[(lanes - 1) * n + b:(lanes - 1) * n + b + 1], keys, sm_scale, seen)[:, 0],
+                         H, base[b], real_probs[b] if follow else None)
+            for h in range(H):
+                got, want = pos[b, h][pos[b, h] >= 0], ref_pos[b, h][ref_pos[b, h] >= 0]
+                assert got.unique().numel() == got.numel()
+                torch.testing.assert_close(mass[h, got].sum(), mass[h, want].sum(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("n,Hq,H,T", [(3, 6, 2, 300), (2, 4, 4, 513)])
+def test_head_mass_reads_nothing_before_the_window(n, Hq, H, T):
+    """first [n]: scores before it are NaN (never written under a window) and get -1, as past the base."""
+    gen = torch.Generator().manual_seed(n + T)
+    base = torch.randint(T // 2, T + 1, (n,), generator=gen)
+    first = torch.randint(0, T // 2, (n,), generator=gen)
+    first[0] = 0
+    both = torch.randn(2 * n, Hq, T, generator=gen) * 4
+    t = torch.arange(T)[None, None, :]
+    both[((t >= base.repeat(2)[:, None, None]) | (t < first.repeat(2)[:, None, None] - 1)).expand(2 * n, Hq, T)] = \
+        float("nan")
+    both[n:][(t < first[:, None, None]).expand(n, Hq, T)] = float("nan")  # the speculative rows' window, one later
+    lse2 = torch.logsumexp(torch.nan_to_num(both, nan=-1e30) / sd.LOG2E, dim=-1)
+    want = sd.head_mass_ref(torch.nan_to_num(both[n:], nan=-1e30), lse2[n:], base, H,
+                            follow=(torch.nan_to_num(both[:n], nan=-1e30), lse2[:n]), first=first)
+    got = sd.head_mass(both[n:].to(DEVICE), lse2[n:].to(DEVICE), base.to(DEVICE), H,
+                       follow=(both[:n].to(DEVICE), lse2[:n].to(DEVICE)), first=first.to(DEVICE)).cpu()
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    for b in range(n):
+        assert (got[b, :, :first[b]] == -1).all() and (got[b, :, first[b]:base[b]] >= 0).all()
+
+
 def test_replaced_rows_change_the_output():
     """The kernel reads the 16-bit rows, not the codes, at top-k positions: a prefetched row that differs from the
     codes changes the output rows, and a -1 slot changes nothing."""
@@ -215,9 +308,9 @@ for consts in (dict(GROUP=3, BLOCK_M=16, D=64, G=64, BITS=1, VG=64, K=64, BLOCK_
     print("compiled", flush=True)
 from sgl_kvq.kernels.specache_mass_kernel import _head_mass_kernel as mass
 names = list(inspect.signature(mass.fn).parameters)
-consts = dict(GROUP=4, BLOCK_G=4, BLOCK_T=256, FOLLOW=True)
+consts = dict(GROUP=4, BLOCK_G=4, BLOCK_T=256, FOLLOW=True, WINDOW=True)
 sig = {n: "constexpr" if n in consts else {"S": "*fp32", "LSE": "*fp32", "FS": "*fp32", "FLSE": "*fp32", "BASE": "*i64",
-                                           "M": "*fp32"}.get(n, "i32")
+                                           "FIRST": "*i64", "M": "*fp32"}.get(n, "i32")
        for n in names}
 triton.compile(ASTSource(fn=mass, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()}),
                target=GPUTarget("cuda", 90, 32))
