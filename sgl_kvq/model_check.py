@@ -22,8 +22,8 @@ def has_sliding_windows(hf_config) -> bool:
 
 def check_hf_config(hf_config, cfg: KVQConfig, hybrid_swa: bool = False) -> None:
     """Raise KVQConfigError, before any weight loads, for a model `cfg` cannot serve; hybrid_swa: SGLang would give
-    its sliding-window layers a pool of their own. Sliding windows are masked by both kvq backends' every path
-    (backends/base.py sliding_windows), not by SpeCache's lanes (its strategy's refusal)."""
+    its sliding-window layers a pool of their own. Sliding windows are masked by both kvq backends' every path,
+    SpeCache's lanes included (backends/base.py sliding_windows); a strategy may still refuse them (refusal)."""
     text = _text(hf_config)
     arch = ",".join(getattr(hf_config, "architectures", None) or []) or type(hf_config).__name__
     if any(getattr(text, k, None) for k in _MLA_KEYS):

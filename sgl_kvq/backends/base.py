@@ -33,8 +33,8 @@ class KVQAttentionBackendBase(AttentionBackend):
 
     name = "kvq"
     write_kernels = False
-    # whether every attention path of the backend masks by a layer's sliding window (SpeCache's lanes do not: its
-    # strategy refuses windowed models before load)
+    # whether every attention path of the backend masks by a layer's sliding window (all kvq backends do, SpeCache's
+    # lanes included; a strategy that refuses windowed models before load would leave this False)
     sliding_windows = False
 
     def __init__(self, model_runner):
@@ -75,8 +75,7 @@ class KVQAttentionBackendBase(AttentionBackend):
             raise NotImplementedError("sgl_kvq: cross attention, logit caps and qk/v head dims that differ are not "
                                       "supported")
         if sliding_window(layer) >= 0 and not self.sliding_windows:
-            raise NotImplementedError(f"sgl_kvq: {self.name} does not serve sliding-window layers (its strategy "
-                                      "refuses such models before load)")
+            raise NotImplementedError(f"sgl_kvq: {self.name} does not serve sliding-window layers")
 
     def _views(self, q, k, v, layer):
         self._check_layer(layer)

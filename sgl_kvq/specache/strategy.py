@@ -21,9 +21,7 @@ _REFUSALS = {
     # without the host rows its top-k lane reads.
     "disaggregation": "prefill/decode disaggregation is not supported with {name} (its 16-bit host tier is not "
                       "sent); use a kivi/gear/logquant/zipcache dtype",
-    # Its two lanes and their top-k read a request's whole context.
-    "sliding_window": "{name}'s decode lanes do not serve sliding-window layers yet; use a "
-                      "kivi/gear/logquant/zipcache dtype",
+    # (sliding-window layers are served: its extend, both lanes and the top-k mask by the window)
 }
 
 

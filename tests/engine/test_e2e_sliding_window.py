@@ -62,6 +62,32 @@ def test_tokens_before_the_window_are_never_read_from_the_packed_pages():
     assert ids[0] == ids[1] and lp[0] == lp[1]
 
 
+def window_prompts() -> list[list[int]]:
+    """Two 400-token prompts that differ only in their first 100 tokens, and a third that shares the first one's
+    first 300 (a radix hit) and differs in its last 100, inside every window."""
+    rng = random.Random(2)
+    tail = random_ids(rng, 300)
+    prompts = [random_ids(rng, 100) + tail, random_ids(rng, 100) + tail]
+    return prompts + [prompts[0][:300] + random_ids(rng, 100)]
+
+
+def test_specache2_attends_and_prefetches_within_the_window():
+    """specache2 on kvq_torch, two sliding layers of window 100, R = 0: its extend reads the 16-bit prefix (a radix
+    hit for the third prompt) within the window, and its decode lanes attend within theirs, the top-k rows
+    prefetched from the host tier chosen inside them (top-64 of 100 visible positions, so the choice matters). As for
+    kivi2 above, nothing a query at 400 or later sees depends on the first 100 tokens, so the first two prompts give
+    the same tokens and logprobs to the bit; the third does not. (With the lanes' window dropped, or the extend's,
+    the first two differ: tried.)"""
+    ids, lp, stats = generate(tiny_gemma3(100, ("sliding_attention",) * 2), "specache2", window_prompts(),
+                              {"KVQ_RESIDUAL": "0"})
+    sc = stats["specache"]
+    assert stats["kv_cache_dtype"] == "specache2" and stats["config"]["residual"] == 0 and sc["top_k"] == 64
+    assert sc["predecode_rows"] == 3 and sc["decode_steps"] >= 3 * 15 and sc["prefetched_rows"] > 0
+    assert all(len(x) == GREEDY["max_new_tokens"] for x in ids)
+    assert ids[0] == ids[1] and lp[0] == lp[1]
+    assert lp[2] != lp[0]
+
+
 # CI: one server start on the tiny model (about 50 s on a loaded 2-core machine)
 def test_launch_server_and_a_frontend_program_slide_the_window_on_kivi2(tmp_path, monkeypatch):
     """The window test above through SGLang's HTTP server, started as users start it (`python -m sglang.launch_server
@@ -132,6 +158,20 @@ def test_kvq_triton_gives_kvq_torchs_tokens_on_sliding_layers():
     triton_ids, _, stats = generate(model, "kivi2", prompts, {**env, "TRITON_INTERPRET": "1"},
                                     attention_backend="kvq_triton")
     assert triton_ids == torch_ids and triton_ids[0] == triton_ids[1]
+
+
+@matrix_only("kernels/specache_decode.py's windows are compared with the torch lanes in "
+             "tests/kernels/test_kernels_specache.py")
+def test_specache2_on_kvq_triton_attends_within_the_window():
+    """The specache2 window test above through kvq_triton (Triton's interpreter): its fused lanes, select_topk and
+    extend over staged 16-bit prefix frames give kvq_torch's tokens, and the first two prompts the same tokens and
+    logprobs to the bit."""
+    model, env = tiny_gemma3(100, ("sliding_attention",) * 2), {"KVQ_RESIDUAL": "0"}
+    torch_ids, _, _ = generate(model, "specache2", window_prompts(), env)
+    ids, lp, stats = generate(model, "specache2", window_prompts(), {**env, "TRITON_INTERPRET": "1"},
+                              attention_backend="kvq_triton")
+    assert stats["kv_cache_dtype"] == "specache2" and stats["specache"]["prefetched_rows"] > 0
+    assert ids == torch_ids and ids[0] == ids[1] and lp[0] == lp[1]
 
 
 @matrix_only("the tiny Gemma 3 above serves the same architecture; building the real one takes about 70 s")

@@ -1,6 +1,6 @@
 """sgl_kvq/model_check.py: which models a kvq dtype serves, judged from the config before any weight loads.
-Sliding-window layers are served (both backends mask every path by the window); SpeCache's lanes and SGLang's hybrid
-SWA pools are refused with the reason and what would work."""
+Sliding-window layers are served by every dtype (both backends mask every path by the window, SpeCache's lanes
+included); SGLang's hybrid SWA pools are refused with the reason and what would work."""
 
 from __future__ import annotations
 
@@ -24,14 +24,15 @@ def test_which_configs_have_sliding_windows():
     assert not has_sliding_windows(Qwen2Config(sliding_window=4096, use_sliding_window=False))
 
 
-@pytest.mark.parametrize("dtype", ["kivi2", "kivi4", "gear2", "logquant2", "zipcache2", "peer_int4"])
+@pytest.mark.parametrize("dtype", ["kivi2", "kivi4", "gear2", "logquant2", "zipcache2", "peer_int4", "specache1",
+                                   "specache2"])
 def test_sliding_window_models_are_served(dtype):
     check_hf_config(GEMMA3, parse_kv_cache_dtype(dtype))
     check_hf_config(LLAMA, parse_kv_cache_dtype(dtype))
 
 
 @pytest.mark.parametrize("config,dtype,hybrid,message", [
-    (GEMMA3, "specache2", False, "specache2's decode lanes do not serve sliding-window layers"),
+    (GEMMA3, "specache2", True, "pass --disable-hybrid-swa-memory"),
     (GEMMA3, "kivi2", True, "pass --disable-hybrid-swa-memory"),
     (SimpleNamespace(architectures=["Lin"], layer_types=["full_attention", "linear_attention"], head_dim=64),
      "kivi2", False, "mixes attention kinds ['full_attention', 'linear_attention']"),
