@@ -53,7 +53,7 @@ def test_a_request_slot_takes_its_top_k_rows_from_the_pool_and_gives_them_back()
     assert alloc.request_slot_reserve(has_req_pool_slot=False) == 4 * k * G  # admission charges the top-k frames
     free_before = alloc.available_size()
 
-    new_req = SimpleNamespace(kv=SimpleNamespace(holds_kv=False))
+    new_req = SimpleNamespace(rid="r", kv=SimpleNamespace(holds_kv=False))
     assert frame_hooks.alloc_req_slots(lambda *_: [2], r2t_pool, [new_req], None) == [2]
     owned = store.frames.owned[2]
     assert alloc.available_size() == free_before - 4 * k * G
