@@ -115,10 +115,11 @@ def router_available() -> bool:
 
 class Router:
     """SGLang's PD router (sglang-router, `--pd-disaggregation`) in front of a PDPair, on 127.0.0.1. Use as a context
-    manager; post() like ServerProcess.post."""
+    manager; post() like ServerProcess.post. `args`: more launch_router flags (e.g. --disable-retries)."""
 
-    def __init__(self, pair: PDPair, log_path: str | Path | None = None, startup_timeout: float = 300):
-        self.pair, self.log_path, self.startup_timeout = pair, log_path, startup_timeout
+    def __init__(self, pair: PDPair, log_path: str | Path | None = None, startup_timeout: float = 300,
+                 args: list[str] = ()):
+        self.pair, self.log_path, self.startup_timeout, self.args = pair, log_path, startup_timeout, list(args)
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -128,7 +129,7 @@ class Router:
         self.proc = start_process_group(
             [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill",
              self.pair.prefill.base, str(self.pair.bootstrap_port), "--decode", self.pair.decode.base,
-             "--host", "127.0.0.1", "--port", str(self.port)], stdout=log, stderr=subprocess.STDOUT)
+             "--host", "127.0.0.1", "--port", str(self.port), *self.args], stdout=log, stderr=subprocess.STDOUT)
         # /health answers as soon as the router listens, before it has activated its workers (a /generate then
         # gets 503 "No prefill workers available", seen in its log); /readiness waits for them.
         deadline = time.time() + self.startup_timeout
