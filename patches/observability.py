@@ -30,6 +30,22 @@ def kv_pool_stats(scheduler) -> dict:
     return stats
 
 
+def _pd_queued(scheduler) -> int | None:
+    """Requests in a PD server's bootstrap, inflight, prealloc (retracted included) and transfer queues; None on a
+    server without disaggregation."""
+    queues = [getattr(scheduler, "disagg_prefill_bootstrap_queue", None),
+              getattr(scheduler, "disagg_decode_prealloc_queue", None),
+              getattr(scheduler, "disagg_decode_transfer_queue", None)]
+    inflight = getattr(scheduler, "disagg_prefill_inflight_queue", None)
+    if inflight is None and all(q is None for q in queues):
+        return None
+    n = len(inflight or [])
+    for q in queues:
+        if q is not None:
+            n += len(q.queue) + len(getattr(q, "retracted_queue", ()))
+    return n
+
+
 def live_counts(scheduler, pool) -> dict:
     """What requests hold right now: free KV tokens, the radix tree's evictable and locked tokens, free request
     slots and, for a kvq pool, overlay frames still tagged with an allocated page. With no request in flight and
@@ -44,6 +60,11 @@ def live_counts(scheduler, pool) -> dict:
            "free_req_slots": int(scheduler.req_to_token_pool.available_size()),
            "running_requests": len(scheduler.running_batch.reqs),
            "waiting_requests": len(scheduler.waiting_queue)}
+    # prefill/decode disaggregation parks requests in queues of its own, holding pages and request slots (a decode
+    # server keeps a failed transfer's 2,048 tokens until SGLang's bootstrap timeout: test_e2e_killed_servers.py)
+    pd = _pd_queued(scheduler)
+    if pd is not None:
+        out["pd_queued_requests"] = pd
     if isinstance(pool, KVQTokenToKVPool):
         store = pool.store
         tagged = store.ov_tag >= 0

@@ -203,13 +203,15 @@ def live(server) -> dict:
 
 
 def flush_when_idle(server, timeout: float = 300) -> dict:
-    """/flush_cache once no request runs (it refuses while any does), then the live counts."""
+    """/flush_cache once no request runs or waits, in SGLang's queues or a PD server's (/flush_cache refuses while
+    any does), then the live counts."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         r = requests.post(server.base + "/flush_cache", timeout=60)
         if r.status_code == 200:
             counts = live(server)
-            if counts["running_requests"] == 0 and counts["waiting_requests"] == 0:
+            if counts["running_requests"] == 0 and counts["waiting_requests"] == 0 \
+                    and not counts.get("pd_queued_requests"):
                 return counts
         time.sleep(1.0)
     raise TimeoutError(f"/flush_cache still refused after {timeout} s: {live(server)}")
