@@ -1,10 +1,9 @@
 """kvq_torch: the torch attention backend over the quantized pool; any device, the CPU default.
 
-Decode of the codes-scales-zeros formats (kivi) on a CPU runs the compiled C kernel (kernels/cpu_decode_attention.c;
-KVQ_CPU_KERNEL, where a C compiler is found). Otherwise it runs batched with its index built once per batch: page
-by page with the scales folded into the query and the weights (sgl_kvq/attention_pages.py) for formats whose pages
-are codes, scales and zeros, on batches where that does less work (ragged or long contexts), else over a padded
-dequantized layout (sgl_kvq/attention_batched.py). Extend runs torch's fused attention per request
+Decode takes one of three paths per batch, by one rule (sgl_kvq/decode_paths.py): the compiled C kernel for KIVI's
+plain pages on a CPU (KVQ_CPU_KERNEL, where a C compiler is found), page by page (sgl_kvq/attention_pages.py) on
+ragged or long batches of plain pages, else a padded dequantized layout (sgl_kvq/attention_batched.py); what a path
+derives from the plan is built once per batch. Extend runs torch's fused attention per request
 (sgl_kvq/attention_extend.py). All read only the pages the batch references, never the pool;
 sgl_kvq/attention_ref.py is the oracle of every one."""
 
@@ -15,7 +14,7 @@ import logging
 
 import torch
 
-from sgl_kvq import attention_batched, attention_extend, attention_pages
+from sgl_kvq import attention_batched, attention_extend, decode_paths
 from sgl_kvq.backends.base import KVQAttentionBackendBase
 from sgl_kvq.kernels import cpu_decode_attention
 
@@ -76,21 +75,17 @@ class KVQTorchBackend(KVQAttentionBackendBase):
         return self._derived(plan, "padded", lambda: attention_batched.prepare(plan, self.store.G,
                                                                                self.store.shape.heads))
 
-    def decode_index(self, plan, kv) -> attention_pages.PageIndex | attention_batched.BatchedContext:
-        """A decode plan's index for the path that does less work on it (attention_pages.pays_off; formats with
-        per-page extras always take the padded one), built by the first layer and reused by the others."""
+    def decode_path(self, plan, kv) -> tuple[str, object]:
+        """A decode batch's path (sgl_kvq/decode_paths.py's rule) and what it derives from the plan, chosen and
+        built by the first layer and reused by the others; counted once per batch."""
         def build():
-            G, H = self.store.G, self.store.shape.heads
-            if attention_pages.supports(kv) and attention_pages.pays_off(plan, G):
-                self.pool.decode_batches["pages"] += 1
-                return attention_pages.index(plan, G, H)
-            self.pool.decode_batches["padded"] += 1
-            return self.batched_context(plan)
+            path = decode_paths.choose(kv, plan, self.store.G, self._cpu_kernel)
+            self.pool.decode_batches[path] += 1
+            if path == decode_paths.PADDED:
+                return path, self.batched_context(plan)  # shared with the padded layout's other readers
+            return path, decode_paths.prepare(path, plan, self.store.G, self.store.shape.heads)
 
         return self._derived(plan, "decode", build)
-
-    def _count_cpu_kernel_batch(self) -> None:
-        self.pool.decode_batches["cpu_kernel"] += 1
 
     def attention_threads(self):
         """The decode attention's intra-op thread limit (KVQConfig.attention_threads says why), as a context."""
@@ -98,17 +93,14 @@ class KVQTorchBackend(KVQAttentionBackendBase):
 
     def decode(self, q, li, step, sm_scale, window):
         kv = self.store.layer_view(li)
-        if self._cpu_kernel and cpu_decode_attention.supports(kv):
-            self._derived(step.plan, "decode", self._count_cpu_kernel_batch)  # batches, not layers
-            check = li not in self._checked_layers
-            self._checked_layers.add(li)
-            with self.attention_threads():
-                return cpu_decode_attention.decode_attention(q.contiguous(), kv, step.plan, sm_scale, check=check,
-                                                             window=window)
         with self.attention_threads():
-            idx = self.decode_index(step.plan, kv)
-            path = attention_pages if isinstance(idx, attention_pages.PageIndex) else attention_batched
-            return path.decode(q, kv, idx, sm_scale, self._workspace, window=window)
+            path, prepared = self.decode_path(step.plan, kv)
+            check = False
+            if path == decode_paths.CPU_KERNEL:  # its layout check, once per layer view
+                check = li not in self._checked_layers
+                self._checked_layers.add(li)
+            return decode_paths.decode(path, q, kv, step.plan, prepared, sm_scale, self._workspace, window=window,
+                                       check=check)
 
     def support_triton(self):
         return False

@@ -77,23 +77,15 @@ def make(rotate: str, residual: int, path: str):
     runner = SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=SimpleNamespace(req_to_token=r2t))
     backend = KVQTorchBackend(runner)
     if path != "cpu_kernel":  # steer kvq_torch's choice between its two torch decode paths
-        backend._derived = _forced(backend, path)
+        backend.decode_path = _forced(backend, path)
     return backend, pool
 
 
 def _forced(backend, path):
-    from sgl_kvq import attention_pages
+    """kvq_torch's decode_path taking `path` on every batch (sgl_kvq/decode_paths.py's rule would pick by size)."""
+    from sgl_kvq import decode_paths
 
-    original = backend._derived
-
-    def derived(plan, name, build):
-        if name != "decode":
-            return original(plan, name, build)
-        G_, H_ = backend.store.G, backend.store.shape.heads
-        idx = attention_pages.index(plan, G_, H_) if path == "pages" else backend.batched_context(plan)
-        return original(plan, name, lambda: idx)
-
-    return derived
+    return lambda plan, kv: (path, decode_paths.prepare(path, plan, backend.store.G, backend.store.shape.heads))
 
 
 class Request:
