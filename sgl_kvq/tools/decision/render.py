@@ -81,7 +81,9 @@ def _how_to_read(layers: list[int] | None) -> list[str]:
         f"**{HEADERS['attn']}**: ||O - O_fp16|| / ||O_fp16|| of causal attention of every query over the quantized "
         "cache, on SmolLM2's real post-RoPE Q/K/V (`eval attention`), mean over layers "
         + (", ".join(str(i) for i in layers) if layers else "the file's")
-        + f"; {OTHER_LAYERS}: the file's own layers. Offline: the dtype's quantizer, not the engine.",
+        + f"; {OTHER_LAYERS}: the file's own layers. Offline: the dtype's quantizer, not the engine; specache's "
+        "read is modelled with its top-k rows in 16 bits as the served lane ranks them when its next-token guess "
+        "is right (sgl_kvq/tools/eval/specache.py), so a wrong guess is not in its number.",
         f"**{HEADERS['ppl']}**, **{HEADERS['ppl_delta']}**: perplexity of turns 2-8 of an essay scored turn by turn "
         "through the engine, so they read the quantized cache (`eval ppl`), and its change against the bf16 run of "
         "the same file (both from the newest file that ran bf16 too, else the newest and no change).",

@@ -19,7 +19,7 @@ Metrics per method, averaged over layers (per-layer values are in the JSON):
     kept_share    share of (token, head) pairs held above base precision
 
 Methods: ours (KIVI at 1-4 bits, kivi3 through kivi_bits, GEAR, ZipCache, LogQuant; the KIVI-style ones keep the
-fp16 window), KIVI 2/3 in a Hadamard basis (sgl_kvq.quant.rotation.rotated: q/k/v rotated alike, output rotated
+fp16 window; SpeCache's read of its low-bit copy with each query's top-k rows in 16 bits, tools/eval/specache.py), KIVI 2/3 in a Hadamard basis (sgl_kvq.quant.rotation.rotated: q/k/v rotated alike, output rotated
 back), and the formats the engines ship (sgl_kvq.quant.peers: SGLang fp8_e4m3 / fp4_mx_block16 / nvfp4, vLLM
 int4_per_token_head and TurboQuant), which quantize every token and keep no window.
 """
@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from sgl_kvq.config import KVQConfig
+from sgl_kvq.formats.specache import SPECACHE_TOP_K
 from sgl_kvq.quant.accounting import bits_per_element
 from sgl_kvq.quant.gear import gear, gear_l
 from sgl_kvq.quant.kivi import fp16_baseline, kivi
@@ -42,6 +43,7 @@ from sgl_kvq.quant.peers import fp4_mx_block16, fp8_e4m3, int4_per_token_head, n
 from sgl_kvq.quant.per_token import per_token
 from sgl_kvq.quant.rotation import hadamard, rotated
 from sgl_kvq.quant.zipcache import zipcache
+from sgl_kvq.tools.eval.specache import specache
 
 REFERENCE = "fp16"
 
@@ -90,13 +92,17 @@ def methods(group_size: int = 64, value_group: int = 64, residual: int = 64, win
         "tq-3bit-nc": lambda k, v, q, s: turboquant_preset(k, v, "turboquant_3bit_nc"),  # vLLM's presets
         "tq-4bit-nc": lambda k, v, q, s: turboquant_preset(k, v, "turboquant_4bit_nc"),
         "tq-k8v4": lambda k, v, q, s: turboquant_preset(k, v, "turboquant_k8v4"),
+        # SpeCache's read: the low-bit copy with each query's top-k base rows per KV head in 16 bits, at the served
+        # top-k and ranking (tools/eval/specache.py: the speculative lane's guess modelled as right)
+        **{f"specache{b}": (lambda k, v, q, s, b=b: specache(k, v, bits=b, top_k=SPECACHE_TOP_K[b], **kv))
+           for b in SPECACHE_TOP_K},
     }
 
 
 # The method that builds each served dtype's pages (`sgl-kvq bench decision` reads its rows): ours with the engine's
-# fp16 window, the peers' without one (they quantize every token; peer_nvfp4 at global scale 1, as served). SpeCache
-# has none: its decode reads the exact rows its second lane picks, which no method here models.
-DTYPE_METHODS = {"kivi1": "kivi1", "kivi2": "kivi2", "kivi3": "kivi3", "kivi4": "kivi4", "gear2": "gear-2",
+# fp16 window, the peers' without one (they quantize every token; peer_nvfp4 at global scale 1, as served), SpeCache's
+# read at its served top-k.
+DTYPE_METHODS = {"specache1": "specache1", "specache2": "specache2", "kivi1": "kivi1", "kivi2": "kivi2", "kivi3": "kivi3", "kivi4": "kivi4", "gear2": "gear-2",
                  "gearl2": "gear-l-2", "logquant2": "logquant-2", "zipcache2": "zipcache",
                  "peer_fp8_e4m3": "fp8_e4m3", "peer_fp4_mx_block16": "fp4_mx_block16", "peer_nvfp4": "nvfp4-gs1",
                  "peer_int4": "int4-pth-asym", "peer_tq3": "tq-3bit-nc", "peer_tq4": "tq-4bit-nc"}
@@ -187,7 +193,12 @@ def evaluate_layer(layer: LayerQKV, table: dict, tail: int) -> dict:
     o_ref, mass = causal_attention(q, ref.k_hat, ref.v_hat, s, kept=[c.kept for c in comp.values()], tail=tail)
     res = {}
     for (name, c), m in zip(comp.items(), mass):
-        o = o_ref if name == REFERENCE else causal_attention(q, c.k_hat, c.v_hat, s)
+        if name == REFERENCE:
+            o = o_ref
+        elif hasattr(c, "attend"):  # a read that depends on the query (SpeCache's top-k rows)
+            o = c.attend(q, s)
+        else:
+            o = causal_attention(q, c.k_hat, c.v_hat, s)
         b = bits_per_element(c)
         res[name] = {"bits_k": b.keys, "bits_v": b.values, "bits": b.total,
                      "k_err": rel_err(c.k_hat, k), "v_err": rel_err(c.v_hat, v),

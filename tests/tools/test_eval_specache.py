@@ -1,0 +1,57 @@
+"""SpeCache's read as `sgl-kvq eval attention` models it (sgl_kvq/tools/eval/specache.py): its ranking is the served
+decode's (specache/attention.py top_positions), and its two limits are the low-bit copy and the 16-bit cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sgl_kvq.attention_ref import attention_probs
+from sgl_kvq.quant.compressed import fp16
+from sgl_kvq.specache.attention import top_positions
+from sgl_kvq.tools.eval.attention import causal_attention
+from sgl_kvq.tools.eval.specache import specache
+
+T, HQ, H, D, R = 200, 6, 2, 16, 32  # a window of 32 after 5 pages of 32 (and a partial one)
+KIVI = dict(group_size=32, value_group=16, residual=R)
+
+
+def _qkv(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(T, H, D, generator=g) * 2 + torch.randn(1, H, D, generator=g)
+    return torch.randn(T, HQ, D, generator=g), k, torch.randn(T, H, D, generator=g)
+
+
+@pytest.mark.parametrize("bits", [1, 2])
+@pytest.mark.parametrize("follow", [True, False])
+def test_each_querys_16_bit_rows_are_the_served_rankings_top_k(bits, follow):
+    q, k, v = _qkv(bits)
+    read = specache(k, v, bits=bits, top_k=7, follow=follow, **KIVI)
+    picks = read.picks(q, D ** -0.5)
+    for i in (1, 3, 40, read.base - 1, read.base, T - 1):
+        p = attention_probs(q[i:i + 1], read.k_hat[:i + 1], D ** -0.5)[:, 0]  # the speculative row (guess right)
+        prev = attention_probs(q[i - 1:i], read.k_hat[:i], D ** -0.5)[:, 0] if follow else None
+        want = top_positions(p, H, min(read.base, i + 1), 7, follow=prev)
+        for h in range(H):
+            got = picks[i, h].nonzero().flatten().tolist()
+            assert got == sorted(t for t in want[h].tolist() if t >= 0), (i, h)
+
+
+def test_every_base_row_in_16_bits_is_the_16_bit_cache_and_none_is_the_low_bit_copy():
+    q, k, v = _qkv(5)
+    s = D ** -0.5
+    every = specache(k, v, bits=2, top_k=T, **KIVI)
+    torch.testing.assert_close(every.attend(q, s, chunk=64), causal_attention(q, fp16(k), fp16(v), s),
+                               rtol=1e-5, atol=1e-5)
+    none = specache(k, v, bits=2, top_k=0, **KIVI)
+    torch.testing.assert_close(none.attend(q, s, chunk=64), causal_attention(q, none.k_hat, none.v_hat, s),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_the_top_k_rows_bring_the_read_closer_to_fp16_than_the_low_bit_copy():
+    q, k, v = _qkv(9)
+    s = D ** -0.5
+    ref = causal_attention(q, fp16(k), fp16(v), s)
+    errs = [float((specache(k, v, bits=1, top_k=n, **KIVI).attend(q, s) - ref).norm() / ref.norm())
+            for n in (0, 8, 32, 128)]
+    assert errs == sorted(errs, reverse=True) and errs[-1] < 0.5 * errs[0], errs
