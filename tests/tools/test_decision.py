@@ -124,13 +124,16 @@ def test_runs_with_a_knob_changed_are_not_read(tmp_path):
     write(tmp_path, "other.json", {**ppl({"auto": 9.0, "kivi2": 9.5}), "model": "/cache/llama-3-8b"}, 6)
     write(tmp_path, "g32.json", {**attention([0], {"fp16": [0.0], "kivi2": [0.3]}),
                                  "settings": {"group_size": 32}}, 7)
+    write(tmp_path, "text.json", {**ppl({"auto": 18.0, "gear2": 19.0}), "settings": {"text": "/tmp/other.txt"}}, 8)
     table = table_of(tmp_path)
+    assert table.row("gear2").cell("ppl").missing  # another text: its perplexities are not the column's
     assert table.row("logquant2").cell("ppl").missing and table.row("specache1").cell("ppl").missing
     assert table.row("specache2").cell("ppl").text == "20.10"  # a reported counter and the thread count change nothing
     assert table.row("kivi2").cell("ppl").missing and table.row("kivi2").cell("attn").missing
     why = dict(table.skipped)
     assert "KVQ_LOGQUANT_WINDOW" in why["w21.json"] and "KVQ_TOPK" in why["topk.json"]
     assert "llama-3-8b" in why["other.json"] and "group_size=32" in why["g32.json"]
+    assert "text=/tmp/other.txt" in why["text.json"]
 
 
 def test_needles_count_the_reporting_half_where_trials_say_their_half(tmp_path):

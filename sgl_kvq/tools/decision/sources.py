@@ -33,6 +33,9 @@ def dtype_knobs() -> frozenset[str]:
     return frozenset(env.config_knob_names()) - NEUTRAL_KNOBS | {"KVQ_HOST_MEM_FRACTION"}
 
 
+# What `eval ppl` records as its text when it scores the embedded essays (its default)
+DEFAULT_PPL_TEXT = "paul graham essays"
+
 _ASSIGNMENT = re.compile(r"\b(KVQ_[A-Z0-9_]+)=")
 
 
@@ -72,7 +75,11 @@ def changed_knobs(data: dict) -> list[str]:
 
 
 def changed_settings(kind: str, data: dict) -> list[str]:
-    """`eval attention`'s page settings that differ from the served defaults (it takes them as arguments, not knobs)."""
+    """`eval attention`'s page settings that differ from the served defaults (it takes them as arguments, not knobs),
+    and an `eval ppl` over another text than the essays every other row's perplexity is over."""
+    if kind == "ppl":
+        text = (data.get("settings") or {}).get("text", DEFAULT_PPL_TEXT)
+        return [] if text == DEFAULT_PPL_TEXT else [f"text={text}"]
     if kind != "attention":
         return []
     from sgl_kvq.config import KVQConfig
