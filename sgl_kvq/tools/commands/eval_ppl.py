@@ -23,13 +23,19 @@ from sgl_kvq.tools.eval import engine_eval as ee
 def add_arguments(p) -> None:
     ee.add_common_arguments(p)
     p.add_argument("--text", type=Path, help="text file to score (default: the Paul Graham essays)")
+    p.add_argument("--held-out", action="store_true",
+                   help="score the last three essays, which the default text never reaches (a reporting half)")
     p.add_argument("--turns", type=int, default=8, help="number of turns (default 8)")
     p.add_argument("--turn-tokens", type=int, default=192, help="tokens per turn (default 192 = 3 pages of 64)")
 
 
-def text_ids(tok, path: Path | None, n: int) -> list[int]:
+def text_ids(tok, path: Path | None, n: int, held_out: bool = False) -> list[int]:
     if path is not None:
         text = path.read_text(encoding="utf-8", errors="replace")
+    elif held_out:
+        from sgl_kvq.tools.data import held_out_essay_text
+
+        text = held_out_essay_text()
     else:
         from sgl_kvq.tools.data import essay_text
 
@@ -38,6 +44,12 @@ def text_ids(tok, path: Path | None, n: int) -> list[int]:
     if len(ids) < n:
         raise SystemExit(f"sgl-kvq eval ppl: the text has only {len(ids)} tokens, {n} needed")
     return ids
+
+
+def text_name(args) -> str:
+    if args.text:
+        return str(args.text)
+    return "paul graham essays, held out" if args.held_out else "paul graham essays"
 
 
 def score_turns(llm, ids: list[int], turn_tokens: int, tail) -> list[dict]:
@@ -74,9 +86,11 @@ def run(args) -> int:
     log = ee.logger(args)
     if args.turns < 2:
         raise SystemExit("sgl-kvq eval ppl: --turns must be >= 2 (turns 2+ are the ones that read cached KV)")
+    if args.text and args.held_out:
+        raise SystemExit("sgl-kvq eval ppl: --text and --held-out name two texts; pass one")
     path = ee.model_path(args.model)
     tok = ee.tokenizer(path)
-    ids = text_ids(tok, args.text, args.turns * args.turn_tokens + 1)
+    ids = text_ids(tok, args.text, args.turns * args.turn_tokens + 1, args.held_out)
 
     def evaluate(llm, dt):
         tail = ee.FlushTail(len(tok), not args.no_flush, args.seed)
@@ -99,7 +113,7 @@ def run(args) -> int:
           *ee.pool_columns(r), r["wall_s"]] for r in rows])
     result = {"eval": "ppl", "model": str(path), "tokens": len(ids),
               "settings": ee.settings(args, turns=args.turns, turn_tokens=args.turn_tokens,
-                                      text=str(args.text) if args.text else "paul graham essays"),
+                                      text=text_name(args)),
               "results": rows, "seconds": round(time.time() - t0, 1)}
     ee.finish(args, "ppl", result, table, log)
     return 0
