@@ -25,6 +25,9 @@ BITS = (1, 2, 3, 4)
 # The dtype names SGLang's --kv-cache-dtype gains. Every one is served by the same pool and backends.
 DTYPE_NAMES = registry.DTYPE_NAMES
 
+# Every KVQ_* variable KVQConfig reads: the core knobs and each format family's own (Format.knobs).
+KNOBS = {**env.CORE_KNOBS, **registry.KNOBS}
+
 PREFILL_MODES = ("full", "paged")
 FRAME_MODES = ("pooled", "static")
 
@@ -173,6 +176,11 @@ class KVQConfig:
                                      f"of that size); this model's {what} is {d}. Use KVQ_ROTATE=none")
 
 
+def knob_names() -> tuple[str, ...]:
+    """The variables KVQConfig reads."""
+    return tuple(KNOBS)
+
+
 def is_kvq_dtype(name: object) -> bool:
     return isinstance(name, str) and name in DTYPE_NAMES
 
@@ -186,7 +194,7 @@ def parse_kv_cache_dtype(name: str) -> KVQConfig:
     """`kivi2` -> KVQConfig(method="kivi", bits=2, ...) with the KVQ_* knobs applied. Parsed once per name and knob
     values in each process: every caller (dtype resolution, sizing, the pool, the launch helpers) gets the same
     object."""
-    return _parse(name, env.knob_values())
+    return _parse(name, env.knob_values(KNOBS))
 
 
 def default_config(name: str) -> KVQConfig:
@@ -197,7 +205,7 @@ def default_config(name: str) -> KVQConfig:
 
 @functools.lru_cache(maxsize=None)
 def _parse(name: str, knob_values: tuple) -> KVQConfig:
-    return _build(name, env.knobs())
+    return _build(name, env.knobs(KNOBS))
 
 
 def _build(name: str, knobs: dict) -> KVQConfig:

@@ -2,8 +2,9 @@
 variable as a deprecated spelling of SGLANG_* and warns about it in each of its processes.)
 
 The knobs, their meaning and defaults are the README's knob table, the one table of them (tests/project/test_readme.py
-holds its rows equal to the KVQ_ names this module reads: add a row there with a knob here). _CONFIG_KNOBS below
-maps each knob KVQConfig reads to its field.
+holds its rows equal to the KVQ_ names sgl_kvq reads: add a row there with a knob here or in a format). CORE_KNOBS
+below maps each knob every format's KVQConfig reads to its field; a format family's own knobs are declared by its
+module (sgl_kvq/formats/, Format.knobs) and sgl_kvq.config reads both through knobs(table).
 
 Set by sgl_kvq itself, not by users (sgl_kvq/cpu_engine.py: the CPU thread binding for more ranks than NUMA nodes):
 KVQ_AUTO_THREADS_BIND (the SGLANG_CPU_OMP_THREADS_BIND value it chose) and KVQ_CPU_RANKS_PER_NODE (ranks sharing a
@@ -15,31 +16,18 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-# variable -> (KVQConfig field, parser)
-_CONFIG_KNOBS = {
+# variable -> (KVQConfig field, parser), for the knobs of every format
+CORE_KNOBS = {
     "KVQ_GROUP_SIZE": ("group_size", int),
     "KVQ_VALUE_GROUP": ("value_group", int),
     "KVQ_RESIDUAL": ("residual", int),
-    "KVQ_TOPK": ("top_k", int),
-    "KVQ_SPECACHE_FOLLOW": ("specache_follow", int),
-    "KVQ_SPECACHE_PREFIX": ("specache_prefix", str),
     "KVQ_OVERLAY_SHARE": ("overlay_share", float),
     "KVQ_PREFILL": ("prefill", str),
-    "KVQ_GEAR_RANK": ("gear_rank", int),
-    "KVQ_GEAR_ITERS": ("gear_iters", int),
-    "KVQ_GEAR_OUTLIERS": ("gear_outliers", float),
-    "KVQ_LOGQUANT_WINDOW": ("logquant_window", int),
-    "KVQ_ZIPCACHE_SALIENT": ("zipcache_salient", float),
     "KVQ_ATTENTION_THREADS": ("attention_threads", int),
     "KVQ_CPU_KERNEL": ("cpu_kernel", int),
     "KVQ_FRAMES": ("frames", str),
     "KVQ_ROTATE": ("rotate", str),
 }
-
-
-def config_knob_names() -> tuple[str, ...]:
-    """The variables KVQConfig reads."""
-    return tuple(_CONFIG_KNOBS)
 
 
 def run_record() -> dict:
@@ -51,14 +39,16 @@ def run_record() -> dict:
             "kvq_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("KVQ_") and v}}
 
 
-def knob_values() -> tuple:
-    """The raw values of every knob KVQConfig reads: the key of the per-process config cache."""
-    return tuple(os.environ.get(var) for var in _CONFIG_KNOBS)
+def knob_values(table: dict) -> tuple:
+    """The raw values of `table`'s variables (variable -> (field, parser)): the key of the per-process config
+    cache."""
+    return tuple(os.environ.get(var) for var in table)
 
 
-def knobs() -> dict:
+def knobs(table: dict) -> dict:
+    """field -> parsed value of each of `table`'s variables that is set."""
     out = {}
-    for var, (field, parse) in _CONFIG_KNOBS.items():
+    for var, (field, parse) in table.items():
         raw = os.environ.get(var)
         if raw is None or raw == "":
             continue

@@ -48,6 +48,9 @@ class Format:
     plain_pages: bool = True
     # How decode reads the KV (formats/strategy.py): the pool alone, or SpeCache's host tier and lanes.
     strategy: DecodeStrategy = POOL_ONLY
+    # This family's KVQ_* variables: variable -> (KVQConfig field, parser). The config reads them beside the knobs
+    # every format shares (sgl_kvq/env.py CORE_KNOBS); check_knobs refuses their bad values.
+    knobs: dict[str, tuple[str, Callable]] = {}
 
     # ---- names and knobs ----
     def dtype_name(self, bits: int) -> str:

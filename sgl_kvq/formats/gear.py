@@ -33,6 +33,8 @@ class Gear(Format):
     # the compression (power iteration, outliers) runs in torch on both backends
     quantize_kernel = False
     plain_pages = False
+    knobs = {"KVQ_GEAR_RANK": ("gear_rank", int), "KVQ_GEAR_ITERS": ("gear_iters", int),
+             "KVQ_GEAR_OUTLIERS": ("gear_outliers", float)}
 
     def __init__(self, family: str, outliers: bool):
         self.family, self.outliers = family, outliers

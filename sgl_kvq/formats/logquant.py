@@ -35,6 +35,7 @@ class LogQuant(Format):
     extras = PageRows
     kernel = "logquant"
     plain_pages = False
+    knobs = {"KVQ_LOGQUANT_WINDOW": ("logquant_window", int)}
 
     def check_knobs(self, cfg) -> None:
         if cfg.logquant_window < 1:

@@ -15,6 +15,19 @@ DTYPE_NAMES = tuple(name for f in FORMATS for name in f.dtype_names())
 BY_NAME = {f.dtype_name(b): (f, b) for f in FORMATS for b in f.bits}
 # The format whose extras are a NamedTuple type: how a layer view (LayerKV.extras) names its format.
 _BY_EXTRAS = {f.extras: f for f in FORMATS if f.extras is not None}
+
+
+def _knobs() -> dict[str, tuple]:
+    out: dict[str, tuple] = {}
+    for f in FORMATS:
+        for var, knob in f.knobs.items():
+            if out.setdefault(var, knob) != knob:
+                raise ValueError(f"sgl_kvq: {var} is declared as two knobs, {out[var]} and {knob}")
+    return out
+
+
+# Every family's KVQ_* variables (Format.knobs), each naming one KVQConfig field.
+KNOBS = _knobs()
 # The kernels' extras tensors per FORMAT constexpr (kernels/format_extras.py checks a layer view against them).
 EXTRA_SHAPES = {f.kernel: f.page_shapes for f in FORMATS if f.kernel}
 

@@ -19,6 +19,8 @@ class SpeCache(Format):
     family = "specache"
     bits = (1, 2)
     strategy = STRATEGY
+    knobs = {"KVQ_TOPK": ("top_k", int), "KVQ_SPECACHE_FOLLOW": ("specache_follow", int),
+             "KVQ_SPECACHE_PREFIX": ("specache_prefix", str)}
 
     def default_knobs(self, bits: int) -> dict:
         return {"top_k": SPECACHE_TOP_K[bits]}

@@ -64,6 +64,7 @@ class ZipCache(Format):
     quantize_kernel = False
     needs_queries = True
     plain_pages = False
+    knobs = {"KVQ_ZIPCACHE_SALIENT": ("zipcache_salient", float)}
 
     def check_knobs(self, cfg) -> None:
         g = cfg.group_size

@@ -1,6 +1,6 @@
 """The README is a front page: at most MAX_LINES lines, exactly two set-up commands, the one knob table, which names
-exactly the KVQ_ knobs sgl_kvq/env.py reads; and every relative link in README.md and docs/*.md reaches a file
-(and, for `#anchor` links into Markdown, a heading by GitHub's anchor rules)."""
+exactly the KVQ_ knobs sgl_kvq reads (sgl_kvq/env.py and the formats' declarations); and every relative link in
+README.md and docs/*.md reaches a file (and, for `#anchor` links into Markdown, a heading by GitHub's anchor rules)."""
 
 from __future__ import annotations
 
@@ -36,11 +36,14 @@ def _code_blocks(text: str) -> list[str]:
 
 
 def env_knobs() -> set[str]:
-    """Every KVQ_ name sgl_kvq/env.py reads: the string constants of its code (the module docstring aside)."""
+    """Every KVQ_ name sgl_kvq reads: the string constants of sgl_kvq/env.py's code (the module docstring aside)
+    and the knobs the formats declare (sgl_kvq/formats/, Format.knobs), which KVQConfig reads with env.py's."""
+    from sgl_kvq import config
+
     tree = ast.parse((ROOT / "sgl_kvq" / "env.py").read_text())
     doc = tree.body[0] if tree.body and isinstance(tree.body[0], ast.Expr) else None
     return {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)
-            and KNOB.match(node.value) and not (doc is not None and node is doc.value)}
+            and KNOB.match(node.value) and not (doc is not None and node is doc.value)} | set(config.knob_names())
 
 
 def readme_knobs(text: str) -> list[str]:
@@ -83,11 +86,14 @@ def test_one_knob_table_and_it_is_env_py():
 
 
 def test_env_knobs_finds_what_env_py_reads():
-    """The parser sees the knobs as env.py declares them (the _CONFIG_KNOBS keys, os.environ.get names)."""
+    """The parser sees the knobs as env.py and the formats declare them (CORE_KNOBS, Format.knobs, os.environ.get
+    names)."""
     from sgl_kvq import env
+    from sgl_kvq.formats import registry
 
-    for var in env._CONFIG_KNOBS:
+    for var in [*env.CORE_KNOBS, *registry.KNOBS]:
         assert var in env_knobs()
+    assert {"KVQ_GEAR_RANK", "KVQ_TOPK", "KVQ_ZIPCACHE_SALIENT", "KVQ_LOGQUANT_WINDOW"} <= set(registry.KNOBS)
     assert {"KVQ_KV_CACHE_GB", "KVQ_HOST_MEM_FRACTION", "KVQ_SPECACHE_RECALL", "KVQ_CACHE_DIR"} <= env_knobs()
     # names only the docstring mentions (set by sgl_kvq itself) are not knobs
     assert "KVQ_AUTO_THREADS_BIND" not in env_knobs()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from sgl_kvq import env
 from sgl_kvq.config import KVQConfig, KVQConfigError, is_kvq_dtype, looks_like_kvq_dtype, parse_kv_cache_dtype
 from sgl_kvq.formats.specache import SPECACHE_TOP_K
 
@@ -71,6 +72,28 @@ def test_knobs_come_from_the_environment_and_each_process_shares_one_config_per_
     assert windowless is not default and windowless.residual == 0 and windowless.ring_pages == 1
     monkeypatch.setenv("KVQ_RESIDUAL", "")  # empty: unset
     assert parse_kv_cache_dtype("kivi2") == default
+
+
+def test_every_formats_knobs_name_a_config_field_and_reach_it_from_the_environment(monkeypatch):
+    """A family's KVQ_* variables are declared by its format (Format.knobs); the config reads them like the core
+    ones: each names a KVQConfig field, and setting it changes that field of the dtype it belongs to."""
+    import dataclasses
+
+    from sgl_kvq.formats import registry
+
+    fields = {f.name: f.default for f in dataclasses.fields(KVQConfig)}
+    assert registry.KNOBS, "no format declares a knob"
+    for fmt in registry.FORMATS:
+        for var, (field, parse) in fmt.knobs.items():
+            assert field in fields and var not in env.CORE_KNOBS, (fmt.family, var)
+            default = parse_kv_cache_dtype(fmt.dtype_names()[0])
+            was = getattr(default, field)
+            # another valid value: a flag flipped, a count one up, a share of 0.25, the other prefix source
+            other = {int: lambda: 1 - was if was in (0, 1) else was + 1, float: lambda: 0.25,
+                     str: lambda: "device"}[parse]()
+            monkeypatch.setenv(var, str(other))
+            assert getattr(parse_kv_cache_dtype(fmt.dtype_names()[0]), field) == other != was, (fmt.family, var)
+            monkeypatch.delenv(var)
 
 
 @pytest.mark.parametrize("var,value,match", [

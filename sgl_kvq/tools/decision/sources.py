@@ -28,9 +28,9 @@ NEUTRAL_KNOBS = frozenset({"KVQ_ATTENTION_THREADS", "KVQ_CPU_KERNEL"})
 
 def dtype_knobs() -> frozenset[str]:
     """The KVQ_ variables a run must leave unset for its numbers to describe a dtype at its defaults."""
-    from sgl_kvq import env
+    from sgl_kvq import config
 
-    return frozenset(env.config_knob_names()) - NEUTRAL_KNOBS | {"KVQ_HOST_MEM_FRACTION"}
+    return frozenset(config.knob_names()) - NEUTRAL_KNOBS | {"KVQ_HOST_MEM_FRACTION"}
 
 
 # What `eval ppl` records as its text when it scores the embedded essays (its default)
