@@ -59,7 +59,8 @@ def draw(rng: random.Random, vocab: int, n: int) -> list[int]:
 @dataclass
 class Tally:
     """What the clients saw. Shared by the client threads (append/+= under the lock)."""
-    turns: list[dict] = field(default_factory=list)  # completed turns: input_ids, max_new_tokens, output_ids
+    # completed turns: input_ids, max_new_tokens, ignore_eos, output_ids
+    turns: list[dict] = field(default_factory=list)
     counts: dict = field(default_factory=lambda: {k: 0 for k in (
         "turns", "streams", "stream_disconnects", "aborts_sent", "aborted", "malformed", "malformed_4xx",
         "server_errors", "client_errors")})
@@ -77,19 +78,21 @@ class Tally:
                 self.errors.append(what[:300])
 
 
-def generate(base: str, input_ids: list[int], max_new_tokens: int, timeout: float = 900, **extra) -> requests.Response:
+def generate(base: str, input_ids: list[int], max_new_tokens: int, timeout: float = 900, ignore_eos: bool = True,
+             **extra) -> requests.Response:
     return requests.post(base + "/generate", timeout=timeout, json={
         "input_ids": input_ids, **extra,
-        "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}})
+        "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos}})
 
 
 class Client:
     """One simulated user: multi-turn conversations, greedy, from its own seed."""
 
     def __init__(self, base: str, vocab: int, system: list[int], context_len: int, seed: int, tally: Tally,
-                 max_conversation: int = MAX_CONVERSATION):
+                 max_conversation: int = MAX_CONVERSATION, new_tokens: tuple[int, int] = NEW_TOKENS,
+                 ignore_eos: bool = True):
         self.base, self.vocab, self.system, self.tally = base, vocab, system, tally
-        self.max_conversation = max_conversation
+        self.max_conversation, self.new_tokens, self.ignore_eos = max_conversation, new_tokens, ignore_eos
         self.rng = random.Random(seed)
         self.seed = seed
         self.bad_requests = malformed_requests(context_len)
@@ -100,7 +103,7 @@ class Client:
         if len(self.conversation) > self.max_conversation:
             self.conversation = list(self.system)
         user = draw(self.rng, self.vocab, self.rng.randint(*USER_TOKENS))
-        return self.conversation + user, self.rng.randint(*NEW_TOKENS)
+        return self.conversation + user, self.rng.randint(*self.new_tokens)
 
     def step(self) -> None:
         action = self.rng.choices(list(ACTIONS), weights=list(ACTIONS.values()))[0]
@@ -108,25 +111,27 @@ class Client:
 
     def turn(self) -> None:
         ids, new = self._user_turn()
-        r = generate(self.base, ids, new)
+        r = generate(self.base, ids, new, ignore_eos=self.ignore_eos)
         if r.status_code != 200:
             return self.tally.error("server_errors" if r.status_code >= 500 else "client_errors",
                                     f"turn: {r.status_code} {r.text[:200]}")
         out = r.json()
-        reason = out["meta_info"]["finish_reason"]["type"]
-        if reason != "length" or len(out["output_ids"]) != new:
+        reason, n = out["meta_info"]["finish_reason"]["type"], len(out["output_ids"])
+        if not (reason == "length" and n == new or reason == "stop" and not self.ignore_eos and n <= new):
             return self.tally.error("server_errors", f"turn finished {out['meta_info']['finish_reason']} after "
                                                      f"{len(out['output_ids'])} of {new} tokens")
         self.conversation = ids + out["output_ids"]
         with self.tally.lock:
-            self.tally.turns.append({"input_ids": ids, "max_new_tokens": new, "output_ids": out["output_ids"]})
+            self.tally.turns.append({"input_ids": ids, "max_new_tokens": new, "ignore_eos": self.ignore_eos,
+                                     "output_ids": out["output_ids"]})
             self.tally.counts["turns"] += 1
 
     def _stream(self, chunks: int | None) -> None:
         ids, new = self._user_turn()
         with requests.post(self.base + "/generate", stream=True, timeout=900, json={
                 "input_ids": ids, "stream": True,
-                "sampling_params": {"temperature": 0, "max_new_tokens": new + 32, "ignore_eos": True}}) as r:
+                "sampling_params": {"temperature": 0, "max_new_tokens": new + 32,
+                                    "ignore_eos": self.ignore_eos}}) as r:
             if r.status_code != 200:
                 return self.tally.error("server_errors" if r.status_code >= 500 else "client_errors",
                                         f"stream: {r.status_code}")
@@ -149,7 +154,8 @@ class Client:
         rid = f"soak-{self.seed}-{self.n}"
         self.n += 1
         box: dict = {}
-        t = threading.Thread(target=lambda: box.update(r=generate(self.base, ids, new + 64, rid=rid)))
+        t = threading.Thread(target=lambda: box.update(r=generate(self.base, ids, new + 64, rid=rid,
+                                                                      ignore_eos=self.ignore_eos)))
         t.start()
         time.sleep(self.rng.uniform(0.05, 1.0))
         a = requests.post(self.base + "/abort_request", json={"rid": rid}, timeout=60)
@@ -239,7 +245,9 @@ def server_log_errors(text: str) -> list[str]:
 
 
 def run_load(server, tokenizer_vocab: int, context_len: int, clients: int, seconds: float, max_total_tokens: int,
-             seed: int = 0, rss_every: float = 2.0) -> tuple[Tally, list[tuple[float, int]]]:
+             seed: int = 0, rss_every: float = 2.0, new_tokens: tuple[int, int] = NEW_TOKENS,
+             max_conversation: int = MAX_CONVERSATION,
+             ignore_eos: bool = True) -> tuple[Tally, list[tuple[float, int]]]:
     """`clients` threads stepping until `seconds` pass (a step started before then completes); the first client
     sends every malformed request once first, so each is seen under load. -> the tally and the RSS curve
     [(seconds since start, bytes)]."""
@@ -270,9 +278,10 @@ def run_load(server, tokenizer_vocab: int, context_len: int, clients: int, secon
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     # a conversation is restarted once longer than half the budget: two requests always fit together
-    longest = min(MAX_CONVERSATION, max_total_tokens // 2 - USER_TOKENS[1] - NEW_TOKENS[1])
+    longest = min(max_conversation, max_total_tokens // 2 - USER_TOKENS[1] - new_tokens[1])
     threads = [threading.Thread(target=loop, args=(Client(server.base, tokenizer_vocab, system, context_len,
-                                                          seed * 1000 + i, tally, longest), i == 0))
+                                                          seed * 1000 + i, tally, longest, new_tokens,
+                                                          ignore_eos), i == 0))
                for i in range(clients)]
     for t in threads:
         t.start()
@@ -289,7 +298,7 @@ def replay(base: str, turns: list[dict]) -> dict:
     where agreement is the mean fraction of each turn's tokens before its first difference."""
     same, fractions, differing = 0, [], []
     for i, t in enumerate(turns):
-        r = generate(base, t["input_ids"], t["max_new_tokens"])
+        r = generate(base, t["input_ids"], t["max_new_tokens"], ignore_eos=t.get("ignore_eos", True))
         r.raise_for_status()
         out = r.json()["output_ids"]
         n = next((i for i, (a, b) in enumerate(zip(out, t["output_ids"])) if a != b), min(len(out),

@@ -13,13 +13,17 @@ from __future__ import annotations
 import json
 import os
 import random
+import shlex
 import time
 from pathlib import Path
+
+from sgl_kvq.tools.soak import MAX_CONVERSATION, NEW_TOKENS
 
 MODES = {"deterministic": {"KVQ_PREFILL": "paged", "KVQ_RESIDUAL": "0"}, "default": {}}
 
 # 2,048 tokens (32 pages) hold three of the clients' longest conversations (640 + 72 + 48 tokens): six clients
-# overflow it, so the tree evicts and decode retracts.
+# overflow it, so the tree evicts. Decode does not retract at these defaults: with ignore_eos SGLang's admission
+# reserves every token a request may still write. --stop-at-eos with long outputs retracts (docs/soak.md).
 MAX_TOTAL_TOKENS = 2048
 CLIENTS = 6
 # Resident memory may grow this much after warm-up (allocator caches settle; a leak of a page's fp16 rows per
@@ -34,6 +38,19 @@ def add_arguments(p) -> None:
     p.add_argument("--seconds", type=float, default=180, help="load time per run")
     p.add_argument("--clients", type=int, default=CLIENTS, help="concurrent conversations")
     p.add_argument("--max-total-tokens", type=int, default=MAX_TOTAL_TOKENS, help="the KV budget in tokens")
+    p.add_argument("--new-tokens", default=f"{NEW_TOKENS[0]},{NEW_TOKENS[1]}", metavar="LO,HI",
+                   help="each turn's output length, drawn from this range (ignore_eos): longer outputs outgrow "
+                        "what admission reserved for them, so decode retracts on its own")
+    p.add_argument("--max-conversation", type=int, default=MAX_CONVERSATION, metavar="TOKENS",
+                   help="a conversation starts over once longer than this: short conversations with long outputs "
+                        "let many requests run at once and outgrow the budget together")
+    p.add_argument("--stop-at-eos", action="store_true",
+                   help="turns, streams and aborts stop at the model's EOS (no ignore_eos): SGLang's admission then "
+                        "reserves only new_token_ratio of max_new_tokens for them, as for real chats, and decode "
+                        "retracts when they outgrow it (with ignore_eos it reserves every token: no retraction)")
+    p.add_argument("--server-args", default="", metavar="'ARGS'",
+                   help="more launch_server flags for every server, e.g. '--schedule-conservativeness 0.3' (admission "
+                        "reserves less for the outputs to come, so the pool fills and decode retracts)")
     p.add_argument("--replay-max", type=int, default=0, help="replay at most this many completed turns, evenly "
                    "spaced (0: all)")
     p.add_argument("--test-retract", action="store_true", help="also SGLANG_TEST_RETRACT=1 (SGLang retracts "
@@ -45,7 +62,9 @@ def add_arguments(p) -> None:
 
 
 def soak_one(model, dtype: str, mode: str, seconds: float, clients: int, max_total_tokens: int, log_path: Path,
-             replay_max: int = 0, test_retract: bool = False) -> dict:
+             replay_max: int = 0, test_retract: bool = False, new_tokens: tuple[int, int] = NEW_TOKENS,
+             max_conversation: int = MAX_CONVERSATION, server_args: tuple[str, ...] = (),
+             stop_at_eos: bool = False) -> dict:
     """One server, one soak, every check's numbers (no assertion: the caller judges)."""
     from transformers import AutoConfig
 
@@ -56,6 +75,7 @@ def soak_one(model, dtype: str, mode: str, seconds: float, clients: int, max_tot
     cfg = AutoConfig.from_pretrained(str(model))
     args = ["--model-path", str(model), "--max-total-tokens", str(max_total_tokens), "--enable-metrics"]
     args += ["--kv-cache-dtype", dtype] if is_kvq_dtype(dtype) else ["--page-size", str(baseline_page_size())]
+    args += list(server_args)
     env = {**MODES[mode], **({"SGLANG_TEST_RETRACT": "1"} if test_retract else {})}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
@@ -67,7 +87,8 @@ def soak_one(model, dtype: str, mode: str, seconds: float, clients: int, max_tot
             rss_start = soak.rss_bytes(server.proc.pid)
             t0 = time.time()
             tally, curve = soak.run_load(server, cfg.vocab_size, cfg.max_position_embeddings, clients, seconds,
-                                         max_total_tokens)
+                                         max_total_tokens, new_tokens=new_tokens,
+                                         max_conversation=max_conversation, ignore_eos=not stop_at_eos)
             load_s = time.time() - t0
             counters = soak.metrics(server.base)
             end = soak.flush_when_idle(server)
@@ -85,7 +106,9 @@ def soak_one(model, dtype: str, mode: str, seconds: float, clients: int, max_tot
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     return {
-        "dtype": dtype, "mode": mode, "env": env, "clients": clients, "load_seconds": round(load_s, 1),
+        "dtype": dtype, "mode": mode, "env": env, "clients": clients, "new_tokens": list(new_tokens),
+        "max_conversation": max_conversation, "server_args": list(server_args), "stop_at_eos": stop_at_eos,
+        "load_seconds": round(load_s, 1),
         "capacity_tokens": capacity, "counts": tally.counts, **counters,
         "retracted_because_full": kv_full,
         "client_seen_errors": tally.errors, "server_log_errors": log_errors[:20],
@@ -95,6 +118,17 @@ def soak_one(model, dtype: str, mode: str, seconds: float, clients: int, max_tot
         "replay": replayed, "rss_start_mib": round(rss_start / 2 ** 20, 1), "rss": soak.rss_growth(curve),
         "rss_curve": curve,
     }
+
+
+def new_tokens_range(text: str) -> tuple[int, int]:
+    """'LO,HI' -> (LO, HI), with 1 <= LO <= HI."""
+    try:
+        lo, hi = (int(x) for x in text.split(","))
+    except ValueError:
+        raise SystemExit(f"--new-tokens {text!r}: expected LO,HI, two integers (e.g. 8,48)") from None
+    if not 1 <= lo <= hi:
+        raise SystemExit(f"--new-tokens {text!r}: expected 1 <= LO <= HI (e.g. 8,48)")
+    return lo, hi
 
 
 def refusal(dtype: str, mode: str) -> str | None:
@@ -185,7 +219,9 @@ def run(args) -> int:
                 print(f"{dtype} {mode}: not run: {refused}", flush=True)
                 continue
             row = soak_one(model, dtype, mode, args.seconds, args.clients, args.max_total_tokens,
-                           logs / f"{dtype}-{mode}.log", args.replay_max, args.test_retract)
+                           logs / f"{dtype}-{mode}.log", args.replay_max, args.test_retract,
+                           new_tokens_range(args.new_tokens), args.max_conversation,
+                           tuple(shlex.split(args.server_args)), args.stop_at_eos)
             row["problems"] = verdict(row)
             failed |= bool(row["problems"])
             report["runs"].append(row)
