@@ -1,6 +1,7 @@
 """The one frozen config that flows from `--kv-cache-dtype` to the pool, the backends and the kernels.
 
-A dtype name is `<method><bits>` (kivi1, kivi2, kivi3, kivi4, specache1, specache2, gear2, gearl2, zipcache2).
+A dtype name is `<method><bits>` or a peer's `peer_<format>`; the registry (`sgl_kvq/formats/registry.py`) holds
+them all and maps each to its format.
 Knobs that SGLang's command line has no room for come from environment variables with the `KVQ_` prefix (read in one
 place, `sgl_kvq.env`), so they reach SGLang's spawned scheduler processes unchanged. Defaults are the papers': G = 64,
 residual window R = 64 (SpeCache's G and R; KIVI's paper uses G = 32 and R = 32..128).

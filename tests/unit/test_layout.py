@@ -69,3 +69,18 @@ def test_frame_of_gives_each_request_slot_ring_frames_in_turn():
     assert [frame_of(3, lpage, 2) for lpage in range(5)] == [6, 7, 6, 7, 6]
     slots, lpages = torch.tensor([[0], [1]]), torch.tensor([[0, 1, 2]])
     assert frame_of(slots, lpages, 3).tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+# SmolLM2-135M's packed bytes per token (30 layers, 3 KV heads, head_dim 64, the default knobs), as the README's dtype
+# tables state them: a refactor of the formats must leave every one unchanged.
+SMOLLM2_BYTES_PER_TOKEN = {
+    "kivi1": 2160, "kivi2": 3600, "kivi3": 5040, "kivi4": 6480, "specache1": 2160, "specache2": 3600,
+    "gear2": 5580, "gearl2": 5040, "logquant2": 3960.46875, "zipcache2": 6662.8125, "peer_fp8_e4m3": 11520,
+    "peer_fp4_mx_block16": 6480, "peer_nvfp4": 6480, "peer_int4": 6480, "peer_tq3": 4860, "peer_tq4": 6300,
+}
+
+
+def test_every_dtype_has_its_pinned_smollm2_bytes_per_token():
+    assert set(SMOLLM2_BYTES_PER_TOKEN) == set(DTYPE_NAMES), "pin the new dtype's bytes per token here"
+    got = {n: PoolShape(30, 3, 64, PAGES, parse_kv_cache_dtype(n)).base_bytes_per_token() for n in DTYPE_NAMES}
+    assert got == pytest.approx(SMOLLM2_BYTES_PER_TOKEN)
