@@ -186,22 +186,35 @@ class Client:
                              f"malformed '{name}': {r.status_code} {r.text[:200]}")
 
 
-def rss_bytes(pid: int) -> int:
-    """Resident memory of a server process and all its children (tokenizer, scheduler, detokenizer)."""
+def process_role(cmdline: list[str]) -> str:
+    """A server process's role from its title: SGLang titles its children (sglang::scheduler_TP0,
+    sglang::detokenizer); the launcher, which runs the HTTP server and the tokenizer manager, keeps its command."""
+    first = cmdline[0] if cmdline else ""
+    return first.removeprefix("sglang::") if first.startswith("sglang::") else "tokenizer_manager"
+
+
+def rss_by_process(pid: int) -> dict[str, int]:
+    """Resident memory of a server process and each of its children, by role (process_role)."""
     import psutil
 
     try:
         proc = psutil.Process(pid)
         procs = [proc, *proc.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return 0
-    total = 0
+        return {}
+    out: dict[str, int] = {}
     for p in procs:
         try:
-            total += p.memory_info().rss
+            role = "tokenizer_manager" if p.pid == pid else process_role(p.cmdline())
+            out[role] = out.get(role, 0) + p.memory_info().rss
         except psutil.NoSuchProcess:
             pass
-    return total
+    return out
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a server process and all its children (tokenizer, scheduler, detokenizer)."""
+    return sum(rss_by_process(pid).values())
 
 
 def live(server) -> dict:
@@ -247,20 +260,27 @@ def server_log_errors(text: str) -> list[str]:
 def run_load(server, tokenizer_vocab: int, context_len: int, clients: int, seconds: float, max_total_tokens: int,
              seed: int = 0, rss_every: float = 2.0, new_tokens: tuple[int, int] = NEW_TOKENS,
              max_conversation: int = MAX_CONVERSATION,
-             ignore_eos: bool = True) -> tuple[Tally, list[tuple[float, int]]]:
+             ignore_eos: bool = True) -> tuple[Tally, list[tuple[float, int]], dict[str, list[tuple[float, int]]]]:
     """`clients` threads stepping until `seconds` pass (a step started before then completes); the first client
-    sends every malformed request once first, so each is seen under load. -> the tally and the RSS curve
-    [(seconds since start, bytes)]."""
+    sends every malformed request once first, so each is seen under load. -> the tally, the RSS curve
+    [(seconds since start, bytes)] of all the server's processes and one such curve per process role."""
     rng = random.Random(seed)
     system = draw(rng, tokenizer_vocab, SYSTEM_TOKENS)
     tally = Tally()
     t0 = time.time()
     stop = threading.Event()
     curve: list[tuple[float, int]] = []
+    by_role: dict[str, list[tuple[float, int]]] = {}
+
+    def take_sample():
+        t, roles = round(time.time() - t0, 1), rss_by_process(server.proc.pid)
+        curve.append((t, sum(roles.values())))
+        for role, b in roles.items():
+            by_role.setdefault(role, []).append((t, b))
 
     def sample():
         while not stop.is_set():
-            curve.append((round(time.time() - t0, 1), rss_bytes(server.proc.pid)))
+            take_sample()
             stop.wait(rss_every)
 
     def loop(c: Client, first: bool):
@@ -289,8 +309,8 @@ def run_load(server, tokenizer_vocab: int, context_len: int, clients: int, secon
         t.join()
     stop.set()
     sampler.join()
-    curve.append((round(time.time() - t0, 1), rss_bytes(server.proc.pid)))
-    return tally, curve
+    take_sample()
+    return tally, curve, by_role
 
 
 def replay(base: str, turns: list[dict]) -> dict:

@@ -31,3 +31,23 @@ def test_noise_around_a_level_averages_out():
 
 def test_too_short_a_curve_reports_nothing():
     assert rss_growth([(0.0, MIB)])["slope_mib_per_hour"] is None
+
+
+def test_each_server_process_is_named_by_its_role():
+    from sgl_kvq.tools.soak import process_role
+
+    assert process_role(["sglang::scheduler_TP0"]) == "scheduler_TP0"
+    assert process_role(["sglang::detokenizer"]) == "detokenizer"
+    assert process_role(["/venv/bin/python", "-m", "sglang.launch_server"]) == "tokenizer_manager"
+    assert process_role([]) == "tokenizer_manager"  # a zombie's empty command line
+
+
+def test_the_server_total_is_the_sum_of_its_processes():
+    import os
+
+    from sgl_kvq.tools.soak import rss_by_process, rss_bytes
+
+    roles = rss_by_process(os.getpid())  # this pytest process stands for the launcher
+    assert roles["tokenizer_manager"] > 0
+    assert rss_bytes(os.getpid()) >= roles["tokenizer_manager"]
+    assert rss_by_process(2 ** 22 + 12345) == {}  # gone: nothing, not an error

@@ -86,9 +86,9 @@ def soak_one(model, dtype: str, mode: str, seconds: float, clients: int, max_tot
             idle = soak.flush_when_idle(server)
             rss_start = soak.rss_bytes(server.proc.pid)
             t0 = time.time()
-            tally, curve = soak.run_load(server, cfg.vocab_size, cfg.max_position_embeddings, clients, seconds,
-                                         max_total_tokens, new_tokens=new_tokens,
-                                         max_conversation=max_conversation, ignore_eos=not stop_at_eos)
+            tally, curve, by_role = soak.run_load(server, cfg.vocab_size, cfg.max_position_embeddings, clients,
+                                                  seconds, max_total_tokens, new_tokens=new_tokens,
+                                                  max_conversation=max_conversation, ignore_eos=not stop_at_eos)
             load_s = time.time() - t0
             counters = soak.metrics(server.base)
             end = soak.flush_when_idle(server)
@@ -117,6 +117,10 @@ def soak_one(model, dtype: str, mode: str, seconds: float, clients: int, max_tot
         "leaked": {k: idle[k] - end[k] if k.startswith("free") else end[k] - idle[k] for k in idle},
         "replay": replayed, "rss_start_mib": round(rss_start / 2 ** 20, 1), "rss": soak.rss_growth(curve),
         "rss_curve": curve,
+        # which process grows: SGLang's scheduler holds the pool and the model, the launcher the HTTP server and the
+        # tokenizer manager
+        "rss_by_process": {role: soak.rss_growth(c) for role, c in sorted(by_role.items())},
+        "malloc_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_") or k == "LD_PRELOAD"},
     }
 
 
@@ -232,7 +236,8 @@ def run(args) -> int:
                   f"({row['retracted_because_full']} pool full), "
                   f"{row['evicted_tokens']} evicted "
                   f"tokens; replay {row['replay']['identical']}/{row['replay']['turns']} identical "
-                  f"(agreement {row['replay']['agreement']}); RSS {row['rss']}; problems: {row['problems'] or 'none'}",
+                  f"(agreement {row['replay']['agreement']}); RSS {row['rss']}; by process "
+                  f"{ {k: v['slope_mib_per_hour'] for k, v in row['rss_by_process'].items()} } MiB/h; problems: {row['problems'] or 'none'}",
                   flush=True)
             if args.json:
                 Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
