@@ -11,6 +11,7 @@ import os
 
 import torch
 
+from sgl_kvq.errors import LayoutError
 from sgl_kvq.layout import PageGeometry, kivi_shapes
 from sgl_kvq.plan import LayerKV, PagedPlan
 
@@ -29,7 +30,7 @@ def dot_in_fp32(dtype: torch.dtype) -> bool:
 
 def require(cond: bool, msg: str) -> None:
     if not cond:
-        raise ValueError(f"sgl_kvq kernels: {msg}")
+        raise LayoutError(f"sgl_kvq kernels: {msg}")
 
 
 def is_pow2(n: int) -> bool:

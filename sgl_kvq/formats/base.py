@@ -92,6 +92,11 @@ class Format:
         """page_shapes' keyword sizes from the config."""
         return {}
 
+    def sizes_of(self, extras: tuple, g: PageGeometry) -> dict[str, int]:
+        """The same sizes read off a layer view's extras (the kernels' launch arguments, checked against
+        page_shapes): raises LayoutError where they are out of the bounds its kernel correction reads."""
+        return {}
+
     def page_shapes(self, g: PageGeometry, **sizes) -> Shapes:
         """The tensors each page adds, one layer's (dims [P, ...] per page, [S, ...] per token slot), named as the
         fields of `extras`, in their order."""

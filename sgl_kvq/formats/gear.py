@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from sgl_kvq.errors import KVQConfigError
+from sgl_kvq.errors import KVQConfigError, LayoutError
 from sgl_kvq.formats.base import Format, PageWrite
 from sgl_kvq.layout import PageGeometry, Shapes
 from sgl_kvq.quant.gear_page import PageCorrection, add_low_rank, correct_keys, correct_values, outliers_per_row, \
@@ -54,6 +54,12 @@ class Gear(Format):
 
     def sizes(self, cfg, g: PageGeometry) -> dict[str, int]:
         return dict(rank=cfg.gear_rank, nk=self.outliers_per_row(cfg, g.G), nv=self.outliers_per_row(cfg, g.D))
+
+    def sizes_of(self, c: PageCorrection, g: PageGeometry) -> dict[str, int]:
+        rank = c.k_u.shape[2]
+        if rank < 1:
+            raise LayoutError("sgl_kvq kernels: a GEAR correction needs rank >= 1")
+        return dict(rank=rank, nk=c.k_out_val.shape[2], nv=c.v_out_val.shape[-1])
 
     def page_shapes(self, g: PageGeometry, **sizes) -> Shapes:
         return gear_shapes(g, **sizes)

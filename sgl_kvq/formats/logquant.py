@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from sgl_kvq.errors import KVQConfigError
+from sgl_kvq.errors import KVQConfigError, LayoutError
 from sgl_kvq.formats.base import Format, PageWrite
 from sgl_kvq.layout import PageGeometry, Shapes
 from sgl_kvq.quant import kivi_page
@@ -48,6 +48,12 @@ class LogQuant(Format):
 
     def sizes(self, cfg, g: PageGeometry) -> dict[str, int]:
         return dict(rows=rows_per_page(cfg))
+
+    def sizes_of(self, r: PageRows, g: PageGeometry) -> dict[str, int]:
+        rows = r.row_off.shape[-1]
+        if not (rows >= 1 and g.G <= 128):
+            raise LayoutError(f"sgl_kvq kernels: LogQuant rows need M >= 1 slots and G <= 128 (255 marks empty), got {rows}, {g.G}")
+        return dict(rows=rows)
 
     def page_shapes(self, g: PageGeometry, **sizes) -> Shapes:
         return logquant_shapes(g, **sizes)

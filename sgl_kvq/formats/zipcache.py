@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from sgl_kvq.errors import KVQConfigError
+from sgl_kvq.errors import KVQConfigError, LayoutError
 from sgl_kvq.formats.base import Format, PageWrite
 from sgl_kvq.layout import PageGeometry, Shapes
 from sgl_kvq.quant import zipcache_page
@@ -74,6 +74,12 @@ class ZipCache(Format):
 
     def sizes(self, cfg, g: PageGeometry) -> dict[str, int]:
         return dict(salient=salient_per_page(cfg), salient_bits=SALIENT_BITS)
+
+    def sizes_of(self, s: SalientPlane, g: PageGeometry) -> dict[str, int]:
+        salient = s.s_idx.shape[-1]
+        if not 1 <= salient < g.G:
+            raise LayoutError(f"sgl_kvq kernels: zipcache2 needs 1..G-1 salient tokens per page, got {salient}")
+        return dict(salient=salient, salient_bits=SALIENT_BITS)
 
     def page_shapes(self, g: PageGeometry, **sizes) -> Shapes:
         return zipcache_shapes(g, **sizes)

@@ -215,7 +215,7 @@ def test_gear_correction_layout_is_checked():
     kv, paged = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=3, gear=GEAR["gear2"])
     kv.extras = kv.extras._replace(k_w=kv.extras.k_w[:, :, :1])
     p = dec.plan(to_device(paged), num_qo_heads=H, num_kv_heads=H, head_dim=D, page_size=G)
-    with pytest.raises(ValueError, match="corr.k_w"):
+    with pytest.raises(ValueError, match="PageCorrection.k_w"):
         dec.run(torch.zeros(len(reqs), H, D, device=DEVICE), to_device(kv), p, 0.125)
 
 
@@ -242,7 +242,7 @@ def test_zipcache_salient_layout_is_checked():
     kv, paged = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=3, salient=3)
     kv.extras = kv.extras._replace(s_v_scale=kv.extras.s_v_scale[:, :, :2])
     p = dec.plan(to_device(paged), num_qo_heads=H, num_kv_heads=H, head_dim=D, page_size=G)
-    with pytest.raises(ValueError, match="sal.s_v_scale"):
+    with pytest.raises(ValueError, match="SalientPlane.s_v_scale"):
         dec.run(torch.zeros(len(reqs), H, D, device=DEVICE), to_device(kv), p, 0.125)
 
 
@@ -270,5 +270,5 @@ def test_logquant_rows_layout_is_checked():
     kv, paged = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=3, rows=2)
     kv.extras = kv.extras._replace(row_off=kv.extras.row_off.long())
     p = dec.plan(to_device(paged), num_qo_heads=H, num_kv_heads=H, head_dim=D, page_size=G)
-    with pytest.raises(ValueError, match="rows.row_off"):
+    with pytest.raises(ValueError, match="PageRows.row_off"):
         dec.run(torch.zeros(len(reqs), H, D, device=DEVICE), to_device(kv), p, 0.125)

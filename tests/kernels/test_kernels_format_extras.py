@@ -5,12 +5,15 @@ kernel-vs-reference tests (tests/kernels/test_kernels_attention.py)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from sgl_kvq.config import parse_kv_cache_dtype
+from sgl_kvq.errors import LayoutError
 from sgl_kvq.kernels.checks import layer_geometry
-from sgl_kvq.kernels.format_extras import FORMATS, format_extras
+from sgl_kvq.kernels.format_extras import format_extras
 from sgl_kvq.kv_store import QuantizedKVStore
 from sgl_kvq.formats.registry import EXTRA_SHAPES
 from sgl_kvq.layout import PoolShape
@@ -31,7 +34,6 @@ def layer_view(dtype_name: str) -> tuple[LayerKV, PoolShape]:
 @pytest.mark.parametrize("name,fields", [("gear", PageCorrection._fields), ("logquant", PageRows._fields),
                                          ("zipcache", SalientPlane._fields)])
 def test_declared_tensors_are_the_named_tuple_the_kernels_read(name, fields):
-    assert name in FORMATS
     g = PoolShape(1, H, D, PAGES, parse_kv_cache_dtype("kivi2")).geometry
     sizes = {"gear": dict(rank=2, nk=1, nv=1), "logquant": dict(rows=3), "zipcache": dict(salient=4, salient_bits=4)}
     assert tuple(EXTRA_SHAPES[name](g, **sizes[name])) == fields
@@ -45,6 +47,21 @@ def test_sizes_read_off_the_view_are_the_configs(dtype_name):
     assert consts == dict(FORMAT=kind, SIZES=tuple(sizes.values()))
     assert type(extras).__name__ in ("PageCorrection", "PageRows", "SalientPlane")
     assert all(t.numel() > 0 for t in extras)  # gearl2's empty outlier tensors are passed as a stand-in
+
+
+@pytest.mark.parametrize("dtype_name,field,bad,why", [("gear2", "k_u", 0, "rank >= 1"),
+                                                      ("zipcache2", "s_idx", 0, "1..G-1 salient"),
+                                                      ("zipcache2", "s_idx", 64, "1..G-1 salient")])
+def test_sizes_out_of_the_corrections_bounds_are_refused(dtype_name, field, bad, why):
+    """Each format reads its sizes off the view (Format.sizes_of) and refuses those its kernel correction cannot
+    read, before any launch (rank 0; no salient token, or a whole page of them at G = 64)."""
+    kv, _ = layer_view(dtype_name)
+    t = getattr(kv.extras, field)
+    dim = 2 if field == "k_u" else t.dim() - 1
+    kv.extras = kv.extras._replace(**{field: t.narrow(dim, 0, 0) if bad == 0 else
+                                      torch.zeros(*t.shape[:dim], bad, dtype=t.dtype)})
+    with pytest.raises(LayoutError, match=f"sgl_kvq kernels: .*{re.escape(why)}"):
+        format_extras(kv, layer_geometry(kv))
 
 
 def test_zipcache_salient_width_is_the_configs():

@@ -11,11 +11,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from sgl_kvq.config import DTYPE_NAMES, KVQConfigError, parse_kv_cache_dtype
 from sgl_kvq.formats import registry
 from sgl_kvq.formats.base import Format
-from sgl_kvq.kernels.format_extras import FORMATS as KERNEL_FORMATS
 from sgl_kvq.patches.resolution import check_backend_reads, kvq_backend_for
 
 
@@ -36,9 +36,20 @@ def test_dtype_names_are_unique_and_families_declared_once():
     assert len(registry.BY_FAMILY) == len(registry.FORMATS)
 
 
-def test_every_kernel_format_has_a_kernel_row_and_declared_shapes():
+def test_every_kernel_format_declares_shapes_and_reads_its_sizes_back():
+    """A format with a kernel declares its page tensors, and reads back off them the sizes the config gave."""
+    from sgl_kvq.layout import PoolShape
+    from sgl_kvq.kv_store import QuantizedKVStore
+
     kernels = {f.kernel for f in registry.FORMATS if f.kernel}
-    assert kernels == set(KERNEL_FORMATS) == set(registry.EXTRA_SHAPES)
+    assert kernels == set(registry.EXTRA_SHAPES)
+    for name in DTYPE_NAMES:
+        cfg = parse_kv_cache_dtype(name)
+        if cfg.format.kernel is None:
+            continue
+        shape = PoolShape(1, 2, 64, 4, cfg)
+        view = QuantizedKVStore(cfg, shape, 2, torch.float32, "cpu").layer_view(0)
+        assert cfg.format.sizes_of(view.extras, shape.geometry) == cfg.format.sizes(cfg, shape.geometry), name
 
 
 # ---- a format served only through kvq_torch ----
