@@ -145,7 +145,7 @@ def resolve(server_args, previous) -> None:
         from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, with_phase
 
         graphs = resolving_view(server_args).cuda_graph_config
-        # SpeCache's lanes hook SGLang's eager decode forward (patches/specache_lanes.py): its decode runs eagerly.
+        # SpeCache's lanes hook SGLang's eager decode forward (patches/eager_decode.py): its decode runs eagerly.
         eager_decode = backend == "kvq_torch" or cfg.format.strategy.eager_decode
         for phase in (Phase.DECODE, Phase.PREFILL) if eager_decode else (Phase.PREFILL,):
             graphs = with_phase(graphs, phase, backend=Backend.DISABLED)

@@ -67,7 +67,7 @@ def profile_available_bytes(orig, self, *args, **kwargs):
     shape = kvq_pool_shape(self)
     if shape is not None:
         host_is_device = str(self.device).startswith("cpu")
-        host_budget = shape.cfg.format.strategy.host_budget_bytes(host_is_device)
+        host_budget = shape.cfg.format.strategy.host_budget_bytes(shape.cfg, host_is_device)
         split = split_budget(budget, shape, self.model_dtype, host_is_device=host_is_device,
                              frames_pooled=frames_pooled(shape, self.model_dtype),
                              requested=requested_max_running_requests(self),

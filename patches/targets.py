@@ -33,7 +33,7 @@ HOOKS = (
      "observability", "add_kv_pool_stats", "AFTER"),
     ("sglang.srt.managers.scheduler_components.metrics_reporter.SchedulerMetricsReporter._log_hicache_stats",
      "metrics", "publish_kvq_metrics", "AFTER"),
-    ("sglang.srt.model_executor.runner.eager_runner.EagerRunner._execute_decode", "specache_lanes", "execute_decode",
+    ("sglang.srt.model_executor.runner.eager_runner.EagerRunner._execute_decode", "eager_decode", "execute_decode",
      "AROUND"),
     ("sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler.build_kv_host_pool", "hicache", "build_kv_host_pool",
      "AROUND"),

@@ -65,6 +65,13 @@ class KVQConfig:
     # tokens of Llama-3-8B, docs/results.md). "device": the low-bit pool as kivi reads it (no host traffic; the cached
     # prefix's quality is then the low-bit base's).
     specache_prefix: str = "host"
+    # SpeCache: the share of the host's available RAM its 16-bit host tier may take (sizing caps the pool's tokens
+    # at what it holds; a pinned --max-total-tokens that needs more fails at startup with the count that fits).
+    host_mem_fraction: float = 0.8
+    # SpeCache: 1 measures each decode step how much of the real row's exact 16-bit top-k the speculative lane
+    # prefetched, reading every context row from the host tier: a diagnostic, off so that a default server does no
+    # extra full-context read.
+    specache_recall: int = 0
     # The share of SGLang's KV budget that per-slot state may take when --max-running-requests is not given: SpeCache's
     # top-k buffers, and the overlay frames where they cannot be pooled (prefill/decode disaggregation); it sets
     # their default max_running_requests (sgl_kvq/capacity.py). Pooled frames (the default) need no share. 0.06 kept

@@ -77,22 +77,5 @@ def kv_cache_budget_bytes() -> int | None:
     return int(gb * 2**30)
 
 
-def specache_recall() -> bool:
-    return os.environ.get("KVQ_SPECACHE_RECALL", "0") not in ("0", "", "false")
-
-
-def host_mem_fraction() -> float:
-    raw = os.environ.get("KVQ_HOST_MEM_FRACTION", "0.8")
-    try:
-        frac = float(raw)
-    except ValueError:
-        frac = -1.0
-    if not 0 < frac <= 1:
-        from sgl_kvq.config import KVQConfigError
-
-        raise KVQConfigError(f"sgl_kvq: KVQ_HOST_MEM_FRACTION={raw!r} must be in (0, 1]")
-    return frac
-
-
 def cache_dir() -> Path:
     return Path(os.environ.get("KVQ_CACHE_DIR") or Path.home() / ".cache" / "sgl_kvq")

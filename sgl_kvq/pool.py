@@ -64,8 +64,8 @@ class KVQTokenToKVPool(KVCache):
         # with the stats: which path served a workload
         self.decode_batches: collections.Counter[str] = collections.Counter()
         # the decode strategy's per-pool state (SpeCache's host tier and top-k rows; None for the pool alone)
-        self.specache = self.strategy.state(cfg, self.shape, num_req_slots, model_dtype, self.store.device,
-                                            store=self.store)
+        self.strategy_state = self.strategy.state(cfg, self.shape, num_req_slots, model_dtype, self.store.device,
+                                                  store=self.store)
         self._finalize_allocation_log(size)
         if frames_pooled:
             k, n = shape.pages_per_frame(model_dtype), self.store.frames.per_request
@@ -91,11 +91,11 @@ class KVQTokenToKVPool(KVCache):
                 v += t.numel() * t.element_size()
             else:
                 k += t.numel() * t.element_size()
-        state = self.strategy.device_bytes(self.specache)
+        state = self.strategy.device_bytes(self.strategy_state)
         return k + state // 2, v + state - state // 2
 
     def host_bytes(self) -> int:
-        return self.strategy.host_bytes(self.specache)
+        return self.strategy.host_bytes(self.strategy_state)
 
     def stats(self, capacity_tokens: int) -> dict:
         """The live pool's measured bytes (SGLang's /get_server_info internal_states[0]["kv_pool"]): kv_cache_stats
@@ -123,13 +123,13 @@ class KVQTokenToKVPool(KVCache):
         host = getattr(self, "hicache_host", None)  # HiCache's host tier (patches/hicache.py)
         if host is not None:
             stats.update(hicache_host_tokens=host.size, hicache_host_bytes=host.nbytes(), hicache_layout=host.layout)
-        stats.update(self.strategy.stats(self.specache, capacity_tokens))
+        stats.update(self.strategy.stats(self.strategy_state, capacity_tokens))
         return stats
 
     def request_state_bytes(self) -> int:
         """The per-request fp16 state the pool allocated beyond its pages: static overlay frames (pooled ones are
         pages), and SpeCache's top-k buffers (pooled with the frames: their table alone)."""
-        return self.store.overlay_bytes() + self.strategy.device_bytes(self.specache)
+        return self.store.overlay_bytes() + self.strategy.device_bytes(self.strategy_state)
 
     def get_v_head_dim(self):
         return self.v_head_dim

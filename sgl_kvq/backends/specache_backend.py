@@ -35,7 +35,7 @@ class KVQSpeCacheBackend(KVQTorchBackend):
 
     def __init__(self, model_runner):
         super().__init__(model_runner)
-        self.sc = self.pool.specache
+        self.sc = self.pool.strategy_state
         self.req = None  # request slots of the forward's real (or pre-decode) rows
         self.prefix_slots: list[torch.Tensor] = []
 
@@ -56,7 +56,7 @@ class KVQSpeCacheBackend(KVQTorchBackend):
             return
         lanes = self.sc.lanes
         if lanes is None:
-            raise RuntimeError("sgl_kvq: a specache decode step ran without its lane hook (patches/specache_lanes.py)")
+            raise RuntimeError("sgl_kvq: a specache decode step ran without its lane hook (patches/eager_decode.py)")
         req = forward_batch.req_pool_indices
         if lanes.kind == "two_lane":
             n = lanes.n_real

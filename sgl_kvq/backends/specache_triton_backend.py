@@ -10,7 +10,7 @@ Triton store/quantize kernels (bit-exact with torch's).
 Extends run eagerly, as kvq_triton's do, in kvq_triton's fused extend kernel: a cached prefix read in 16 bits from the
 host tier (the default) is staged per layer as fp16 frames of a plan with no base pages (sgl_kvq/specache/
 prefix_frames.py); with KVQ_SPECACHE_PREFIX=device the kernel reads the prefix as stored. Decode runs eagerly too:
-the lanes hook is on SGLang's eager decode forward (patches/specache_lanes.py), so patches/resolution.py turns
+the lanes hook is on SGLang's eager decode forward (patches/eager_decode.py), so patches/resolution.py turns
 decode CUDA graphs off for specache. A sliding-window layer's window reaches the extend kernel, the lanes' kernel and
 select_topk (kernels/specache_decode.py).
 """

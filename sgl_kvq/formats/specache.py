@@ -20,7 +20,8 @@ class SpeCache(Format):
     bits = (1, 2)
     strategy = STRATEGY
     knobs = {"KVQ_TOPK": ("top_k", int), "KVQ_SPECACHE_FOLLOW": ("specache_follow", int),
-             "KVQ_SPECACHE_PREFIX": ("specache_prefix", str)}
+             "KVQ_SPECACHE_PREFIX": ("specache_prefix", str), "KVQ_HOST_MEM_FRACTION": ("host_mem_fraction", float),
+             "KVQ_SPECACHE_RECALL": ("specache_recall", int)}
 
     def default_knobs(self, bits: int) -> dict:
         return {"top_k": SPECACHE_TOP_K[bits]}
@@ -30,6 +31,10 @@ class SpeCache(Format):
             raise KVQConfigError(f"sgl_kvq: KVQ_SPECACHE_FOLLOW={cfg.specache_follow} must be 0 or 1")
         if cfg.top_k < 1:
             raise KVQConfigError(f"sgl_kvq: top-k {cfg.top_k} must be at least 1")
+        if not 0 < cfg.host_mem_fraction <= 1:
+            raise KVQConfigError(f"sgl_kvq: KVQ_HOST_MEM_FRACTION={cfg.host_mem_fraction} must be in (0, 1], e.g. 0.8")
+        if cfg.specache_recall not in (0, 1):
+            raise KVQConfigError(f"sgl_kvq: KVQ_SPECACHE_RECALL={cfg.specache_recall} must be 0 or 1")
         if cfg.specache_prefix not in PREFIX_SOURCES:
             raise KVQConfigError(f"sgl_kvq: KVQ_SPECACHE_PREFIX={cfg.specache_prefix!r}; choose one of "
                                  f"{', '.join(PREFIX_SOURCES)}")

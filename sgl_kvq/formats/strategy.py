@@ -12,14 +12,15 @@ import torch
 
 
 class DecodeStrategy:
-    # Whether decode runs in SGLang's eager forward (a hook on it), never under CUDA graphs.
+    # Whether decode runs in SGLang's eager forward (patches/eager_decode.py hooks it and calls eager_decode_step),
+    # never under CUDA graphs.
     eager_decode: bool = False
 
     def host_bytes_per_token(self, shape, model_dtype: torch.dtype) -> int:
         """Host RAM each pool token takes beside its device pages."""
         return 0
 
-    def host_budget_bytes(self, host_is_device: bool) -> int | None:
+    def host_budget_bytes(self, cfg, host_is_device: bool) -> int | None:
         """The host RAM the strategy may take where it is not the device's memory (None: it takes none)."""
         return None
 
@@ -39,9 +40,14 @@ class DecodeStrategy:
         return None
 
     def state(self, cfg, shape, num_req_slots: int, model_dtype: torch.dtype, device, store=None):
-        """The per-pool runtime state (KVQTokenToKVPool.specache), or None; store: the pool's QuantizedKVStore, whose
+        """The per-pool runtime state (KVQTokenToKVPool.strategy_state), or None; store: the pool's QuantizedKVStore, whose
         extra frames (store.frames.extra, request_frames of them) hold the per-request state."""
         return None
+
+    def eager_decode_step(self, forward, forward_batch, state):
+        """One decode step where eager_decode: forward() runs SGLang's model on forward_batch's rows and returns its
+        LogitsProcessorOutput; the strategy returns what SGLang's sampler gets."""
+        return forward()
 
     def device_bytes(self, state) -> int:
         """Device bytes of that state (counted half with K, half with V in the pool's byte split)."""

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl_kvq import env
 from sgl_kvq.config import KVQConfig
 from sgl_kvq.layout import PoolShape
 from sgl_kvq.specache.host_tier import HostTier, check_host_budget, host_bytes_per_token
@@ -52,7 +51,7 @@ class SpeCacheState:
         self.cfg, self.top_k, self.heads = cfg, K, H
         self.device = torch.device(device)
         per_token = host_bytes_per_token(L, H, D, model_dtype)
-        check_host_budget(cfg.name, shape.S, per_token, env.host_mem_fraction())
+        check_host_budget(cfg.name, shape.S, per_token, cfg.host_mem_fraction)
         self.host = HostTier(L, shape.S, H, D, model_dtype, self.device)
         self.host_bytes_per_token = per_token
         if store is not None and store.frames.extra:
@@ -63,7 +62,7 @@ class SpeCacheState:
         self.spec_input = torch.full((R,), -1, dtype=torch.int64, device=self.device)
         self.needs_predecode = [True] * R
         self.lanes: Lanes | None = None
-        self.recall = env.specache_recall()
+        self.recall = bool(cfg.specache_recall)
         # counters (device tensors where the value is on the device: no sync until someone reads them)
         self.decode_steps = 0
         self.predecode_rows = 0

@@ -1,6 +1,6 @@
 """SpeCache's decode strategy (formats/strategy.py's interface): every pool token's 16-bit K/V in a host tier,
 per running request the prefetched top-k rows (pool frames it takes with its overlay frames where those are pooled:
-specache/topk_rows.py), and a two-lane decode in SGLang's eager forward (patches/specache_lanes.py)."""
+specache/topk_rows.py), and a two-lane decode in SGLang's eager forward (patches/eager_decode.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import logging
 
 import torch
 
-from sgl_kvq import env
 from sgl_kvq.formats.strategy import DecodeStrategy
 
 logger = logging.getLogger("sgl_kvq.pool")
@@ -34,12 +33,12 @@ class SpeCacheStrategy(DecodeStrategy):
 
         return host_bytes_per_token(shape.layers, shape.heads, shape.head_dim, model_dtype)
 
-    def host_budget_bytes(self, host_is_device: bool) -> int | None:
+    def host_budget_bytes(self, cfg, host_is_device: bool) -> int | None:
         if host_is_device:
             return None
         from sgl_kvq.specache.host_tier import available_host_bytes
 
-        return int(available_host_bytes() * env.host_mem_fraction())
+        return int(available_host_bytes() * cfg.host_mem_fraction)
 
     def request_frames(self, cfg, shape, model_dtype: torch.dtype) -> int:
         from sgl_kvq.specache.topk_rows import pooled_frames
@@ -67,6 +66,11 @@ class SpeCacheStrategy(DecodeStrategy):
         logger.info("sgl_kvq %s host tier: %.2f GiB (%d B/token), top-k rows: %s", cfg.name,
                     state.host.nbytes() / 2**30, state.host_bytes_per_token, where)
         return state
+
+    def eager_decode_step(self, forward, forward_batch, state):
+        from sgl_kvq.specache.lanes import run_lanes
+
+        return run_lanes(forward, forward_batch, state)
 
     def device_bytes(self, state) -> int:
         return state.device_bytes()

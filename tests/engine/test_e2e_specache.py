@@ -231,6 +231,8 @@ BAD = [
     ({"kv_cache_dtype": "specache1"}, {"KVQ_TOPK": "0"}, "top-k 0 must be at least 1"),
     ({"kv_cache_dtype": "specache2"}, {"KVQ_SPECACHE_PREFIX": "disk"},
      "KVQ_SPECACHE_PREFIX='disk'; choose one of host"),
+    ({"kv_cache_dtype": "specache2"}, {"KVQ_HOST_MEM_FRACTION": "1.5"},
+     "KVQ_HOST_MEM_FRACTION=1.5 must be in \\(0, 1\\]"),
 ]
 
 

@@ -44,6 +44,9 @@ def test_a_dtype_default_knob_comes_from_its_format():
     ("specache", 2, {"top_k": 0}, "top-k"),
     ("specache", 1, {"specache_prefix": "disk"}, "KVQ_SPECACHE_PREFIX"),
     ("specache", 2, {"prefill": "paged"}, "kivi only"),
+    ("specache", 2, {"host_mem_fraction": 0.0}, "KVQ_HOST_MEM_FRACTION"),
+    ("specache", 1, {"host_mem_fraction": 1.5}, "KVQ_HOST_MEM_FRACTION"),
+    ("specache", 2, {"specache_recall": 2}, "KVQ_SPECACHE_RECALL"),
 ])
 def test_bad_knobs_are_refused(method, bits, knobs, match):
     with pytest.raises(KVQConfigError, match=match):
@@ -101,6 +104,7 @@ def test_every_formats_knobs_name_a_config_field_and_reach_it_from_the_environme
     pytest.param("KVQ_OVERLAY_SHARE", "a tenth", "is not a number", id="not-a-number"),
     pytest.param("KVQ_FRAMES", "shared", "KVQ_FRAMES='shared'", id="not-a-choice"),
     pytest.param("KVQ_OVERLAY_SHARE", "1.5", "must be in \\(0, 1\\)", id="out-of-range"),
+    pytest.param("KVQ_HOST_MEM_FRACTION", "all", "is not a number", id="format-knob-not-a-number"),
 ])
 def test_a_bad_knob_value_is_refused_by_name(monkeypatch, var, value, match):
     monkeypatch.setenv(var, value)

@@ -49,7 +49,7 @@ def test_the_hook_turns_specache_and_pd_stats_into_counters_and_gauges(monkeypat
     monkeypatch.setitem(pd.SENT, "batches", 5)
     monkeypatch.setitem(pd.SENT, "requests", 3)
     pool, registry = specache_pool(), CollectorRegistry()
-    sc = pool.specache
+    sc = pool.strategy_state
     sc.spec_guesses += 4
     sc.spec_hits += 3
     sc.prefetched_rows += 10

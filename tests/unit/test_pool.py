@@ -116,7 +116,7 @@ class Episode:
             want_k, want_v = expected_context(tokens, n, layer, plan, 0, self.cfg)
             torch.testing.assert_close(got_k, want_k, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(got_v, want_v, atol=1e-5, rtol=1e-5)
-        sc = self.pool.specache
+        sc = self.pool.strategy_state
         if sc is not None:  # SpeCache's host tier: every context slot holds its token's exact K/V, never a stale row
             slots = self.r2t.req_to_token[r, :n].long()
             for layer in range(L):
@@ -138,8 +138,8 @@ class Episode:
             k, v = true_kv(tokens[:end], layer)
             q = true_q(tokens[:end], layer)[start:end] if self.cfg.format.needs_queries else None
             store.write_layer(layer, bw, k[start:end], v[start:end], kernels=self.kernels, q=q, sm_scale=SM_SCALE)
-            if self.pool.specache is not None:
-                self.pool.specache.host.write(layer, locs, k[start:end], v[start:end])
+            if self.pool.strategy_state is not None:
+                self.pool.strategy_state.host.write(layer, locs, k[start:end], v[start:end])
 
     def alloc_or_evict(self, fn):
         out = fn()

@@ -40,8 +40,9 @@ LAYER = [SimpleNamespace(layer_id=i, tp_q_head_num=HQ, tp_k_head_num=H, tp_v_hea
                          logit_cap=0) for i in range(L)]
 
 
-def make(bits=2, prefix="host"):
-    cfg = KVQConfig("specache", bits, group_size=G, value_group=8, residual=G, top_k=K, specache_prefix=prefix)
+def make(bits=2, prefix="host", recall=0):
+    cfg = KVQConfig("specache", bits, group_size=G, value_group=8, residual=G, top_k=K, specache_prefix=prefix,
+                    specache_recall=recall)
     pool = KVQTokenToKVPool(32 * G, PoolShape(L, H, D, 32, cfg), "cpu", torch.float32, num_req_slots=4)
     r2t = torch.zeros(4, 512, dtype=torch.int32)
     runner = SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=SimpleNamespace(req_to_token=r2t))
@@ -92,7 +93,7 @@ def decode_batch(seqs, lanes):
 def pool_state(pool):
     s = pool.store
     return [t.clone() for t in (s.k_codes, s.k_scale, s.k_zero, s.v_codes, s.v_scale, s.v_zero, s.ov_k, s.ov_v,
-                                s.ov_tag, s.ov_gen, s.page_gen, pool.specache.host.hk, pool.specache.host.hv)]
+                                s.ov_tag, s.ov_gen, s.page_gen, pool.strategy_state.host.hk, pool.strategy_state.host.hv)]
 
 
 def test_extend_reads_the_cached_prefix_in_16_bits_from_the_host_tier():
@@ -105,7 +106,7 @@ def test_extend_reads_the_cached_prefix_in_16_bits_from_the_host_tier():
         mask[:, 29:] = torch.ones(11, 11, dtype=torch.bool).tril()
         want = _attend(a.q[29:40], a.k[li][:40], a.v[li][:40], SCALE, mask)
         torch.testing.assert_close(out[li], want, atol=1e-5, rtol=1e-5)
-    sc = pool.specache
+    sc = pool.strategy_state
     assert sc.needs_predecode[1] and all((sc.topk.positions(li, torch.tensor([1])) == -1).all() for li in range(L))
 
 
@@ -129,21 +130,20 @@ def test_device_prefix_mode_reads_the_cached_prefix_from_the_low_bit_pool():
                                      a.v[li][29:40].reshape(11, -1), LAYER[li], fb).view(-1, HQ, D)
         want = _attend(a.q[29:40], torch.cat([kp, a.k[li][29:40]]), torch.cat([vp, a.v[li][29:40]]), SCALE, mask)
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
-        assert torch.equal(pool.specache.host.rows(li, torch.arange(40) + a.first)[0], a.k[li][:40])
+        assert torch.equal(pool.strategy_state.host.rows(li, torch.arange(40) + a.first)[0], a.k[li][:40])
 
 
 @pytest.mark.parametrize("bits", [1, 2])
-def test_two_lane_step_writes_real_rows_only_and_prefetches_the_speculative_top_k(bits, monkeypatch):
-    monkeypatch.setenv("KVQ_SPECACHE_RECALL", "1")
+def test_two_lane_step_writes_real_rows_only_and_prefetches_the_speculative_top_k(bits):
     gen = torch.Generator().manual_seed(bits)
-    backend, pool, r2t = make(bits)
-    twin, twin_pool, twin_r2t = make(bits)
+    backend, pool, r2t = make(bits, recall=1)  # KVQ_SPECACHE_RECALL=1
+    twin, twin_pool, twin_r2t = make(bits, recall=1)
     seqs = [Seq(1, 1, 37, r2t, gen), Seq(3, 12, 19, r2t, gen)]
     twin_gen = torch.Generator().manual_seed(bits)
     twin_seqs = [Seq(1, 1, 37, twin_r2t, twin_gen), Seq(3, 12, 19, twin_r2t, twin_gen)]
     for be, ss in ((backend, seqs), (twin, twin_seqs)):
         extend(be, ss, [0, 0], [s.n for s in ss])
-    sc = pool.specache
+    sc = pool.strategy_state
 
     # pre-decode: read-only, prefetches for the requests it covers
     before = pool_state(pool)
@@ -217,7 +217,7 @@ def test_two_lane_step_writes_real_rows_only_and_prefetches_the_speculative_top_
 
 def test_run_lanes_predecodes_new_requests_then_doubles_the_rows():
     _, pool, _ = make()
-    sc = pool.specache
+    sc = pool.strategy_state
     ids, pos, loc = torch.tensor([5, 6]), torch.tensor([37, 19]), torch.tensor([45, 115])
     fb = SimpleNamespace(input_ids=ids, positions=pos, out_cache_loc=loc, req_pool_indices=torch.tensor([1, 3]))
     seen = []
@@ -278,11 +278,11 @@ def test_the_scheduler_hook_exports_the_pool_stats_of_a_specache_pool_and_a_bf16
     assert set(s) == basic | {"kv_cache_dtype", "base_bytes", "overlay_bytes", "request_state_bytes",
                               "base_bytes_per_token", "config", "specache", "host_bytes", "host_bytes_per_token",
                               "frames_pooled", "frames_held", "frame_tokens", "pages_quantized"}
-    assert s["request_state_bytes"] == s["overlay_bytes"] + pool.specache.device_bytes()
+    assert s["request_state_bytes"] == s["overlay_bytes"] + pool.strategy_state.device_bytes()
     assert s["max_running_requests"] == 7
     k, v = pool.get_kv_size_bytes()
     assert s["kv_bytes"] == k + v and s["page_size"] == G and s["kv_cache_dtype"] == pool.cfg.name
-    assert s["host_bytes"] == pool.specache.host.nbytes() == s["host_bytes_per_token"] * 32 * G
+    assert s["host_bytes"] == pool.strategy_state.host.nbytes() == s["host_bytes_per_token"] * 32 * G
     assert s["specache"]["top_k"] == K and s["config"]["group_size"] == G
 
 

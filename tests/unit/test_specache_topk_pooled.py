@@ -43,7 +43,7 @@ def make_pool(bits: int, pooled: bool) -> KVQTokenToKVPool:
 
 def test_a_request_slot_takes_its_top_k_rows_from_the_pool_and_gives_them_back():
     pool = make_pool(2, pooled=True)
-    store, sc = pool.store, pool.specache
+    store, sc = pool.store, pool.strategy_state
     assert store.frames.extra == 2 and store.frames.per_request == 4 and sc.topk.pooled
     assert sc.device_bytes() == SLOTS * (2 * 8 + 16)  # per slot: its table row, speculative token and guess
     r2t_pool = SimpleNamespace(req_to_token=torch.zeros(SLOTS, CTX, dtype=torch.int32))
@@ -141,7 +141,7 @@ class Run:
                                seq_lens=lens, seq_lens_cpu=lens, out_cache_loc=loc)
 
     def step(self, mode, qkv, rows=None):
-        sc, be = self.pool.specache, self.backend
+        sc, be = self.pool.strategy_state, self.backend
         sc.lanes = None if mode == "extend" else Lanes(mode, len(rows) if mode == "predecode" else 2, rows)
         fb = self.batch(mode)
         be.init_forward_metadata(fb)
@@ -163,7 +163,7 @@ def test_pooled_top_k_rows_serve_what_per_slot_rows_serve(backend, bits, triton_
     monkeypatch.setattr("sgl_kvq.backends.specache_triton_backend.query_heads_on_this_rank", lambda runner: HQ)
     lens = [150, 110]
     static, pooled = Run(backend, bits, False, lens), Run(backend, bits, True, lens)
-    assert not static.pool.specache.topk.pooled and pooled.pool.specache.topk.pooled
+    assert not static.pool.strategy_state.topk.pooled and pooled.pool.strategy_state.topk.pooled
     gen = torch.Generator().manual_seed(bits)
     plan = [("extend", sum(lens), None), ("predecode", 2, torch.tensor([0, 1]))]
     plan += [("two_lane", 4, None)] * (3 if triton_interpret else 6)

@@ -240,7 +240,7 @@ def test_backend_extends_and_decodes_within_the_window(window):
 
     layers = windowed_layers(window)
     backend, pool, r2t = make()
-    sc, H = pool.specache, pool.store.shape.heads
+    sc, H = pool.strategy_state, pool.store.shape.heads
     s = Seq(1, 1, 37, r2t, torch.Generator().manual_seed(window))
     for lo, hi in ((0, 29), (29, 37)):
         fb = SimpleNamespace(forward_mode=ForwardMode.EXTEND, req_pool_indices=torch.tensor([s.r]),

@@ -19,18 +19,18 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-# The threads and the kernel that compute the same arithmetic: every other knob KVQConfig reads changes what a dtype
-# stores or reads or how many tokens it holds, as does the host tier's share (specache). Other KVQ_ variables (a
-# pinned budget: the evaluations fix their pool's tokens, and capacity rows at a pinned budget are not read; a counter
-# that is only reported; where models live) change no cell.
-NEUTRAL_KNOBS = frozenset({"KVQ_ATTENTION_THREADS", "KVQ_CPU_KERNEL"})
+# The threads and the kernel that compute the same arithmetic, and SpeCache's recall diagnostic (a counter that is
+# only reported): every other knob KVQConfig reads changes what a dtype stores or reads or how many tokens it holds
+# (the host tier's share, for specache). Other KVQ_ variables (a pinned budget: the evaluations fix their pool's
+# tokens, and capacity rows at a pinned budget are not read; where models live) change no cell.
+NEUTRAL_KNOBS = frozenset({"KVQ_ATTENTION_THREADS", "KVQ_CPU_KERNEL", "KVQ_SPECACHE_RECALL"})
 
 
 def dtype_knobs() -> frozenset[str]:
     """The KVQ_ variables a run must leave unset for its numbers to describe a dtype at its defaults."""
     from sgl_kvq import config
 
-    return frozenset(config.knob_names()) - NEUTRAL_KNOBS | {"KVQ_HOST_MEM_FRACTION"}
+    return frozenset(config.knob_names()) - NEUTRAL_KNOBS
 
 
 # What `eval ppl` records as its text when it scores the embedded essays (its default)
