@@ -27,8 +27,8 @@ def make(G, bits, residual, prefill):
 
 
 def run_extend(store, r2t, q, k, v, start, end, slot=2, window=-1):
-    fp = build_forward_plan(store, r2t, torch.tensor([slot]), torch.tensor([end]), r2t[slot, start:end],
-                            is_decode=False, extend_prefix_lens=[start], extend_seq_lens=[end - start])
+    fp = build_forward_plan(store, r2t, torch.tensor([slot]), torch.tensor([end]), r2t[slot, start:end], is_decode=False,
+                            extend_prefix_lens=[start], extend_seq_lens=[end - start])
     out = torch.empty(end - start, HQ, D)
     for step in fp.steps:
         rows = torch.arange(end - start) if step.rows is None else step.rows
@@ -40,8 +40,8 @@ def run_extend(store, r2t, q, k, v, start, end, slot=2, window=-1):
 
 def run_extend_at_once(store, r2t, q, k, v, start, end, slot=2, window=-1):
     """The same extend as one attention (sgl_kvq/attention_extend_paged.py), then the steps' writes in order."""
-    fp = build_forward_plan(store, r2t, torch.tensor([slot]), torch.tensor([end]), r2t[slot, start:end],
-                            is_decode=False, extend_prefix_lens=[start], extend_seq_lens=[end - start])
+    fp = build_forward_plan(store, r2t, torch.tensor([slot]), torch.tensor([end]), r2t[slot, start:end], is_decode=False,
+                            extend_prefix_lens=[start], extend_seq_lens=[end - start])
     kv = store.layer_view(0)
     out = extend_paged(q[start:end], k[start:end], v[start:end], [0, end - start], kv, fp.steps[0].plan, SCALE,
                        store.ring, store.cfg, store.shape.VG, window=window)
