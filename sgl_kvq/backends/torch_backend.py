@@ -14,8 +14,8 @@ import logging
 
 import torch
 
-from sgl_kvq import attention_batched, attention_extend, attention_extend_paged, decode_paths
-from sgl_kvq.backends.base import KVQAttentionBackendBase, sliding_window
+from sgl_kvq import attention_batched, attention_extend, decode_paths
+from sgl_kvq.backends.base import KVQAttentionBackendBase
 from sgl_kvq.kernels import cpu_decode_attention
 
 logger = logging.getLogger(__name__)
@@ -57,25 +57,6 @@ class KVQTorchBackend(KVQAttentionBackendBase):
         logger.warning("sgl_kvq: kvq_torch decodes with its torch paths: %s (KVQ_CPU_KERNEL=0 silences this)",
                        cpu_decode_attention.unavailable_reason())
         return False
-
-    def attend_extend(self, q, k, v, layer, forward_batch, save_kv_cache):
-        """A paged extend of plain KIVI pages in one attention per request (sgl_kvq/attention_extend_paged.py), then
-        its steps' writes in order; every other extend step by step (the base class)."""
-        steps = self.forward_plan.steps
-        if len(steps) == 1 or not attention_extend_paged.supports(self.store.format):
-            return super().attend_extend(q, k, v, layer, forward_batch, save_kv_cache)
-        q, k, v, li = self._views(q, k, v, layer)
-        qo = [0]
-        for n in forward_batch.extend_seq_lens_cpu:
-            qo.append(qo[-1] + n)
-        cfg = self.store.cfg
-        out = attention_extend_paged.extend_paged(q, k, v, qo, self.store.layer_view(li), steps[0].plan,
-                                                  layer.scaling, self.store.ring, cfg, self.store.shape.VG,
-                                                  window=sliding_window(layer))
-        if save_kv_cache:
-            for step in steps:
-                self.store.write_layer(li, step.write, k[step.rows], v[step.rows], kernels=self.write_kernels)
-        return out.reshape(q.shape[0], -1)
 
     def extend(self, q, k, v, li, step, sm_scale, window):
         return attention_extend.extend(q, k, v, step.qo_indptr, self.store.layer_view(li), step.plan, sm_scale,
