@@ -294,3 +294,13 @@ def test_readme_block_is_what_the_committed_results_give():
     table = _committed_table()
     assert render.current_block((ROOT / "README.md").read_text()) == render.readme_block(table)
     assert (ROOT / render.DOCS).read_text() == render.docs(table)
+
+
+def test_a_file_without_a_model_field_is_read_by_its_commands_model():
+    """bench conformance wrote no "model" before; its --model must still keep another model's rows out of the table."""
+    from sgl_kvq.tools.decision.sources import other_model
+
+    assert other_model({"command": "sgl-kvq bench conformance --model gemma3 --dtypes kivi4"}, "smollm2") == "gemma3"
+    assert other_model({"command": "sgl-kvq bench conformance --model smollm2 --dtypes kivi4"}, "smollm2") is None
+    assert other_model({"command": "sgl-kvq bench conformance --dtypes kivi4"}, "smollm2") is None  # the default
+    assert other_model({"model": "gemma3", "command": "--model smollm2"}, "smollm2") == "gemma3"  # the field first

@@ -427,6 +427,7 @@ def run(args) -> int:
             ran.add(group)
             report = report_from_tests({g: d for g, d in doc.items() if d}, command)
             report["kv_cache_gb"] = args.kv_cache_gb
+            report["model"] = str(args.model)  # which model's table may read it (sgl_kvq/tools/decision/sources.py)
             if args.json:
                 Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
 

@@ -91,8 +91,13 @@ def changed_settings(kind: str, data: dict) -> list[str]:
 
 
 def other_model(data: dict, model: str) -> str | None:
-    """The model a file measured where it is not `model` (a name or a folder named after it), else None."""
+    """The model a file measured where it is not `model` (a name or a folder named after it), else None. A file
+    that does not record its model says it in its command's --model, where given (bench conformance's before it
+    recorded it)."""
     name = data.get("model")
+    if name is None:
+        given = re.search(r"--model[ =](\S+)", str(data.get("command", "")))
+        name = given.group(1) if given else None
     if name is None or model.lower() in str(name).lower():
         return None
     return str(name)
