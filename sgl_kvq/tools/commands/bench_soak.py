@@ -120,7 +120,9 @@ def soak_one(model, dtype: str, mode: str, seconds: float, clients: int, max_tot
         # which process grows: SGLang's scheduler holds the pool and the model, the launcher the HTTP server and the
         # tokenizer manager
         "rss_by_process": {role: soak.rss_growth(c) for role, c in sorted(by_role.items())},
-        "malloc_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_") or k == "LD_PRELOAD"},
+        # the allocator and oneDNN settings a run was made under (glibc's MALLOC_*, oneDNN's primitive cache)
+        "memory_env": {k: v for k, v in sorted(os.environ.items())
+                       if k.startswith(("MALLOC_", "ONEDNN_", "DNNL_")) or k == "LD_PRELOAD"},
     }
 
 
@@ -237,7 +239,8 @@ def run(args) -> int:
                   f"{row['evicted_tokens']} evicted "
                   f"tokens; replay {row['replay']['identical']}/{row['replay']['turns']} identical "
                   f"(agreement {row['replay']['agreement']}); RSS {row['rss']}; by process "
-                  f"{ {k: v['slope_mib_per_hour'] for k, v in row['rss_by_process'].items()} } MiB/h; problems: {row['problems'] or 'none'}",
+                  f"{ {k: v['slope_mib_per_hour'] for k, v in row['rss_by_process'].items()} } MiB/h; "
+                  f"problems: {row['problems'] or 'none'}",
                   flush=True)
             if args.json:
                 Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
