@@ -52,7 +52,8 @@ class LogQuant(Format):
     def sizes_of(self, r: PageRows, g: PageGeometry) -> dict[str, int]:
         rows = r.row_off.shape[-1]
         if not (rows >= 1 and g.G <= 128):
-            raise LayoutError(f"sgl_kvq kernels: LogQuant rows need M >= 1 slots and G <= 128 (255 marks empty), got {rows}, {g.G}")
+            raise LayoutError(f"sgl_kvq kernels: LogQuant rows need M >= 1 slots and G <= 128 (255 marks empty), "
+                              f"got {rows}, {g.G}")
         return dict(rows=rows)
 
     def page_shapes(self, g: PageGeometry, **sizes) -> Shapes:

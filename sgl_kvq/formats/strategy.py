@@ -40,8 +40,8 @@ class DecodeStrategy:
         return None
 
     def state(self, cfg, shape, num_req_slots: int, model_dtype: torch.dtype, device, store=None):
-        """The per-pool runtime state (KVQTokenToKVPool.strategy_state), or None; store: the pool's QuantizedKVStore, whose
-        extra frames (store.frames.extra, request_frames of them) hold the per-request state."""
+        """The per-pool runtime state (KVQTokenToKVPool.strategy_state), or None; store: the pool's QuantizedKVStore,
+        whose extra frames (store.frames.extra, request_frames of them) hold the per-request state."""
         return None
 
     def eager_decode_step(self, forward, forward_batch, state):

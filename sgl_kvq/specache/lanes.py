@@ -13,8 +13,9 @@ wants (its speculative token is never accepted: it only steers the prefetch), an
 tree masks and page_size=1 allocation. Doubling the rows of a plain decode keeps SGLang's scheduling, radix cache,
 retraction and sampling untouched: every non-attention layer is per-token, and the backend owns attention.
 
-SGLang reaches this through the AROUND hook on its eager decode forward (patches/eager_decode.py, through SpeCacheStrategy.eager_decode_step), which hands
-over the forward batch and a callable that runs the model on it; nothing here imports SGLang.
+SGLang reaches this through the AROUND hook on its eager decode forward (patches/eager_decode.py, through
+SpeCacheStrategy.eager_decode_step), which hands over the forward batch and a callable that runs the model on it;
+nothing here imports SGLang.
 """
 
 from __future__ import annotations

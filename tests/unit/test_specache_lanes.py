@@ -93,7 +93,8 @@ def decode_batch(seqs, lanes):
 def pool_state(pool):
     s = pool.store
     return [t.clone() for t in (s.k_codes, s.k_scale, s.k_zero, s.v_codes, s.v_scale, s.v_zero, s.ov_k, s.ov_v,
-                                s.ov_tag, s.ov_gen, s.page_gen, pool.strategy_state.host.hk, pool.strategy_state.host.hv)]
+                                s.ov_tag, s.ov_gen, s.page_gen, pool.strategy_state.host.hk,
+                                pool.strategy_state.host.hv)]
 
 
 def test_extend_reads_the_cached_prefix_in_16_bits_from_the_host_tier():
