@@ -24,3 +24,7 @@ def test_short_soak_kivi2_deterministic(tmp_path):
     assert row["counts"]["malformed_4xx"] >= len(malformed_requests(4096)), row["counts"]
     assert row["counts"]["turns"] > 0 and row["replay"]["turns"] > 0, row["counts"]
     assert row["retracted_requests"] > 0 and row["evicted_tokens"] > 0, row
+    # resident memory per process: the launcher (tokenizer manager), SGLang's scheduler and detokenizer
+    roles = set(row["rss_by_process"])
+    assert "tokenizer_manager" in roles and any(r.startswith("scheduler") for r in roles) and "detokenizer" in roles, \
+        roles
