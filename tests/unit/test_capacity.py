@@ -238,3 +238,18 @@ def test_specache_with_pooled_frames_sets_nothing_aside_per_slot(name, model):
         // shape.cfg.ring_pages
     static = split_budget(budget, shape, model_dtype, host_is_device=False, frames_pooled=False, context_len=8192)
     assert static.per_request_bytes > 0 and static.tokens < s.tokens
+
+
+def test_the_host_tiers_budget_is_the_configs_share_of_host_ram(monkeypatch):
+    """KVQ_HOST_MEM_FRACTION reaches the sizing through the config (SpeCache's format knob), on a GPU server; a CPU
+    server's host tier is device memory, budgeted with the pool."""
+    from sgl_kvq.config import KVQConfig
+    from sgl_kvq.formats.strategy import POOL_ONLY
+    from sgl_kvq.specache import host_tier
+    from sgl_kvq.specache.strategy import STRATEGY
+
+    monkeypatch.setattr(host_tier, "available_host_bytes", lambda: 100 * GIB)
+    assert STRATEGY.host_budget_bytes(KVQConfig("specache", 2, host_mem_fraction=0.25), False) == 25 * GIB
+    assert STRATEGY.host_budget_bytes(KVQConfig("specache", 2), False) == 80 * GIB  # the default 0.8
+    assert STRATEGY.host_budget_bytes(KVQConfig("specache", 2), True) is None
+    assert POOL_ONLY.host_budget_bytes(KVQConfig("kivi", 2), False) is None
