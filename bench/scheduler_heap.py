@@ -42,11 +42,9 @@ del _objs, _types, _seen
 
 
 def rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for {pid}")
+    import psutil
+
+    return psutil.Process(pid).memory_info().rss
 
 
 def gdb(pid: int, calls: list[str]) -> str:

@@ -187,14 +187,15 @@ class Client:
 
 
 def process_role(cmdline: list[str]) -> str:
-    """A server process's role from its title: SGLang titles its children (sglang::scheduler_TP0,
-    sglang::detokenizer); the launcher, which runs the HTTP server and the tokenizer manager, keeps its command."""
+    """A server child process's role from its title: SGLang titles its children (sglang::scheduler_TP0,
+    sglang::detokenizer); an untitled child (multiprocessing's resource tracker) is "other"."""
     first = cmdline[0] if cmdline else ""
-    return first.removeprefix("sglang::") if first.startswith("sglang::") else "tokenizer_manager"
+    return first.removeprefix("sglang::") if first.startswith("sglang::") else "other"
 
 
 def rss_by_process(pid: int) -> dict[str, int]:
-    """Resident memory of a server process and each of its children, by role (process_role)."""
+    """Resident memory of a server process and each of its children, by role: the launcher, which runs the HTTP
+    server and the tokenizer manager, is "tokenizer_manager"; its children are named by process_role."""
     import psutil
 
     try:
