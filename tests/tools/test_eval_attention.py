@@ -39,6 +39,41 @@ def test_causal_attention_matches_sdpa_with_gqa():
     assert mass.tolist() == pytest.approx([1.0, 0.0])
 
 
+@pytest.mark.parametrize("window", [1, 7, 16, 39, 40, 100])
+def test_sliding_window_attention_matches_sdpa_with_a_band_mask(window):
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(40, 4, 8, generator=g), torch.randn(40, 2, 8, generator=g), torch.randn(40, 2, 8, generator=g)
+    i, j = torch.arange(40)[:, None], torch.arange(40)[None, :]
+    band = (j <= i) & (j > i - window)  # HF's sliding_window: query i sees i - window + 1 .. i
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1), v.repeat_interleave(2, 1).transpose(0, 1),
+        attn_mask=band).transpose(0, 1)
+    got = attention.causal_attention(q, k, v, 8 ** -0.5, chunk=16, window=window)
+    assert torch.allclose(got, want, atol=1e-5)
+    if window >= 40:  # a window as wide as the sequence is plain causal attention
+        assert torch.allclose(got, attention.causal_attention(q, k, v, 8 ** -0.5), atol=1e-6)
+
+
+def test_gemma3_capture_applies_the_head_norms_and_each_layers_window():
+    # a tiny random Gemma 3: layer 0 slides over 24 tokens, layer 1 attends to all; q_norm/k_norm precede RoPE
+    from sgl_kvq.tools.models import tiny_gemma3
+
+    model, tok, _ = attention.load_model(str(tiny_gemma3(24, ("sliding_attention", "full_attention"))))
+    ids = tok("the quick brown fox jumps over the lazy dog " * 8, return_tensors="pt").input_ids[:, :80]
+    layers = attention.capture(model, ids, [0, 1])
+    assert layers[0].window == 24 and layers[1].window is None
+    for layer in layers.values():
+        out = attention.causal_attention(layer.q, layer.k, layer.v, layer.sm_scale, window=layer.window)
+        assert attention.rel_err(out, layer.out) < 1e-5
+    sliding = layers[0]
+    assert attention.rel_err(attention.causal_attention(sliding.q, sliding.k, sliding.v, sliding.sm_scale),
+                             sliding.out) > 1e-3  # the window matters at 80 tokens
+    res = attention.evaluate(layers, eval_attention.select_methods(attention.methods(16, 16, 16), "kivi2,specache2",
+                                                                   attention.REFERENCE), tail=16)
+    assert res["capture_check"]["max_rel_err"] < 1e-5
+    assert 0 < res["methods"]["specache2"]["attn_err"] < res["methods"]["kivi2"]["attn_err"]
+
+
 def test_tiny_llama_capture_reproduces_the_model_and_reports_every_method(tmp_path):
     args = _args(tmp_path, "tiny", "--tokens", "96", "--group-size", "16", "--residual", "16", "--tail", "16")
     assert eval_attention.run(args) == 0

@@ -55,3 +55,23 @@ def test_the_top_k_rows_bring_the_read_closer_to_fp16_than_the_low_bit_copy():
     errs = [float((specache(k, v, bits=1, top_k=n, **KIVI).attend(q, s) - ref).norm() / ref.norm())
             for n in (0, 8, 32, 128)]
     assert errs == sorted(errs, reverse=True) and errs[-1] < 0.5 * errs[0], errs
+
+
+@pytest.mark.parametrize("window", [20, 64, 101])
+def test_a_sliding_layers_read_stays_in_its_window(window):
+    # every row read in 16 bits inside the window is the windowed fp16 attention; the picks are all inside it
+    q, k, v = _qkv(11)
+    s = D ** -0.5
+    every = specache(k, v, bits=2, top_k=T, **KIVI)
+    torch.testing.assert_close(every.attend(q, s, chunk=64, window=window),
+                               causal_attention(q, fp16(k), fp16(v), s, window=window), rtol=1e-5, atol=1e-5)
+    picks = specache(k, v, bits=1, top_k=7, **KIVI).picks(q, s, window=window)
+    for i in (5, window - 1, window, 150, T - 1):
+        for h in range(H):
+            got = picks[i, h].nonzero().flatten()
+            assert got.numel() == min(7, max(0, min(i, read_base(k) - 1) - max(0, i - window + 1) + 1))
+            assert bool(((got > i - window) & (got <= i)).all()), (i, h, got)
+
+
+def read_base(k):
+    return specache(k, k, bits=1, top_k=1, **KIVI).base

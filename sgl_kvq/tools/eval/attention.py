@@ -1,9 +1,11 @@
 """Attention fidelity of every KV format on real Q/K/V captured from a model.
 
-Capture: forward hooks on each attention layer recompute q/k/v with the layer's own q_proj/k_proj/v_proj and its
-module's apply_rotary_pos_emb (post-RoPE, what a KV cache holds), and record the input of o_proj (the model's own
-attention output). `capture_check` is the relative error of causal_attention(q, k, v) against that output: it proves
-the captured tensors are the ones the model attends with.
+Capture: forward hooks on each attention layer recompute q/k/v with the layer's own q_proj/k_proj/v_proj, its
+q_norm/k_norm where it has them (Gemma 3), and its module's apply_rotary_pos_emb (post-RoPE, what a KV cache holds),
+and record the input of o_proj (the model's own attention output) and the layer's sliding window (HF's
+`sliding_window`: query i sees keys i - window + 1 .. i; None on full-attention layers). `capture_check` is the
+relative error of causal_attention(q, k, v, window) against that output: it proves the captured tensors are the ones
+the model attends with. Every method's attention on a layer uses that layer's window.
 
 Metrics per method, averaged over layers (per-layer values are in the JSON):
     bits          bits per element actually stored (sgl_kvq.quant.accounting), keys / values / both
@@ -19,9 +21,10 @@ Metrics per method, averaged over layers (per-layer values are in the JSON):
     kept_share    share of (token, head) pairs held above base precision
 
 Methods: ours (KIVI at 1-4 bits, kivi3 through kivi_bits, GEAR, ZipCache, LogQuant; the KIVI-style ones keep the
-fp16 window; SpeCache's read of its low-bit copy with each query's top-k rows in 16 bits, tools/eval/specache.py), KIVI 2/3 in a Hadamard basis (sgl_kvq.quant.rotation.rotated: q/k/v rotated alike, output rotated
-back), and the formats the engines ship (sgl_kvq.quant.peers: SGLang fp8_e4m3 / fp4_mx_block16 / nvfp4, vLLM
-int4_per_token_head and TurboQuant), which quantize every token and keep no window.
+fp16 window; SpeCache's read of its low-bit copy with each query's top-k rows in 16 bits, tools/eval/specache.py),
+KIVI 2/3 in a Hadamard basis (sgl_kvq.quant.rotation.rotated: q/k/v rotated alike, output rotated back), and the
+formats the engines ship (sgl_kvq.quant.peers: SGLang fp8_e4m3 / fp4_mx_block16 / nvfp4, vLLM int4_per_token_head
+and TurboQuant), which quantize every token and keep no window.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from sgl_kvq.quant.peers import fp4_mx_block16, fp8_e4m3, int4_per_token_head, n
 from sgl_kvq.quant.per_token import per_token
 from sgl_kvq.quant.rotation import hadamard, rotated
 from sgl_kvq.quant.zipcache import zipcache
+from sgl_kvq.tools.eval.masks import visible
 from sgl_kvq.tools.eval.specache import specache
 
 REFERENCE = "fp16"
@@ -55,6 +59,7 @@ class LayerQKV:
     v: torch.Tensor  # [T, H, D]
     out: torch.Tensor | None  # [T, Hq, D]: the model's own attention output (input of o_proj)
     sm_scale: float
+    window: int | None = None  # HF's sliding_window: query i sees keys i - window + 1 .. i; None: all of 0..i
 
 
 def methods(group_size: int = 64, value_group: int = 64, residual: int = 64, window: int | None = None) -> dict:
@@ -102,8 +107,9 @@ def methods(group_size: int = 64, value_group: int = 64, residual: int = 64, win
 # The method that builds each served dtype's pages (`sgl-kvq bench decision` reads its rows): ours with the engine's
 # fp16 window, the peers' without one (they quantize every token; peer_nvfp4 at global scale 1, as served), SpeCache's
 # read at its served top-k.
-DTYPE_METHODS = {"specache1": "specache1", "specache2": "specache2", "kivi1": "kivi1", "kivi2": "kivi2", "kivi3": "kivi3", "kivi4": "kivi4", "gear2": "gear-2",
-                 "gearl2": "gear-l-2", "logquant2": "logquant-2", "zipcache2": "zipcache",
+DTYPE_METHODS = {"specache1": "specache1", "specache2": "specache2", "kivi1": "kivi1", "kivi2": "kivi2",
+                 "kivi3": "kivi3", "kivi4": "kivi4", "gear2": "gear-2", "gearl2": "gear-l-2", "logquant2": "logquant-2",
+                 "zipcache2": "zipcache",
                  "peer_fp8_e4m3": "fp8_e4m3", "peer_fp4_mx_block16": "fp4_mx_block16", "peer_nvfp4": "nvfp4-gs1",
                  "peer_int4": "int4-pth-asym", "peer_tq3": "tq-3bit-nc", "peer_tq4": "tq-4bit-nc"}
 
@@ -114,8 +120,9 @@ def _expand(x: torch.Tensor, hq: int) -> torch.Tensor:
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
-                     kept: list[torch.Tensor] | None = None, tail: int = 0, chunk: int = 512):
-    """q [T, Hq, D], k/v [T, H, D] -> O [T, Hq, D] fp32 (query i sees keys 0..i).
+                     kept: list[torch.Tensor] | None = None, tail: int = 0, chunk: int = 512,
+                     window: int | None = None):
+    """q [T, Hq, D], k/v [T, H, D] -> O [T, Hq, D] fp32 (query i sees keys 0..i; with `window`, i - window + 1..i).
 
     With `kept` ([T, H] bool masks), also returns each mask's share of the attention mass of the last `tail`
     queries (mean over those queries and the query heads)."""
@@ -126,7 +133,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale
     for lo in range(0, T, chunk):
         hi = min(T, lo + chunk)
         s = torch.einsum("rhd,thd->hrt", q[lo:hi].float(), k) * sm_scale
-        causal = torch.arange(T)[None, :] <= torch.arange(lo, hi)[:, None]
+        causal = visible(torch.arange(lo, hi), T, window)
         p = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1)  # [Hq, rows, T]
         out[lo:hi] = torch.einsum("hrt,thd->rhd", p, v)
         first = max(lo, T - tail) - lo
@@ -167,9 +174,12 @@ def capture(model, input_ids: torch.Tensor, layers: list[int]) -> dict[int, Laye
             q = module.q_proj(h).view(shape).transpose(1, 2)
             k = module.k_proj(h).view(shape).transpose(1, 2)
             v = module.v_proj(h).view(shape).transpose(1, 2)
+            if getattr(module, "q_norm", None) is not None:  # Gemma 3, Qwen3: RMSNorm per head before RoPE
+                q, k = module.q_norm(q), module.k_norm(k)
             q, k = rope(q, k, cos, sin)
             store[i] = LayerQKV(q[0].transpose(0, 1).contiguous(), k[0].transpose(0, 1).contiguous(),
-                                v[0].transpose(0, 1).contiguous(), out=None, sm_scale=float(module.scaling))
+                                v[0].transpose(0, 1).contiguous(), out=None, sm_scale=float(module.scaling),
+                                window=getattr(module, "sliding_window", None))
 
         def attn_out(module, args, i=i):
             store[i].out = args[0][0].reshape(store[i].q.shape).clone()
@@ -187,18 +197,19 @@ def capture(model, input_ids: torch.Tensor, layers: list[int]) -> dict[int, Laye
 
 def evaluate_layer(layer: LayerQKV, table: dict, tail: int) -> dict:
     """Every method on one layer -> {name: metrics}."""
-    q, k, v, s = layer.q, layer.k, layer.v, layer.sm_scale
+    q, k, v, s, w = layer.q, layer.k, layer.v, layer.sm_scale, layer.window
     comp = {name: fn(k, v, q, s) for name, fn in table.items()}
     ref = comp[REFERENCE]
-    o_ref, mass = causal_attention(q, ref.k_hat, ref.v_hat, s, kept=[c.kept for c in comp.values()], tail=tail)
+    o_ref, mass = causal_attention(q, ref.k_hat, ref.v_hat, s, kept=[c.kept for c in comp.values()], tail=tail,
+                                   window=w)
     res = {}
     for (name, c), m in zip(comp.items(), mass):
         if name == REFERENCE:
             o = o_ref
         elif hasattr(c, "attend"):  # a read that depends on the query (SpeCache's top-k rows)
-            o = c.attend(q, s)
+            o = c.attend(q, s, window=w)
         else:
-            o = causal_attention(q, c.k_hat, c.v_hat, s)
+            o = causal_attention(q, c.k_hat, c.v_hat, s, window=w)
         b = bits_per_element(c)
         res[name] = {"bits_k": b.keys, "bits_v": b.values, "bits": b.total,
                      "k_err": rel_err(c.k_hat, k), "v_err": rel_err(c.v_hat, v),
@@ -213,7 +224,8 @@ def evaluate(captured: dict[int, LayerQKV], table: dict, tail: int = 64, log=Non
     for i, layer in captured.items():
         t0 = time.time()
         if layer.out is not None:
-            check.append(rel_err(causal_attention(layer.q, layer.k, layer.v, layer.sm_scale), layer.out))
+            check.append(rel_err(causal_attention(layer.q, layer.k, layer.v, layer.sm_scale, window=layer.window),
+                                 layer.out))
         per_layer.append(evaluate_layer(layer, table, tail))
         if log:
             log(f"layer {i}: {time.time() - t0:.1f}s")

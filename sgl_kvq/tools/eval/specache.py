@@ -19,6 +19,7 @@ import torch
 
 from sgl_kvq.quant.compressed import fp16
 from sgl_kvq.quant.kivi import kivi
+from sgl_kvq.tools.eval.masks import visible
 
 
 class SpeCacheRead(NamedTuple):
@@ -33,9 +34,9 @@ class SpeCacheRead(NamedTuple):
     top_k: int
     follow: bool
 
-    def attend(self, q: torch.Tensor, sm_scale: float, chunk: int = 256) -> torch.Tensor:
-        """q [T, Hq, D] -> O [T, Hq, D] fp32: query i over keys 0..i, its top-k base positions per KV head read in
-        16 bits, the rest from the low-bit copy."""
+    def attend(self, q: torch.Tensor, sm_scale: float, chunk: int = 256, window: int | None = None) -> torch.Tensor:
+        """q [T, Hq, D] -> O [T, Hq, D] fp32: query i over keys 0..i (a sliding layer's i - window + 1..i), its
+        top-k base positions per KV head among those read in 16 bits, the rest from the low-bit copy."""
         T, hq, _ = q.shape
         grp = hq // self.k_hat.shape[1]
         v16, v_hat = self.v16.repeat_interleave(grp, 1), self.v_hat.repeat_interleave(grp, 1)
@@ -44,25 +45,26 @@ class SpeCacheRead(NamedTuple):
         prev = None
         for lo in range(0, T, chunk):
             hi = min(T, lo + chunk)
-            s_low, chosen, prev = self._chunk(q, sm_scale, lo, hi, prev)
+            s_low, chosen, prev = self._chunk(q, sm_scale, lo, hi, prev, window)
             pick = chosen.repeat_interleave(grp, 0)  # [Hq, R, T]
             s16 = torch.einsum("rhd,thd->hrt", q[lo:hi].float(), k16) * sm_scale
             p = torch.softmax(torch.where(pick, s16, s_low), dim=-1)  # s_low is -inf past each row
             out[lo:hi] = torch.einsum("hrt,thd->rhd", p * pick, v16) + torch.einsum("hrt,thd->rhd", p * ~pick, v_hat)
         return out
 
-    def picks(self, q: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    def picks(self, q: torch.Tensor, sm_scale: float, window: int | None = None) -> torch.Tensor:
         """The positions each query reads in 16 bits: [T, H, T] bool (query, KV head, position)."""
-        return self._chunk(q, sm_scale, 0, q.shape[0], None)[1].permute(1, 0, 2)
+        return self._chunk(q, sm_scale, 0, q.shape[0], None, window)[1].permute(1, 0, 2)
 
-    def _chunk(self, q: torch.Tensor, sm_scale: float, lo: int, hi: int, prev: torch.Tensor | None):
+    def _chunk(self, q: torch.Tensor, sm_scale: float, lo: int, hi: int, prev: torch.Tensor | None,
+               window: int | None = None):
         """Queries lo..hi-1: their causal scores over the low-bit copy [Hq, R, T], the positions they read in 16
         bits [H, R, T], and the last one's mass per KV head [H, T] (the next chunk's follow)."""
         T, hq, _ = q.shape
         H = self.k_hat.shape[1]
         grp = hq // H
         rows = torch.arange(lo, hi)
-        causal = torch.arange(T)[None, :] <= rows[:, None]  # [R, T]
+        causal = visible(rows, T, window)  # [R, T]
         s_low = torch.einsum("rhd,thd->hrt", q[lo:hi].float(), self.k_hat.repeat_interleave(grp, 1)) * sm_scale
         s_low = s_low.masked_fill(~causal, float("-inf"))
         mass = torch.softmax(s_low, dim=-1).view(H, grp, hi - lo, T).sum(1)  # the speculative row's ranking
@@ -71,16 +73,16 @@ class SpeCacheRead(NamedTuple):
             first = torch.zeros_like(mass[:, :1]) if prev is None else prev[:, None]
             earlier = torch.cat([first, mass[:, :-1]], dim=1)
             rank[:, :, 1:] += earlier[:, :, :-1]
-        return s_low, self._top(rank, rows), mass[:, -1]
+        return s_low, self._top(rank, causal), mass[:, -1]
 
-    def _top(self, rank: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """The top_k base positions each row sees (t <= row, t < base), per KV head -> a mask [H, R, T]."""
+    def _top(self, rank: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
+        """The top_k base positions each row sees (`causal` [R, T], t < base), per KV head -> a mask [H, R, T]."""
         H, R, T = rank.shape
         n = min(self.top_k, self.base)
         chosen = torch.zeros(H, R, T, dtype=torch.bool)
         if n == 0:
             return chosen
-        seen = (torch.arange(T)[None, :] <= rows[:, None]) & (torch.arange(T)[None, :] < self.base)  # [R, T]
+        seen = causal & (torch.arange(T)[None, :] < self.base)  # [R, T]
         ranked = rank.masked_fill(~seen, float("-inf"))
         idx = ranked[:, :, :self.base].topk(n, dim=-1).indices  # [H, R, n]
         valid = torch.gather(seen[None].expand(H, R, T)[:, :, :self.base], 2, idx)  # rows that see fewer than n
