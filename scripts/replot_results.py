@@ -67,9 +67,12 @@ def serving_budgets(*names: str) -> callable:
     return draw
 
 
-def decision(path):
-    """The decision figure from every committed result file, as `sgl-kvq bench decision` draws it."""
-    return decision_plot.plot(bench_decision.build(bench_decision.input_paths(None)), path)
+def decision(model: str):
+    """`model`'s decision figure from every committed result file, as `sgl-kvq bench decision` draws it."""
+    from sgl_kvq.tools.decision.models import MODELS
+
+    return lambda path: decision_plot.plot(bench_decision.build(bench_decision.input_paths(None), MODELS[model]),
+                                           path)
 
 
 PLOTS = {  # PNG under bench/results/: how it is drawn
@@ -102,7 +105,8 @@ PLOTS = {  # PNG under bench/results/: how it is drawn
     "serving-default-1-smollm2.png": serving("serving-default-1-smollm2.json", "shared-prefix-multiturn", "generous"),
     "soak-smollm2.png": lambda path: bench_soak.plot(load("soak-smollm2.json")["runs"], path),
     "soak-30min-smollm2.png": lambda path: bench_soak.plot(load("soak-30min-smollm2.json")["runs"], path),
-    "decision-smollm2.png": decision,
+    "decision-smollm2.png": decision("smollm2"),
+    "decision-gemma3.png": decision("gemma3"),
 }
 
 

@@ -16,7 +16,8 @@ from sgl_kvq.tools.commands import bench_decision
 from sgl_kvq.tools.decision import render, sources
 from sgl_kvq.tools.decision.cells import BF16, MISSING, OLD_NEEDLES, OTHER_LAYERS, OVER_KIT, collect
 from sgl_kvq.tools.decision.front import pareto_front
-from sgl_kvq.tools.decision.missing import missing
+from sgl_kvq.tools.decision.missing import command, missing
+from sgl_kvq.tools.decision.models import GEMMA3, MODELS, SMOLLM2
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -266,7 +267,8 @@ def bench_decision_args(root: Path, inputs: Path, readme: Path, run: bool = Fals
 
     p = argparse.ArgumentParser()
     bench_decision.add_arguments(p)
-    argv = ["--inputs", str(inputs), "--docs", str(root / "docs" / "decision.md"), "--plot", str(root / "plot.png"),
+    argv = ["--model", "smollm2", "--inputs", str(inputs), "--docs", str(root / "docs" / "decision.md"),
+            "--plot", str(root / "plot.png"),
             "--readme", str(readme), *["--run"] * run, *["--kv-cache-dtype", dtypes] * bool(dtypes),
             *["--check"] * check]
     return p.parse_args(argv)
@@ -281,26 +283,69 @@ def test_check_says_whether_the_outputs_are_current(tmp_path):
     assert bench_decision.run(bench_decision_args(tmp_path, tmp_path, readme, check=True)) == 0
 
 
-def _committed_table():
+@pytest.mark.parametrize("model", list(MODELS.values()), ids=list(MODELS))
+def test_readme_block_is_what_the_committed_results_give(model):
+    """The README's summaries cannot go stale: regenerate with `sgl-kvq bench decision` after adding results."""
     if subprocess.run(["git", "-C", str(ROOT), "rev-parse"], capture_output=True).returncode != 0:
         pytest.skip("not a git checkout: the committed files' dates come from their commits")
     if sources.shallow_history(ROOT):
         pytest.skip("a shallow clone: which committed file is newest is not known")
-    return bench_decision.build(bench_decision.input_paths(None))
-
-
-def test_readme_block_is_what_the_committed_results_give():
-    """The README's summary cannot go stale: regenerate with `sgl-kvq bench decision` after adding results."""
-    table = _committed_table()
-    assert render.current_block((ROOT / "README.md").read_text()) == render.readme_block(table)
-    assert (ROOT / render.DOCS).read_text() == render.docs(table)
+    table = bench_decision.build(bench_decision.input_paths(None), model)
+    assert render.current_block((ROOT / "README.md").read_text(), model) == render.readme_block(table)
+    assert (ROOT / model.docs).read_text() == render.docs(table)
 
 
 def test_a_file_without_a_model_field_is_read_by_its_commands_model():
     """bench conformance wrote no "model" before; its --model must still keep another model's rows out of the table."""
     from sgl_kvq.tools.decision.sources import other_model
 
-    assert other_model({"command": "sgl-kvq bench conformance --model gemma3 --dtypes kivi4"}, "smollm2") == "gemma3"
-    assert other_model({"command": "sgl-kvq bench conformance --model smollm2 --dtypes kivi4"}, "smollm2") is None
-    assert other_model({"command": "sgl-kvq bench conformance --dtypes kivi4"}, "smollm2") is None  # the default
-    assert other_model({"model": "gemma3", "command": "--model smollm2"}, "smollm2") == "gemma3"  # the field first
+    assert other_model({"command": "sgl-kvq bench conformance --model gemma3 --dtypes kivi4"}, SMOLLM2) == "gemma3"
+    assert other_model({"command": "sgl-kvq bench conformance --model smollm2 --dtypes kivi4"}, SMOLLM2) is None
+    assert other_model({"command": "sgl-kvq bench conformance --dtypes kivi4"}, SMOLLM2) is None  # the default
+    assert other_model({"command": "sgl-kvq bench conformance --dtypes kivi4"}, GEMMA3) == "smollm2"
+    assert other_model({"model": "gemma3", "command": "--model smollm2"}, SMOLLM2) == "gemma3"  # the field first
+
+
+def test_a_recorded_model_folder_names_its_model():
+    from sgl_kvq.tools.decision.sources import other_model
+
+    assert other_model({"model": "/root/.cache/sgl_kvq/models/gemma-3-270m"}, GEMMA3) is None
+    assert other_model({"model": "/root/.cache/sgl_kvq/models/gemma-3-270m"}, SMOLLM2) is not None
+    assert other_model({"model": "/cache/smollm2-135m-instruct"}, SMOLLM2) is None
+    tiny = "/root/.cache/sgl_kvq/models/tiny-gemma3-float32-w24-sf"  # a test model is neither table's
+    assert other_model({"model": tiny}, GEMMA3) == tiny and other_model({"model": tiny}, SMOLLM2) == tiny
+
+
+def gemma(doc: dict) -> dict:
+    return {**doc, "model": "/root/.cache/sgl_kvq/models/gemma-3-270m", "command": doc["command"] + " --model gemma3"}
+
+
+def test_each_model_has_its_own_table_page_figure_and_readme_block(tmp_path, monkeypatch):
+    inputs = tmp_path / "results"
+    inputs.mkdir()
+    write(inputs, "ppl-smollm2.json", ppl({"auto": 20.0, "kivi2": 25.0}), day=1)
+    write(inputs, "ppl-gemma3.json", gemma(ppl({"auto": 30.0, "kivi2": 33.0})), day=2)
+    found, skipped = sources.load(sources.discover(inputs), inputs, GEMMA3)
+    table = collect(found, skipped, GEMMA3)
+    assert table.row("kivi2").cell("ppl_delta").text == "+10.0%"
+    assert [label for label, _ in table.skipped] == ["ppl-smollm2.json"]
+    # Gemma 3 270M's bytes: 18 layers of 1 KV head of 256 channels, every layer storing every token
+    assert table.row(BF16).cell("bytes").text == "18,432" and table.row("kivi2").cell("bytes").text == "2,880"
+    niah_run = next(m for m in missing(table) if m.kind == "niah")
+    assert command("niah", niah_run.dtypes, table)[3:5] == ["--model", "gemma3"]
+    assert "--model" not in command("niah", ("kivi2",), table_of(inputs))  # SmolLM2: every command's default
+    readme = tmp_path / "README.md"
+    readme.write_text("".join(f"{b}\nold\n{e}\n" for b, e in (render.markers(m) for m in MODELS.values())))
+    import argparse
+
+    p = argparse.ArgumentParser()
+    bench_decision.add_arguments(p)
+    monkeypatch.setattr(bench_decision, "ROOT", tmp_path)
+    assert bench_decision.run(p.parse_args(["--inputs", str(inputs), "--readme", str(readme)])) == 0  # --model all
+    for m in MODELS.values():
+        assert (tmp_path / m.docs).read_text().startswith(f"# Which KV cache dtype: quality per byte ({m.title})")
+        assert (tmp_path / m.plot).stat().st_size > 0
+    text = readme.read_text()
+    assert "old" not in text and "| +10.0% |" in text and "| +25.0% |" in text
+    with pytest.raises(SystemExit, match="--model"):
+        bench_decision.run(p.parse_args(["--inputs", str(inputs), "--docs", str(tmp_path / "x.md")]))

@@ -1,10 +1,11 @@
-"""`sgl-kvq bench decision`: the decision table (docs/decision.md), its figure (bench/results/decision-smollm2.png)
-and the README's summary, from the result JSON files the other commands wrote (sgl_kvq/tools/decision/).
+"""`sgl-kvq bench decision`: the decision table of each model (docs/decision.md for SmolLM2-135M,
+docs/decision-gemma3.md for Gemma 3 270M), its figure (bench/results/decision-<model>.png) and its summary in the
+README, from the result JSON files the other commands wrote on that model (sgl_kvq/tools/decision/).
 
-Without --run it reads files and writes three files; it starts no engine. With --run it first runs the `sgl-kvq
-eval` commands (attention, ppl, niah, agree) that measure the missing cells of the requested dtypes, every knob at
-its default (KVQ_ knobs that change a dtype are removed from their environment), writing under
-bench/results/quality/, then regenerates from everything.
+Without --run it reads files and writes a page, a figure and a README block per model; it starts no engine. With
+--run it first runs the `sgl-kvq eval` commands (attention, ppl, niah, agree) that measure the missing cells of the
+requested dtypes on the model, every knob at its default (KVQ_ knobs that change a dtype are removed from their
+environment), writing under bench/results/quality/, then regenerates from everything.
 """
 
 from __future__ import annotations
@@ -20,12 +21,16 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def add_arguments(p) -> None:
-    from sgl_kvq.tools.decision import render
+    from sgl_kvq.tools.decision.models import MODELS
 
+    p.add_argument("--model", choices=[*MODELS, "all"], default="all",
+                   help="the model whose table to make (default all: " + ", ".join(MODELS) + ")")
     p.add_argument("--inputs", nargs="+", type=Path, metavar="PATH",
                    help="result JSON files or folders to read (default: every JSON under bench/results)")
-    p.add_argument("--docs", type=Path, default=ROOT / render.DOCS, help=f"the table's page (default {render.DOCS})")
-    p.add_argument("--plot", type=Path, default=ROOT / render.PLOT, help=f"the figure (default {render.PLOT})")
+    p.add_argument("--docs", type=Path, help="the table's page (default the model's: "
+                   + ", ".join(m.docs for m in MODELS.values()) + "); with one --model only")
+    p.add_argument("--plot", type=Path, help="the figure (default the model's: "
+                   + ", ".join(m.plot for m in MODELS.values()) + "); with one --model only")
     p.add_argument("--readme", default=str(ROOT / "README.md"),
                    help="README whose summary block is rewritten (default README.md; '' for none)")
     p.add_argument("--check", action="store_true",
@@ -46,17 +51,20 @@ def input_paths(inputs: list[Path] | None) -> list[Path]:
     return sorted({f for p in inputs for f in (discover(p) if p.is_dir() else [p])})
 
 
-def build(paths: list[Path]):
+def build(paths: list[Path], model=None):
+    """`model`'s table (default SmolLM2's) from the files in `paths` that ran on it."""
     from sgl_kvq.tools.decision.cells import collect
+    from sgl_kvq.tools.decision.models import SMOLLM2
     from sgl_kvq.tools.decision.sources import load
 
-    sources, skipped = load(paths, ROOT)
-    return collect(sources, skipped)
+    model = model or SMOLLM2
+    sources, skipped = load(paths, ROOT, model)
+    return collect(sources, skipped, model)
 
 
 def planned_runs(table, wanted: set[str] | None, stamp: str, evals=None) -> list[list[str]]:
     """The `sgl-kvq eval` argvs --run starts: one per evaluation (of `evals`, default all) with missing cells among
-    `wanted` (None: all), each writing bench/results/quality/<kind>-<stamp>-smollm2.json."""
+    `wanted` (None: all), each writing bench/results/quality/<kind>-<stamp>-<model>.json."""
     from sgl_kvq.tools.decision.missing import EVAL_KINDS, command, missing
 
     unknown = set(evals or ()) - set(EVAL_KINDS)
@@ -67,7 +75,8 @@ def planned_runs(table, wanted: set[str] | None, stamp: str, evals=None) -> list
     for gap in missing(table):
         dtypes = [d for d in gap.dtypes if wanted is None or d in wanted]
         if gap.kind in (evals or EVAL_KINDS) and gap.measurable and dtypes:
-            runs.append(command(gap.kind, dtypes, table, f"bench/results/quality/{gap.kind}-{stamp}-smollm2.json"))
+            runs.append(command(gap.kind, dtypes, table,
+                                f"bench/results/quality/{gap.kind}-{stamp}-{table.model.name}.json"))
     return runs
 
 
@@ -86,10 +95,22 @@ def run_eval(argv: list[str]) -> int:
 
 
 def run(args) -> int:
+    from sgl_kvq.tools.decision.models import MODELS
+
+    models = list(MODELS.values()) if args.model == "all" else [MODELS[args.model]]
+    if len(models) > 1 and (args.docs or args.plot):
+        raise SystemExit("sgl-kvq bench decision: --docs and --plot name one model's files; give --model too")
+    return max(run_model(args, model) for model in models)
+
+
+def run_model(args, model) -> int:
+    """One model's table: --run's evaluations, then its page, figure and README block (or --check of them)."""
     from sgl_kvq.tools.decision import render
 
+    docs_path = args.docs or ROOT / model.docs
+    plot_path = args.plot or ROOT / model.plot
     paths = input_paths(args.inputs)
-    table = build(paths)
+    table = build(paths, model)
     if args.run:
         wanted = {d.strip() for d in args.kv_cache_dtype.split(",") if d.strip()} or None
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
@@ -100,26 +121,27 @@ def run(args) -> int:
                 print(f"sgl-kvq bench decision: {shlex.join(argv)} failed; its cells stay missing", file=sys.stderr)
             if out.exists() and args.inputs:  # the default inputs find it under bench/results
                 paths = sorted({*paths, out})
-        table = build(input_paths(None) if not args.inputs else paths)
+        table = build(input_paths(None) if not args.inputs else paths, model)
     page = render.docs(table)
     block = render.readme_block(table)
     readme = Path(args.readme) if args.readme else None
     if args.check:
-        stale = [str(args.docs)] * (not args.docs.exists() or args.docs.read_text() != page)
-        if readme is not None and render.current_block(readme.read_text()) != block:
-            stale.append(f"{readme}'s decision block")
+        stale = [str(docs_path)] * (not docs_path.exists() or docs_path.read_text() != page)
+        if readme is not None and render.current_block(readme.read_text(), model) != block:
+            stale.append(f"{readme}'s {model.name} decision block")
         for what in stale:
             print(f"stale: {what} (run sgl-kvq bench decision)")
         if not stale:
-            print(f"current: {args.docs}" + (f" and {readme}'s decision block" if readme else ""))
+            print(f"current: {docs_path}" + (f" and {readme}'s {model.name} decision block" if readme else ""))
         return 1 if stale else 0
-    args.docs.parent.mkdir(parents=True, exist_ok=True)
-    args.docs.write_text(page)
+    docs_path.parent.mkdir(parents=True, exist_ok=True)
+    docs_path.write_text(page)
     if readme is not None:
-        readme.write_text(render.replace_block(readme.read_text(), block))
+        readme.write_text(render.replace_block(readme.read_text(), block, model))
     from sgl_kvq.tools.decision.plot import plot
 
-    wrote = plot(table, args.plot) is not None
-    print(f"wrote {args.docs}" + (f", {readme}'s block" if readme else "") + (f", {args.plot}" if wrote else
-                                                                               "; no quality number, no plot"))
+    plot_path.parent.mkdir(parents=True, exist_ok=True)
+    wrote = plot(table, plot_path) is not None
+    print(f"wrote {docs_path}" + (f", {readme}'s block" if readme else "") + (f", {plot_path}" if wrote else
+                                                                                "; no quality number, no plot"))
     return 0

@@ -1,9 +1,9 @@
 """The decision table's cells: for bf16 and every served dtype, each number read from the newest result file that
 measured it, with that file named; a number no file holds stays missing (never estimated).
 
-Bytes per token are not measured: they are the packed layout's for SmolLM2-135M's shape (sgl_kvq.layout, every
-knob at its default). The rest, per column (sgl_kvq/tools/decision/sources.py says which files count and how old each
-is):
+Bytes per token are not measured: they are the packed layout's for the table's model's shape (sgl_kvq.layout,
+every knob at its default; sgl_kvq/tools/decision/models.py). The rest, per column (sgl_kvq/tools/decision/sources.py
+says which files count and how old each is):
 
     capacity    tokens per GiB of KV budget against bf16's at SGLang's own sizing (`bench capacity`'s
                 --mem-fraction-static rows; the largest fraction a file ran), x_bf16_per_budget
@@ -23,13 +23,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sgl_kvq.tools.commands.serving_workloads import ModelShape
+from sgl_kvq.tools.decision.models import SMOLLM2, TableModel
 from sgl_kvq.tools.decision.sources import Source
 
 BF16 = "bf16"
 MISSING = "—"
 LAYOUT = "layout"  # the source of the bytes column: computed, not measured
-SMOLLM2 = ModelShape(layers=30, kv_heads=3, head_dim=64, dtype="bfloat16")  # SmolLM2-135M-Instruct's KV
 KL_TESTS = {"kl_prefill": "kl_divergence.test_input_output_logprobs_match_prefill_cache_hit",
             "kl_decode": "kl_divergence.test_input_output_logprobs_match_decode_cache_hit"}
 # The measured columns, grouped as they are read together from one file (bytes per token are computed).
@@ -70,6 +69,7 @@ class Table:
     sources: list[Source]  # every file read, oldest first
     skipped: list[tuple[str, str]]  # files of a known kind not read, and why
     attention_layers: list[int] | None  # the layers the attention column averages
+    model: TableModel = SMOLLM2
 
     def row(self, dtype: str) -> Row:
         return next(r for r in self.rows if r.dtype == dtype)
@@ -89,19 +89,20 @@ def _name(raw: str) -> str:
 
 # --- bytes per token ------------------------------------------------------------------------------------------------
 
-def bytes_cell(dtype: str) -> Cell:
+def bytes_cell(dtype: str, model: TableModel = SMOLLM2) -> Cell:
     import torch
 
     from sgl_kvq.config import default_config
     from sgl_kvq.layout import PoolShape
 
+    shape = model.shape
     if dtype == BF16:
-        dense = SMOLLM2.dense_bytes_per_token()
+        dense = shape.dense_bytes_per_token()
         return Cell(float(dense), f"{dense:,}", LAYOUT)
-    pool = PoolShape(layers=SMOLLM2.layers, heads=SMOLLM2.kv_heads, head_dim=SMOLLM2.head_dim, num_pages=0,
+    pool = PoolShape(layers=shape.layers, heads=shape.kv_heads, head_dim=shape.head_dim, num_pages=0,
                      cfg=default_config(dtype))
     device = pool.base_bytes_per_token()
-    host = pool.cfg.format.strategy.host_bytes_per_token(pool, getattr(torch, SMOLLM2.dtype))
+    host = pool.cfg.format.strategy.host_bytes_per_token(pool, getattr(torch, shape.dtype))
     return Cell(device, f"{device:,.0f}" + (f" + {host:,} host" if host else ""), LAYOUT)
 
 
@@ -212,8 +213,9 @@ def merge(found: list[tuple[Source, dict[str, dict[str, Cell]]]], dtype: str) ->
     return out
 
 
-def collect(sources: list[Source], skipped: list[tuple[str, str]] | None = None) -> Table:
-    """The table from `sources` (oldest first, as sources.load returns them)."""
+def collect(sources: list[Source], skipped: list[tuple[str, str]] | None = None,
+            model: TableModel = SMOLLM2) -> Table:
+    """`model`'s table from `sources` (oldest first, as sources.load returns them for that model)."""
     layers = attention_layers(sources)
     found = []
     for src in sources:
@@ -222,7 +224,7 @@ def collect(sources: list[Source], skipped: list[tuple[str, str]] | None = None)
         found.append((src, cells))
     rows = []
     for dtype, group in served_dtypes():
-        row = Row(dtype, group, {"bytes": bytes_cell(dtype)})
+        row = Row(dtype, group, {"bytes": bytes_cell(dtype, model)})
         row.cells.update(merge(found, dtype))
         rows.append(row)
-    return Table(rows, sources, list(skipped or []), layers)
+    return Table(rows, sources, list(skipped or []), layers, model)

@@ -5,16 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sgl_kvq.tools.decision.cells import BF16, OLD_NEEDLES, OTHER_LAYERS, Table
+from sgl_kvq.tools.decision.models import UNRECORDED
 
 # The kinds `sgl-kvq bench decision --run` measures itself: `sgl-kvq eval`, one engine per dtype at most. Capacity
 # (a server per dtype and budget) and the KL kit (a conformance run) are printed for a person to run.
 EVAL_KINDS = ("attention", "ppl", "niah", "agree")
-DEFAULT_JSON = {"capacity": "bench/results/capacity-decision-smollm2.json",
-                "attention": "bench/results/quality/attention-decision-smollm2.json",
-                "ppl": "bench/results/quality/ppl-decision-smollm2.json",
-                "niah": "bench/results/quality/niah-decision-smollm2.json",
-                "agree": "bench/results/quality/agree-decision-smollm2.json",
-                "conformance": "bench/results/conformance-kl-decision-smollm2.json"}
+DEFAULT_JSON = {"capacity": "bench/results/capacity-decision-{model}.json",
+                "attention": "bench/results/quality/attention-decision-{model}.json",
+                "ppl": "bench/results/quality/ppl-decision-{model}.json",
+                "niah": "bench/results/quality/niah-decision-{model}.json",
+                "agree": "bench/results/quality/agree-decision-{model}.json",
+                "conformance": "bench/results/conformance-kl-decision-{model}.json"}
 NO_METHOD = "no `sgl-kvq eval attention` method models SpeCache's decode (the exact rows its second lane picks)"
 
 
@@ -57,24 +58,26 @@ def command(kind: str, dtypes, table: Table, json_path: str | None = None) -> li
     """The argv (from `sgl-kvq`) that measures `dtypes` for `kind`, writing `json_path`."""
     from sgl_kvq.tools.eval.attention import DTYPE_METHODS
 
-    out = json_path or DEFAULT_JSON[kind]
+    name = table.model.name
+    out = json_path or DEFAULT_JSON[kind].format(model=name)
     kvq = [d for d in dtypes if d != BF16]
+    model = [] if name == UNRECORDED else ["--model", name]  # the commands' default needs no flag
     if kind == "capacity":
-        return ["sgl-kvq", "bench", "capacity", "--kv-cache-dtype", _with_bf16(dtypes), "--mem-fraction-static",
-                "0.1", "--kv-cache-gb", "", "--burst", "0", "--json", out]
+        return ["sgl-kvq", "bench", "capacity", *model, "--kv-cache-dtype", _with_bf16(dtypes),
+                "--mem-fraction-static", "0.1", "--kv-cache-gb", "", "--burst", "0", "--json", out]
     if kind == "attention":
         layers = ["--layers", ",".join(map(str, table.attention_layers))] if table.attention_layers else []
-        return ["sgl-kvq", "eval", "attention", *layers, "--methods", ",".join(DTYPE_METHODS[d] for d in kvq),
-                "--json", out]
+        return ["sgl-kvq", "eval", "attention", *model, *layers, "--methods",
+                ",".join(DTYPE_METHODS[d] for d in kvq), "--json", out]
     if kind == "ppl":
-        return ["sgl-kvq", "eval", "ppl", "--kv-cache-dtype", _with_bf16(dtypes), "--json", out]
+        return ["sgl-kvq", "eval", "ppl", *model, "--kv-cache-dtype", _with_bf16(dtypes), "--json", out]
     if kind == "niah":  # bf16 on the same needles: what every dtype's misses are read against
-        return ["sgl-kvq", "eval", "niah", "--needle-set", "report", "--kv-cache-dtype", _with_bf16(dtypes),
+        return ["sgl-kvq", "eval", "niah", *model, "--needle-set", "report", "--kv-cache-dtype", _with_bf16(dtypes),
                 "--json", out]
     if kind == "agree":  # bf16 is the reference of every run; listed, it is a second bf16 engine's self-check
-        return ["sgl-kvq", "eval", "agree", "--kv-cache-dtype", ",".join(["auto"] * (BF16 in dtypes) + kvq),
+        return ["sgl-kvq", "eval", "agree", *model, "--kv-cache-dtype", ",".join(["auto"] * (BF16 in dtypes) + kvq),
                 "--json", out]
     if kind == "conformance":  # bf16 runs first in every conformance run, as the baseline
-        return ["sgl-kvq", "bench", "conformance", "--model", "smollm2", "--dtypes", ",".join(kvq or ["kivi4"]),
+        return ["sgl-kvq", "bench", "conformance", "--model", name, "--dtypes", ",".join(kvq or ["kivi4"]),
                 "--groups", "kits", "--kits", "kl_divergence", "--json", out]
     raise ValueError(f"no command measures {kind!r}")

@@ -12,7 +12,7 @@ FRONT = "Pareto front (fewer bytes and lower error)"
 PANELS = (  # column, title, y label, y scale
     ("ppl_delta", "perplexity over cached turns (engine), against bf16 in the same run", "ppl vs bf16 (%)",
      {"value": "symlog", "linthresh": 1.0}),
-    ("attn", "attention output error (offline, SmolLM2's real Q/K/V)",
+    ("attn", "attention output error (offline, {model}'s real Q/K/V)",
      "attention output error (||O - O_fp16|| / ||O_fp16||)", {"value": "linear"}),
 )
 MARKERS = {"ours": ("o", True), "peer": ("s", False), BF16: ("*", True)}  # marker, filled
@@ -67,7 +67,7 @@ def plot(table: Table, path):
                   if not r.cell(column).missing}
         if points:
             missing = [r.dtype for r in table.rows if r.cell(column).missing]
-            panels.append((column, title, ylabel, yscale, points, missing))
+            panels.append((column, title.format(model=table.model.title), ylabel, yscale, points, missing))
     if not panels:
         return None
     fig, axes = plt.subplots(len(panels), 1, figsize=(10, 4.8 * len(panels)), squeeze=False)
@@ -89,7 +89,7 @@ def plot(table: Table, path):
         if yscale["value"] == "symlog":  # plain numbers, and no empty band of negatives below 0
             ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
             ax.set_ylim(bottom=min(-0.5, 1.5 * min(y for _, y in points.values())))
-        ax.set_xlabel("KV cache bytes per token (B, all 30 layers of SmolLM2-135M)")
+        ax.set_xlabel(f"KV cache bytes per token (B, all {table.model.shape.layers} layers of {table.model.title})")
         ax.set_ylabel(ylabel)
         ax.set_title(title, fontsize=10)
         ax.grid(True, which="both", alpha=0.3)

@@ -1,5 +1,5 @@
 """The result files the decision table reads: what each measured, when, and whether it ran as a user who sets nothing
-would (every knob at its default, SmolLM2).
+would (every knob at its default) on the table's model.
 
 A file's kind comes from its content, not its name: `sgl-kvq eval ppl|agree|niah` write `"eval"`, `eval attention`
 writes `methods` and `capture_check`, `bench capacity` writes `runs` with budget labels, `bench conformance` writes
@@ -18,6 +18,8 @@ import subprocess
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+
+from sgl_kvq.tools.decision.models import SMOLLM2, UNRECORDED, TableModel
 
 # The threads and the kernel that compute the same arithmetic, and SpeCache's recall diagnostic (a counter that is
 # only reported): every other knob KVQConfig reads changes what a dtype stores or reads or how many tokens it holds
@@ -90,17 +92,15 @@ def changed_settings(kind: str, data: dict) -> list[str]:
     return [f"{k}={ran[k]}" for k, v in served.items() if k in ran and ran[k] != v]
 
 
-def other_model(data: dict, model: str) -> str | None:
-    """The model a file measured where it is not `model` (a name or a folder named after it), else None. A file
-    that does not record its model says it in its command's --model, where given (bench conformance's before it
-    recorded it)."""
+def other_model(data: dict, model: TableModel) -> str | None:
+    """The model a file measured where it is not `model`, else None. A file that does not record its model says it in
+    its command's --model, where given (bench conformance's before it recorded it), else ran on every command's
+    default (models.UNRECORDED)."""
     name = data.get("model")
     if name is None:
         given = re.search(r"--model[ =](\S+)", str(data.get("command", "")))
-        name = given.group(1) if given else None
-    if name is None or model.lower() in str(name).lower():
-        return None
-    return str(name)
+        name = given.group(1) if given else UNRECORDED
+    return None if model.records(str(name)) else str(name)
 
 
 def relative(path: Path, root: Path) -> str | None:
@@ -160,7 +160,7 @@ def discover(results: Path) -> list[Path]:
     return sorted(results.rglob("*.json"))
 
 
-def load(paths: list[Path], root: Path, model: str = "smollm2") -> tuple[list[Source], list[tuple[str, str]]]:
+def load(paths: list[Path], root: Path, model: TableModel = SMOLLM2) -> tuple[list[Source], list[tuple[str, str]]]:
     """(the sources of a known kind that ran at the defaults on `model`, oldest first; (label, why) of those of a
     known kind that are not read)."""
     read = []
