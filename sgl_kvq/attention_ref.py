@@ -18,16 +18,27 @@ from sgl_kvq.formats.registry import of_extras
 from sgl_kvq.plan import LayerKV, PagedPlan
 
 
-def gather_context(kv: LayerKV, plan: PagedPlan, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+def plan_pages(plan: PagedPlan, b: int) -> torch.Tensor:
+    """Request b's base pages in the plan (pool page ids, int64)."""
+    return plan.kv_indices[plan.kv_indptr[b]:plan.kv_indptr[b + 1]].long()
+
+
+def read_base(kv: LayerKV, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pool pages `pages` [N] as their format reads them (Format.read_pages) -> k, v [N * G, H, D] fp32."""
+    H, D = kv.ov_k.shape[2], kv.ov_k.shape[3]
+    k, v = of_extras(kv.extras).read_pages(kv, pages)
+    return k.reshape(-1, H, D), v.reshape(-1, H, D)
+
+
+def gather_context(kv: LayerKV, plan: PagedPlan, b: int,
+                   base: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Request b's keys and values, [T, H, D] fp32, dequantized from its own pages only (as its format reads
-    them: Format.read_pages; its overlay tokens through Format.read_overlay)."""
+    them: Format.read_pages; its overlay tokens through Format.read_overlay). `base`: its base pages already read
+    (read_base of plan_pages(plan, b))."""
     G = kv.G
-    pages = plan.kv_indices[plan.kv_indptr[b]:plan.kv_indptr[b + 1]].long()
-    n = pages.numel()
     H, D = kv.ov_k.shape[2], kv.ov_k.shape[3]
     fmt = of_extras(kv.extras)
-    k_base, v_base = fmt.read_pages(kv, pages)
-    k_base, v_base = k_base.reshape(n * G, H, D), v_base.reshape(n * G, H, D)
+    k_base, v_base = base if base is not None else read_base(kv, plan_pages(plan, b))
     frames = plan.ov_indices[plan.ov_indptr[b]:plan.ov_indptr[b + 1]].long()
     k_ov, v_ov = fmt.read_overlay(kv.ov_k[frames].reshape(-1, H, D), kv.ov_v[frames].reshape(-1, H, D))
     nb, no = plan.base_len(b, G), plan.overlay_len(b, G)

@@ -44,6 +44,7 @@ class KVQTorchBackend(KVQAttentionBackendBase):
         # The current decode batch's plan and what its first layer derived from it for the others to reuse
         self._plan_derived: tuple[object, dict] = (None, {})
         self._workspace = attention_batched.Workspace()  # the K/V buffers every layer and step reuses
+        self._step_reads = attention_extend.StepReads()  # an extend's page steps' base reads, per layer
         self._cpu_kernel = self._use_cpu_kernel()
         self._checked_layers: set[int] = set()  # layer views the C kernel's layout check has passed
 
@@ -59,7 +60,15 @@ class KVQTorchBackend(KVQAttentionBackendBase):
         return False
 
     def extend(self, q, k, v, li, step, sm_scale, window):
-        return attention_extend.extend(q, k, v, step.qo_indptr, self.store.layer_view(li), step.plan, sm_scale,
+        kv = self.store.layer_view(li)
+        steps = self.forward_plan.steps
+        if len(steps) == 1:
+            return attention_extend.extend(q, k, v, step.qo_indptr, kv, step.plan, sm_scale, window=window)
+        # page steps: a layer reads each page once over its steps, and frees those reads after its last
+        contexts = self._step_reads.contexts(self.forward_plan, li, kv, step.plan)
+        if step is steps[-1]:
+            self._step_reads.clear()
+        return attention_extend.extend(q, k, v, step.qo_indptr, kv, step.plan, sm_scale, contexts=contexts,
                                        window=window)
 
     def _derived(self, plan, name, build):

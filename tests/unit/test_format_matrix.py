@@ -4,6 +4,8 @@ to the registry is in this matrix without an edit here.
 
 - Round trip: each request's context as the store gives it back (attention_ref.gather_context) against the K/V
   written, by error statistics bounded by the code width; the quantized part must differ from what was written.
+- Page steps: kvq_torch's paged extend reads each base page once per layer over its steps (StepReads) and gives
+  every step the context gather_context reads.
 - Decode paths: every path of sgl_kvq/decode_paths.py that reads the format, and the Triton decode kernel where the
   format has one (Format.kernel), against attention_ref.ref_decode on the same pool.
 """
@@ -22,6 +24,8 @@ import pytest  # noqa: E402
 pytest.importorskip("sglang")
 
 from sgl_kvq import decode_paths  # noqa: E402
+from sgl_kvq import attention_extend  # noqa: E402
+from sgl_kvq.attention_extend import StepReads  # noqa: E402
 from sgl_kvq.attention_ref import gather_context, ref_decode  # noqa: E402
 from sgl_kvq.config import parse_kv_cache_dtype  # noqa: E402
 from sgl_kvq.formats.registry import DTYPE_NAMES  # noqa: E402
@@ -57,11 +61,11 @@ def written(request):
         write(pool, r, pages, 0, n // 2, seed=r)
         write(pool, r, pages, n // 2, n, seed=r)
     plan = plan_contexts(pool.store, list(ids), list(range(len(lengths))), lengths)
-    return name, cfg, pool, plan, lengths
+    return name, cfg, pool, plan, lengths, ids
 
 
 def test_a_context_reads_back_within_its_code_widths_error(written):
-    name, cfg, pool, plan, lengths = written
+    name, cfg, pool, plan, lengths, _ = written
     for layer in range(L):
         kv = pool.store.layer_view(layer)
         for b, n in enumerate(lengths):
@@ -77,8 +81,34 @@ def test_a_context_reads_back_within_its_code_widths_error(written):
         assert not torch.equal(k, kv_of(torch.arange(lengths[base[-1]]), layer, seed=base[-1])[0]), name
 
 
+def test_page_steps_read_each_page_once_and_give_every_step_the_full_read(written, monkeypatch):
+    name, cfg, pool, _, lengths, ids = written
+    G = cfg.group_size
+    reads = []
+    real_read = attention_extend.read_base
+    monkeypatch.setattr(attention_extend, "read_base",
+                        lambda kv, pages: reads.append(pages.numel()) or real_read(kv, pages))
+    forward_plan, steps = object(), StepReads()
+    reqs = list(range(len(lengths)))
+    for layer in range(L):
+        kv = pool.store.layer_view(layer)
+        reads.clear()
+        for j in range(1, max(lengths) // G + 1):  # step j: every request's first j whole pages (or all it has)
+            lens = [min(n // G, j) * G for n in lengths]
+            step = plan_contexts(pool.store, list(ids), reqs, lens)
+            got = steps.contexts(forward_plan, layer, kv, step)
+            for b in reqs:
+                want = gather_context(kv, step, b)
+                assert all(torch.equal(x, y) for x, y in zip(got[b], want)), (name, layer, j, b)
+        base_pages = sum(int(step.kv_indptr[b + 1] - step.kv_indptr[b]) for b in reqs)
+        assert sum(reads) == base_pages, (name, layer, reads)  # each page read once, not once per step
+    other = plan_contexts(pool.store, list(ids), reqs, [n // G * G for n in lengths])
+    got = steps.contexts(object(), 0, pool.store.layer_view(0), other)  # another forward: nothing carried over
+    assert all(torch.equal(got[b][0], gather_context(pool.store.layer_view(0), other, b)[0]) for b in reqs)
+
+
 def test_every_decode_path_that_reads_the_format_gives_the_reference(written):
-    name, cfg, pool, plan, lengths = written
+    name, cfg, pool, plan, lengths, _ = written
     G = cfg.group_size
     q = torch.randn(len(lengths), HQ, D, generator=torch.Generator().manual_seed(11))
     kv = pool.store.layer_view(L - 1)
