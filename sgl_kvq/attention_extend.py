@@ -44,9 +44,7 @@ class StepReads:
                 k_new, v_new = read_base(kv, pages[n:])
                 k, v = (k_new, v_new) if k is None else (torch.cat([k, k_new]), torch.cat([v, v_new]))
                 self._reads[b] = (pages, k, v)
-            if k is None:
-                k, v = read_base(kv, pages)
-            out.append(gather_context(kv, plan, b, base=(k, v)))
+            out.append(gather_context(kv, plan, b, base=None if k is None else (k, v)))  # None: no base page
         return out
 
     def clear(self) -> None:
