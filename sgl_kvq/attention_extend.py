@@ -3,6 +3,7 @@
 Same result as attention_ref.ref_extend (its oracle; tests/unit/test_attention_extend.py) through torch's fused
 scaled-dot-product attention: each request's cached prefix is dequantized once from its own pages
 (attention_ref.gather_context) and its new tokens attend to it and causally to themselves, GQA inside the fused op.
+A paged prefill in one step (extend_paged) reads each page once and attends one query page at a time.
 Why: 16 single-request ShareGPT prefills through the engine (SmolLM2, 2-core CPU) took 4.8 s with the reference's
 einsums, 2.6 s with this; bf16's torch_native 2.9 s.
 """
@@ -12,44 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sgl_kvq.attention_ref import gather_context, plan_pages, read_base, visible_from, window_mask
-from sgl_kvq.plan import LayerKV, PagedPlan
-
-
-class StepReads:
-    """The base pages one layer's page steps (KVQ_PREFILL=paged: sgl_kvq/metadata/forward.py) have read, per
-    request, so step j dequantizes only the pages step j - 1 had not: a prompt of n pages reads n pages per layer
-    instead of n(n - 1)/2. A packed page never changes once written, and every step's plan lists a request's base
-    pages in order, the earlier steps' first. Why: 4 cold 1,024-token prompts on SmolLM2 took 3.9 s paged against
-    2.7 s full (kivi4, 2-core CPU), and py-spy put a third of the difference in these repeated reads."""
-
-    def __init__(self):
-        self._owner: tuple[object, int] | None = None  # the forward plan (by identity) and layer the reads are of
-        self._reads: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # b -> (pages, k, v)
-
-    def contexts(self, forward_plan, layer: int, kv: LayerKV,
-                 plan: PagedPlan) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each request's context in step plan `plan` of `forward_plan` at `layer` (gather_context's), its base
-        pages read once per forward plan and layer."""
-        if self._owner is None or self._owner[0] is not forward_plan or self._owner[1] != layer:
-            self._owner, self._reads = (forward_plan, layer), {}
-        out = []
-        for b in range(plan.batch_size):
-            pages = plan_pages(plan, b)
-            pages_read, k, v = self._reads.get(b, (pages[:0], None, None))
-            n = pages_read.numel()
-            if n > pages.numel() or not torch.equal(pages[:n], pages_read):  # not an earlier step's prefix
-                n, k, v = 0, None, None
-            if pages.numel() > n:
-                k_new, v_new = read_base(kv, pages[n:])
-                k, v = (k_new, v_new) if k is None else (torch.cat([k, k_new]), torch.cat([v, v_new]))
-                self._reads[b] = (pages, k, v)
-            out.append(gather_context(kv, plan, b, base=None if k is None else (k, v)))  # None: no base page
-        return out
-
-    def clear(self) -> None:
-        """Drop the reads (a layer's last step is done: they are not read again)."""
-        self._owner, self._reads = None, {}
+from sgl_kvq.attention_ref import gather_context, read_base, visible_from, window_mask
+from sgl_kvq.plan import LayerKV, PagedPlan, PagedReread
 
 
 def extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, qo_indptr: torch.Tensor, kv: LayerKV,
@@ -74,10 +39,51 @@ def extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, qo_indptr:
             first = int(visible_from(p, window))
             mask = window_mask(n, p, window, q.device)[:, first:]
             k, v = torch.cat([kp[first:], k]), torch.cat([vp[first:], v])
-        # [1, heads, tokens, D]: torch's CPU flash kernel takes 4-d inputs only; 3-d ones run its unfused math path,
-        # 1.5-3x slower (SmolLM2 heads, 270-480 tokens, fp32 and bf16, 2 threads).
-        o = F.scaled_dot_product_attention(q[lo:hi].float().transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                           v.transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
-                                           scale=sm_scale, enable_gqa=True)
-        out[lo:hi] = o[0].transpose(0, 1)
+        out[lo:hi] = _sdpa(q[lo:hi], k, v, mask, sm_scale)
+    return out
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, sm_scale: float):
+    """q [N, Hq, D], k/v [T, H, D] fp32 -> [N, Hq, Dv] through torch's fused attention (causal where mask is None)."""
+    # [1, heads, tokens, D]: torch's CPU flash kernel takes 4-d inputs only; 3-d ones run its unfused math path,
+    # 1.5-3x slower (SmolLM2 heads, 270-480 tokens, fp32 and bf16, 2 threads).
+    o = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                       v.transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
+                                       scale=sm_scale, enable_gqa=True)
+    return o[0].transpose(0, 1)
+
+
+def extend_paged(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, qo_indptr: torch.Tensor, kv: LayerKV,
+                 reread: PagedReread, sm_scale: float, contexts: list[tuple[torch.Tensor, torch.Tensor]],
+                 window: int = -1) -> torch.Tensor:
+    """A paged prefill's one step (sgl_kvq/plan.py PagedReread), after its write: request b's new tokens (rows
+    qo_indptr[b]:qo_indptr[b+1] of q/k_new/v_new) each read the pages of its fp16 window in fp16 and every earlier
+    page quantized, as decoding them one by one would. contexts[b]: b's prefix as the step's plan gave it before the
+    write, fp32. One fused attention per query page: the keys a page's queries read differ from the next page's
+    only at the window's edge. Why per page: one masked call over both readings of every position took 33 ms per
+    layer for a 1,024-token prompt against 12 ms for its 16 pages (SmolLM2 heads, 2 threads; causal "full" 11 ms)."""
+    G, ring = kv.G, reread.ring
+    out = torch.empty(q.shape[0], q.shape[1], v_new.shape[-1], dtype=q.dtype, device=q.device)
+    bounds = qo_indptr.tolist()
+    for b, (kp, vp) in enumerate(contexts):
+        lo, hi = bounds[b], bounds[b + 1]
+        if hi == lo:
+            continue
+        p, f0 = kp.shape[0], reread.first_page[b] * G
+        kq, vq = read_base(kv, reread.pages[b]) if reread.pages[b].numel() else (kp[:0], vp[:0])
+        # every position's quantized reading (positions 0 .. f0 + len(kq)) and its fp16 one (positions f0 .. s)
+        k_quant, v_quant = torch.cat([kp[:f0], kq]), torch.cat([vp[:f0], vq])
+        k_fp, v_fp = torch.cat([kp[f0:], k_new[lo:hi].float()]), torch.cat([vp[f0:], v_new[lo:hi].float()])
+        s = p + hi - lo
+        start = p
+        while start < s:
+            end = min((start // G + 1) * G, s)
+            cut = max(f0, (start // G - ring + 1) * G)  # the page's queries read positions >= cut in fp16
+            first = int(visible_from(start, window))
+            k = torch.cat([k_quant[first:cut], k_fp[max(first, cut) - f0:end - f0]])
+            v = torch.cat([v_quant[first:cut], v_fp[max(first, cut) - f0:end - f0]])
+            rows = slice(lo + start - p, lo + end - p)
+            mask = window_mask(end - start, start, window, q.device)[:, first:]
+            out[rows] = _sdpa(q[rows], k, v, mask, sm_scale)
+            start = end
     return out

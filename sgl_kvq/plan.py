@@ -9,6 +9,7 @@ pool pages, F overlay frames). Who builds what:
                   sgl_kvq.metadata.device.build_decode          the same for a decode batch, on the device
     DecodeWrite   sgl_kvq.metadata.device.build_decode          where a decode batch's tokens go (device)
     Step          sgl_kvq.metadata.forward.build_forward_plan   one write + one plan, run by every layer
+    PagedReread   sgl_kvq.metadata.forward.build_forward_plan   a paged prefill's one step: what it reads quantized
     ForwardPlan   sgl_kvq.metadata.forward.build_forward_plan   a forward batch's steps
     DecodePlan    sgl_kvq.kernels.decode_attention.plan         a PagedPlan cut into split-KV runs
 
@@ -103,6 +104,18 @@ class DecodeWrite:
     done_lpages: torch.Tensor | None = None  # [B] logical page index of row b's token's page (LogQuant's rows)
 
 
+@dataclass
+class PagedReread:
+    """KVQ_PREFILL=paged as one step (sgl_kvq/metadata/forward.py): a new token at position i, in logical page
+    j = i // G, reads pages max(first_page[b], j - ring + 1) .. j in fp16 (the step's plan's frames, then the new
+    tokens) and every page before that quantized, as decode will: the plan's base pages, then `pages[b]`, read
+    from the base after the step's write has quantized them."""
+    first_page: list[int]  # [B] request b's first logical page the step's plan reads from its frames
+    pages: list[torch.Tensor]  # [B] int64 pool ids of b's logical pages first_page[b], ... that a new token reads
+    #                            quantized (the last is new token (s - 1)'s page - ring, s b's length after the step)
+    ring: int  # pages in the fp16 window (KVQConfig.ring_pages)
+
+
 @dataclass(kw_only=True)
 class Step:
     """One write and one plan that every layer runs in order: attend (extend: before the write), then write."""
@@ -112,11 +125,13 @@ class Step:
     qo_indptr: torch.Tensor | None = None  # extend: [B + 1] int32, request b's step tokens are step rows
     #                                        qo_indptr[b]:qo_indptr[b + 1]
     max_qo_len: int = 1  # extend: the most step tokens of one request (sizes the kernel grid without a sync)
+    reread: PagedReread | None = None  # extend: a paged prefill in one step (attend after the write), else None
 
 
 @dataclass(kw_only=True)
 class ForwardPlan:
-    """A forward batch's steps: one for decode and "full" prefill, one per touched page for "paged" prefill."""
+    """A forward batch's steps: one for decode and "full" prefill; for "paged" prefill one per touched page, or one
+    with a PagedReread where the backend attends to a whole paged extend at once (kvq_torch)."""
     is_decode: bool
     steps: list[Step]
 

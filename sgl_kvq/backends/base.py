@@ -36,6 +36,8 @@ class KVQAttentionBackendBase(AttentionBackend):
     # whether every attention path of the backend masks by a layer's sliding window (all kvq backends do, SpeCache's
     # lanes included; a strategy that refuses windowed models before load would leave this False)
     sliding_windows = False
+    # whether a paged prefill runs as one step attended after its write (extend_paged), else one step per page
+    paged_in_one_step = False
 
     def __init__(self, model_runner):
         super().__init__()
@@ -66,7 +68,8 @@ class KVQAttentionBackendBase(AttentionBackend):
             self.forward_plan = build_forward_plan(self.store, self.req_to_token, fb.req_pool_indices, fb.seq_lens,
                                                    fb.out_cache_loc, is_decode=False,
                                                    extend_prefix_lens=fb.extend_prefix_lens_cpu,
-                                                   extend_seq_lens=fb.extend_seq_lens_cpu)
+                                                   extend_seq_lens=fb.extend_seq_lens_cpu,
+                                                   page_steps=not self.paged_in_one_step)
         else:
             raise NotImplementedError(f"sgl_kvq: forward mode {mode.name} is not supported by {self.name}")
 
@@ -104,12 +107,21 @@ class KVQAttentionBackendBase(AttentionBackend):
         out = None
         for step in self.forward_plan.steps:
             sq, sk, sv = (q, k, v) if step.rows is None else (q[step.rows], k[step.rows], v[step.rows])
-            # Attend first: the prefix's fp16 frames may be reused by this step's own tokens, so read them before
-            # this layer's write (sgl_kvq/kv_store.py).
-            o = self.extend(sq, sk, sv, li, step, layer.scaling, sliding_window(layer))
-            if save_kv_cache:
-                self.store.write_layer(li, step.write, sk, sv, kernels=self.write_kernels, q=sq,
-                                       sm_scale=layer.scaling)  # q: zipcache2's saliency
+            if step.reread is None:
+                # Attend first: the prefix's fp16 frames may be reused by this step's own tokens, so read them
+                # before this layer's write (sgl_kvq/kv_store.py).
+                o = self.extend(sq, sk, sv, li, step, layer.scaling, sliding_window(layer))
+                if save_kv_cache:
+                    self._write(li, step, sk, sv, sq, layer)
+            else:
+                # A paged prefill in one step: the prefix read before the write (as above), the step's own pages
+                # after it, once their codes are written
+                if not save_kv_cache:
+                    raise NotImplementedError(f"sgl_kvq: {self.name}'s paged prefill attends to the codes it writes; "
+                                              "an extend that does not save its KV needs KVQ_PREFILL=full")
+                contexts = self.prefix_contexts(li, step)
+                self._write(li, step, sk, sv, sq, layer)
+                o = self.extend_paged(sq, sk, sv, li, step, layer.scaling, sliding_window(layer), contexts)
             if step.rows is None:
                 out = o
             else:
@@ -117,6 +129,10 @@ class KVQAttentionBackendBase(AttentionBackend):
                     out = o.new_empty(q.shape[0], *o.shape[1:])
                 out[step.rows] = o
         return out.reshape(q.shape[0], -1)
+
+    def _write(self, li, step, k, v, q, layer):
+        self.store.write_layer(li, step.write, k, v, kernels=self.write_kernels, q=q,
+                               sm_scale=layer.scaling)  # q: zipcache2's saliency
 
     def attend_decode(self, q, k, v, layer, forward_batch, save_kv_cache):
         q, k, v, li = self._views(q, k, v, layer)
@@ -129,6 +145,14 @@ class KVQAttentionBackendBase(AttentionBackend):
     def extend(self, q, k, v, li, step, sm_scale, window):
         """q [N, Hq, D], fresh k/v [N, H, D] -> [N, Hq, D]: the context before the step (step.plan) plus the
         step's own tokens, causally, within the sliding `window` (-1: none)."""
+
+    def prefix_contexts(self, li, step):
+        """A paged one-step extend's prefixes as its plan gives them, [T, H, D] fp32 each (paged_in_one_step)."""
+        raise NotImplementedError(f"sgl_kvq: {self.name} runs a paged prefill in page steps")
+
+    def extend_paged(self, q, k, v, li, step, sm_scale, window, contexts):
+        """A paged one-step extend after its write (paged_in_one_step): attention_extend.extend_paged's contract."""
+        raise NotImplementedError(f"sgl_kvq: {self.name} runs a paged prefill in page steps")
 
     @abc.abstractmethod
     def decode(self, q, li, step, sm_scale, window):

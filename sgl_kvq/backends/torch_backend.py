@@ -4,8 +4,8 @@ Decode takes one of three paths per batch, by one rule (sgl_kvq/decode_paths.py)
 plain pages on a CPU (KVQ_CPU_KERNEL, where a C compiler is found), page by page (sgl_kvq/attention_pages.py) on
 ragged or long batches of plain pages, else a padded dequantized layout (sgl_kvq/attention_batched.py); what a path
 derives from the plan is built once per batch. Extend runs torch's fused attention per request
-(sgl_kvq/attention_extend.py). All read only the pages the batch references, never the pool;
-sgl_kvq/attention_ref.py is the oracle of every one."""
+(sgl_kvq/attention_extend.py), a paged prefill as one step per layer. All read only the pages the batch references,
+never the pool; sgl_kvq/attention_ref.py is the oracle of every one."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import logging
 import torch
 
 from sgl_kvq import attention_batched, attention_extend, decode_paths
+from sgl_kvq.attention_ref import gather_context
 from sgl_kvq.backends.base import KVQAttentionBackendBase
 from sgl_kvq.kernels import cpu_decode_attention
 
@@ -38,13 +39,13 @@ def intra_op_threads(n: int, device: torch.device):
 class KVQTorchBackend(KVQAttentionBackendBase):
     name = "kvq_torch"
     sliding_windows = True
+    paged_in_one_step = True
 
     def __init__(self, model_runner):
         super().__init__(model_runner)
         # The current decode batch's plan and what its first layer derived from it for the others to reuse
         self._plan_derived: tuple[object, dict] = (None, {})
         self._workspace = attention_batched.Workspace()  # the K/V buffers every layer and step reuses
-        self._step_reads = attention_extend.StepReads()  # an extend's page steps' base reads, per layer
         self._cpu_kernel = self._use_cpu_kernel()
         self._checked_layers: set[int] = set()  # layer views the C kernel's layout check has passed
 
@@ -60,16 +61,16 @@ class KVQTorchBackend(KVQAttentionBackendBase):
         return False
 
     def extend(self, q, k, v, li, step, sm_scale, window):
-        kv = self.store.layer_view(li)
-        steps = self.forward_plan.steps
-        if len(steps) == 1:
-            return attention_extend.extend(q, k, v, step.qo_indptr, kv, step.plan, sm_scale, window=window)
-        # page steps: a layer reads each page once over its steps, and frees those reads after its last
-        contexts = self._step_reads.contexts(self.forward_plan, li, kv, step.plan)
-        if step is steps[-1]:
-            self._step_reads.clear()
-        return attention_extend.extend(q, k, v, step.qo_indptr, kv, step.plan, sm_scale, contexts=contexts,
+        return attention_extend.extend(q, k, v, step.qo_indptr, self.store.layer_view(li), step.plan, sm_scale,
                                        window=window)
+
+    def prefix_contexts(self, li, step):
+        kv = self.store.layer_view(li)
+        return [gather_context(kv, step.plan, b) for b in range(step.plan.batch_size)]
+
+    def extend_paged(self, q, k, v, li, step, sm_scale, window, contexts):
+        return attention_extend.extend_paged(q, k, v, step.qo_indptr, self.store.layer_view(li), step.reread,
+                                             sm_scale, contexts, window=window)
 
     def _derived(self, plan, name, build):
         if self._plan_derived[0] is not plan:

@@ -4,8 +4,8 @@ to the registry is in this matrix without an edit here.
 
 - Round trip: each request's context as the store gives it back (attention_ref.gather_context) against the K/V
   written, by error statistics bounded by the code width; the quantized part must differ from what was written.
-- Page steps: kvq_torch's paged extend reads each base page once per layer over its steps (StepReads) and gives
-  every step the context gather_context reads.
+- Paged prefill: kvq_torch's paged extend in one step (attention_extend.extend_paged) writes the same pool, bit for
+  bit, and attends to the same keys as the page steps of the same extends.
 - Decode paths: every path of sgl_kvq/decode_paths.py that reads the format, and the Triton decode kernel where the
   format has one (Format.kernel), against attention_ref.ref_decode on the same pool.
 """
@@ -24,12 +24,14 @@ import pytest  # noqa: E402
 pytest.importorskip("sglang")
 
 from sgl_kvq import decode_paths  # noqa: E402
+import dataclasses  # noqa: E402
+
 from sgl_kvq import attention_extend  # noqa: E402
-from sgl_kvq.attention_extend import StepReads  # noqa: E402
 from sgl_kvq.attention_ref import gather_context, ref_decode  # noqa: E402
 from sgl_kvq.config import parse_kv_cache_dtype  # noqa: E402
 from sgl_kvq.formats.registry import DTYPE_NAMES  # noqa: E402
 from sgl_kvq.layout import PoolShape  # noqa: E402
+from sgl_kvq.metadata.forward import build_forward_plan  # noqa: E402
 from sgl_kvq.metadata.host import plan_contexts  # noqa: E402
 from sgl_kvq.pool import KVQTokenToKVPool  # noqa: E402
 from kernel_checks import DEVICE, to_device  # noqa: E402
@@ -81,30 +83,64 @@ def test_a_context_reads_back_within_its_code_widths_error(written):
         assert not torch.equal(k, kv_of(torch.arange(lengths[base[-1]]), layer, seed=base[-1])[0]), name
 
 
-def test_page_steps_read_each_page_once_and_give_every_step_the_full_read(written, monkeypatch):
-    name, cfg, pool, _, lengths, ids = written
+def _paged_extends(name: str, page_steps: bool):
+    """Two requests' K/V written by two extends each in KVQ_PREFILL=paged, batched (a cold prefill, then a
+    continuation whose prefix ends mid-page), as page steps or in one step -> the attention outputs and the pool."""
+    cfg = dataclasses.replace(parse_kv_cache_dtype(name), prefill="paged")
     G = cfg.group_size
-    reads = []
-    real_read = attention_extend.read_base
-    monkeypatch.setattr(attention_extend, "read_base",
-                        lambda kv, pages: reads.append(pages.numel()) or real_read(kv, pages))
-    forward_plan, steps = object(), StepReads()
-    reqs = list(range(len(lengths)))
+    lengths, cuts = [(cfg.ring_pages + 3) * G + 7, 3 * G], [G + G // 2, 2 * G]
+    P = sum(-(-n // G) for n in lengths) + 2
+    pool = KVQTokenToKVPool(P * G, PoolShape(L, H, D, P, cfg), "cpu", torch.float32, num_req_slots=2)
+    req_to_token = torch.zeros(2, max(lengths), dtype=torch.int32)
+    req_to_token[0, :lengths[0]] = torch.arange(lengths[0], dtype=torch.int32) + G  # pages 1, 2, ...
+    first = -(-lengths[0] // G) + 1
+    req_to_token[1, :lengths[1]] = torch.arange(lengths[1], dtype=torch.int32) + first * G
+    outs = []
+    for prefix, ends in (([0, 0], cuts), (cuts, lengths)):
+        fp = build_forward_plan(pool.store, req_to_token, torch.tensor([0, 1]), torch.tensor(ends),
+                                torch.cat([req_to_token[r, a:e] for r, (a, e) in enumerate(zip(prefix, ends))]),
+                                is_decode=False, extend_prefix_lens=prefix,
+                                extend_seq_lens=[e - a for a, e in zip(prefix, ends)], page_steps=page_steps)
+        for layer in range(L):
+            k, v, q = (torch.cat(t) for t in zip(*(kv_of(torch.arange(a, e), layer, seed=r)
+                                                  for r, (a, e) in enumerate(zip(prefix, ends)))))
+            kv = pool.store.layer_view(layer)
+            out = torch.empty(q.shape[0], HQ, D)
+            for step in fp.steps:
+                rows = torch.arange(q.shape[0]) if step.rows is None else step.rows
+                if step.reread is None:
+                    out[rows] = attention_extend.extend(q[rows], k[rows], v[rows], step.qo_indptr, kv, step.plan, SM)
+                    pool.store.write_layer(layer, step.write, k[rows], v[rows], q=q[rows], sm_scale=SM)
+                else:
+                    contexts = [gather_context(kv, step.plan, b) for b in range(2)]
+                    pool.store.write_layer(layer, step.write, k, v, q=q, sm_scale=SM)
+                    out = attention_extend.extend_paged(q, k, v, step.qo_indptr, kv, step.reread, SM, contexts)
+            outs.append(out)
+    return outs, pool, req_to_token, lengths
+
+
+@pytest.mark.parametrize("name", [n for n in DTYPE_NAMES if not n.startswith("specache")])  # its prefill is "full"
+def test_a_paged_extend_in_one_step_writes_and_attends_as_its_page_steps(name):
+    (steps_out, steps_pool, req_to_token, lengths), (one_out, one_pool, _, _) = (_paged_extends(name, True),
+                                                                                  _paged_extends(name, False))
+    assert len(steps_out) == len(one_out) == 2 * L
+    for i, (a, b) in enumerate(zip(steps_out, one_out)):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"{name} extend {i // L} layer {i % L}: {m}")
+    store_a, store_b = steps_pool.store, one_pool.store
+    names = [n for n, t in vars(store_a).items() if isinstance(t, torch.Tensor)]
+    assert "k_codes" in names and "page_gen" in names
+    # Every tensor but the frames' contents is the same; a frame's rows past its page's tokens keep whatever an
+    # earlier page left there (the page steps wrote every page into a frame), and no plan reads them.
+    for n in set(names) - {"ov_k", "ov_v"}:
+        assert torch.equal(getattr(store_a, n), getattr(store_b, n)), f"{name}: store.{n} differs"
+    G = store_a.G
+    tables = [req_to_token[r, :n:G].long() // G for r, n in enumerate(lengths)]
     for layer in range(L):
-        kv = pool.store.layer_view(layer)
-        reads.clear()
-        for j in range(1, max(lengths) // G + 1):  # step j: every request's first j whole pages (or all it has)
-            lens = [min(n // G, j) * G for n in lengths]
-            step = plan_contexts(pool.store, list(ids), reqs, lens)
-            got = steps.contexts(forward_plan, layer, kv, step)
-            for b in reqs:
-                want = gather_context(kv, step, b)
-                assert all(torch.equal(x, y) for x, y in zip(got[b], want)), (name, layer, j, b)
-        base_pages = sum(int(step.kv_indptr[b + 1] - step.kv_indptr[b]) for b in reqs)
-        assert sum(reads) == base_pages, (name, layer, reads)  # each page read once, not once per step
-    other = plan_contexts(pool.store, list(ids), reqs, [n // G * G for n in lengths])
-    got = steps.contexts(object(), 0, pool.store.layer_view(0), other)  # another forward: nothing carried over
-    assert all(torch.equal(got[b][0], gather_context(pool.store.layer_view(0), other, b)[0]) for b in reqs)
+        plans = [plan_contexts(s, tables, [0, 1], lengths) for s in (store_a, store_b)]
+        for b in range(2):
+            a, c = (gather_context(s.layer_view(layer), p, b) for s, p in zip((store_a, store_b), plans))
+            assert all(torch.equal(x, y) for x, y in zip(a, c)), (name, layer, b)
 
 
 def test_every_decode_path_that_reads_the_format_gives_the_reference(written):
