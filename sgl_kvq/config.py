@@ -49,6 +49,7 @@ class KVQConfig:
     #           can therefore differ from when it was decoded.
     #   "paged" page by page, each new page attending to the pages before it exactly as decode reads them (packed
     #           base beyond the fp16 window): a token's KV no longer depends on how it was scheduled.
+    # kivi3 and kivi4 default to "paged" (sgl_kvq/formats/kivi.py says why), every other dtype to "full".
     prefill: str = "full"
     # SpeCache: host rows each decode step reads in 16 bits per (request, layer, KV head), picked by the
     # speculative lane's attention (the paper's top-64; specache1's default is SPECACHE_TOP_K's).

@@ -64,6 +64,11 @@ class Format:
         """Knob values this dtype defaults to where no KVQ_* variable sets them."""
         return {}
 
+    def defaults_changed(self, bits: int) -> str | None:
+        """When (ISO 8601) this dtype's defaults last changed what an engine run of it computes, if they did: a
+        result measured before then ran it otherwise (the decision table does not read its engine columns)."""
+        return None
+
     def check_knobs(self, cfg: KVQConfig) -> None:
         """Refuse bad values of this family's KVQ_* knobs. Run for every dtype: the environment is shared by every
         process a server spawns, so a bad value fails at once whatever is served."""

@@ -86,10 +86,10 @@ def test_missing_cells_print_a_dash_and_the_command_that_measures_them(tmp_path)
 
 def test_the_newest_file_wins_each_cell_and_says_which_it_is(tmp_path):
     write(tmp_path, "a-new.json", ppl({"auto": 20.0, "kivi2": 30.0}), day=5)
-    write(tmp_path, "z-old.json", ppl({"auto": 20.0, "kivi2": 22.0, "kivi4": 20.2}), day=1)
+    write(tmp_path, "z-old.json", ppl({"auto": 20.0, "kivi2": 22.0, "kivi1": 20.2}), day=1)
     table = table_of(tmp_path)
     assert table.row("kivi2").cell("ppl").text == "30.00" and table.row("kivi2").cell("ppl").source == "a-new.json"
-    assert table.row("kivi4").cell("ppl").source == "z-old.json"  # only the older file measured it
+    assert table.row("kivi1").cell("ppl").source == "z-old.json"  # only the older file measured it
     page = render.docs(table)
     assert "30.00 [1](../a-new.json)" in page and "1. [a-new.json](../a-new.json)" in page
 
@@ -137,16 +137,37 @@ def test_runs_with_a_knob_changed_are_not_read(tmp_path):
     assert "text=/tmp/other.txt" in why["text.json"]
 
 
+def test_engine_results_from_before_a_dtypes_defaults_changed_are_not_read_for_it(tmp_path):
+    """kivi4's prefill became paged by default (formats/kivi.py): its engine columns come from files measured since;
+    the layout's capacity and the offline attention error do not depend on the prefill and stay read."""
+    from sgl_kvq.formats.kivi import PAGED_PREFILL_SINCE
+
+    assert PAGED_PREFILL_SINCE.startswith("2026-11-29")
+    write(tmp_path, "old.json", ppl({"auto": 20.0, "kivi4": 20.1, "kivi2": 24.0}), day=28)
+    write(tmp_path, "old-kl.json", conformance({"kivi4": (0.0024, 0.0023)}), day=28)
+    write(tmp_path, "old-attn.json", attention([0], {"fp16": [0.0], "kivi4": [0.1]}), day=28)
+    write(tmp_path, "old-cap.json", capacity([("kivi4", {"mem_fraction_static": 0.8}, 3.3)]), day=28)
+    table = table_of(tmp_path)
+    kivi4 = table.row("kivi4")
+    assert kivi4.cell("ppl").missing and kivi4.cell("kl_prefill").missing
+    assert kivi4.cell("attn").source == "old-attn.json" and not kivi4.cell("capacity").missing
+    assert table.row("kivi2").cell("ppl").source == "old.json"  # its defaults did not change
+    why = dict(table.skipped)
+    assert "kivi4" in why["old.json"] and "kivi4" in why["old-kl.json"] and "old-attn.json" not in why
+    write(tmp_path, "new.json", ppl({"auto": 20.0, "kivi4": 20.3}), day=30)
+    assert table_of(tmp_path).row("kivi4").cell("ppl").source == "new.json"
+
+
 def test_needles_count_the_reporting_half_where_trials_say_their_half(tmp_path):
-    write(tmp_path, "split.json", niah({"kivi4": [("choose", False), ("report", True), ("report", False)]}), day=2)
+    write(tmp_path, "split.json", niah({"gear2": [("choose", False), ("report", True), ("report", False)]}), day=2)
     write(tmp_path, "old.json", niah({"kivi2": [(None, True), (None, False), (None, False)]}), day=1)
     write(tmp_path, "choose.json", niah({"kivi1": [("choose", True)]}), day=3)
     table = table_of(tmp_path)
-    assert (table.row("kivi4").cell("needles").text, table.row("kivi4").cell("needles").mark) == ("1/2", "")
+    assert (table.row("gear2").cell("needles").text, table.row("gear2").cell("needles").mark) == ("1/2", "")
     assert (table.row("kivi2").cell("needles").text, table.row("kivi2").cell("needles").mark) == ("1/3", OLD_NEEDLES)
     assert table.row("kivi1").cell("needles").missing  # a run of the choosing half reports nothing
     needles = next(g for g in missing(table) if g.kind == "niah")
-    assert "kivi2" in needles.dtypes and "kivi4" not in needles.dtypes  # pre-split files are measured again
+    assert "kivi2" in needles.dtypes and "gear2" not in needles.dtypes  # pre-split files are measured again
 
 
 def test_capacity_is_sglangs_default_sizing_at_the_largest_fraction(tmp_path):
@@ -173,11 +194,22 @@ def test_attention_error_is_averaged_over_the_newest_files_layers(tmp_path):
 
 
 def test_kl_kit_numbers_and_the_kits_threshold(tmp_path):
-    write(tmp_path, "conf.json", conformance({"bf16": (0.0009, 0.0008), "kivi4": (0.0024, 0.0019)}), day=1)
+    write(tmp_path, "conf.json", conformance({"bf16": (0.0009, 0.0008), "kivi2": (0.0024, 0.0019)}), day=1)
     table = table_of(tmp_path)
-    kivi4 = table.row("kivi4")
-    assert (kivi4.cell("kl_prefill").text, kivi4.cell("kl_prefill").mark) == ("0.0024", OVER_KIT)
-    assert kivi4.cell("kl_decode").mark == "" and table.row(BF16).cell("kl_decode").text == "0.0008"
+    kivi2 = table.row("kivi2")
+    assert (kivi2.cell("kl_prefill").text, kivi2.cell("kl_prefill").mark) == ("0.0024", OVER_KIT)
+    assert kivi2.cell("kl_decode").mark == "" and table.row(BF16).cell("kl_decode").text == "0.0008"
+
+
+def test_the_readme_front_leaves_host_tier_dtypes_apart(tmp_path):
+    """specache1's device bytes are kivi1's, but it keeps every token in 16 bits in host RAM too: it is listed after
+    the front and beats no device-only dtype off it."""
+    write(tmp_path, "ppl.json", ppl({"auto": 20.0, "kivi2": 26.0, "kivi4": 20.2, "specache1": 19.9, "gear2": 27.0}),
+          day=30)
+    block = render.readme_block(table_of(tmp_path))
+    rows = [line.split(" | ")[0].strip("| ") for line in block.splitlines() if line.startswith("| `")]
+    assert rows == ["`kivi2`", "`kivi4`", "`specache1`"]
+    assert "2,160 + 23,040 host" in block and "`gear2`" in block.split("Not on the front")[1]
 
 
 def test_pareto_front_of_a_known_set():
@@ -218,13 +250,13 @@ def test_attention_methods_store_the_served_layouts_bytes():
 
 
 def test_run_measures_only_the_missing_evals_of_the_requested_dtypes(tmp_path, monkeypatch):
-    write(tmp_path, "ppl.json", ppl({"auto": 20.0, "kivi2": 25.0, "kivi4": 20.1}), day=1)
+    write(tmp_path, "ppl.json", ppl({"auto": 20.0, "kivi2": 25.0, "kivi1": 20.1}), day=1)
     table = table_of(tmp_path)
-    runs = bench_decision.planned_runs(table, {"kivi2", "kivi4", "kivi3"}, "STAMP")
+    runs = bench_decision.planned_runs(table, {"kivi2", "kivi1", "kivi3"}, "STAMP")
     kinds = {argv[2]: argv for argv in runs}
     assert set(kinds) == {"attention", "niah", "agree", "ppl"}
     assert kinds["ppl"][kinds["ppl"].index("--kv-cache-dtype") + 1] == "auto,kivi3"  # bf16 in the same file
-    assert kinds["attention"][kinds["attention"].index("--methods") + 1] == "kivi2,kivi3,kivi4"
+    assert kinds["attention"][kinds["attention"].index("--methods") + 1] == "kivi1,kivi2,kivi3"
     assert all(a[a.index("--json") + 1] == f"bench/results/quality/{a[2]}-STAMP-smollm2.json" for a in runs)
     assert [a[2] for a in bench_decision.planned_runs(table, {"kivi3"}, "STAMP", ["agree"])] == ["agree"]
     with pytest.raises(SystemExit, match="capacity"):
@@ -247,7 +279,7 @@ def test_run_then_regenerates_from_what_it_wrote(tmp_path, monkeypatch):
         if argv[2] == "ppl":
             out = tmp_path / argv[argv.index("--json") + 1]
             out.parent.mkdir(parents=True, exist_ok=True)
-            write(out.parent, out.name, ppl({"auto": 20.0, "kivi4": 20.2}), day=2)
+            write(out.parent, out.name, ppl({"auto": 20.0, "kivi4": 20.2}), day=30)  # since kivi4's defaults
         return 0
 
     monkeypatch.setattr(bench_decision, "run_eval", fake_eval)

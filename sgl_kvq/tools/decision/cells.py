@@ -17,11 +17,15 @@ says which files count and how old each is):
     agree       greedy tokens equal to bf16's, the share of positions (`eval agree`)
     kl_prefill, kl_decode  the average KL of SGLang's KL kit, prefix-cache hit and decode-cache hit
                 (`bench conformance`)
+
+Where a dtype's defaults changed what its engine runs compute (Format.defaults_changed), its ppl, needles, agree
+and KL cells come only from files measured since; capacity and the offline attention error do not depend on them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from sgl_kvq.tools.decision.models import SMOLLM2, TableModel
 from sgl_kvq.tools.decision.sources import Source
@@ -33,6 +37,7 @@ KL_TESTS = {"kl_prefill": "kl_divergence.test_input_output_logprobs_match_prefil
             "kl_decode": "kl_divergence.test_input_output_logprobs_match_decode_cache_hit"}
 # The measured columns, grouped as they are read together from one file (bytes per token are computed).
 GROUPS = (("capacity",), ("attn",), ("ppl", "ppl_delta"), ("needles",), ("agree",), ("kl_prefill", "kl_decode"))
+ENGINE_KINDS = frozenset({"ppl", "niah", "agree", "conformance"})  # files whose numbers a served engine computed
 OLD_NEEDLES = "†"  # a niah file from before the needle set's split: all its trials
 OTHER_LAYERS = "‡"  # an attention file without per-layer values on the reference layers: its own mean
 OVER_KIT = "✗"  # a KL above the kit's threshold
@@ -89,20 +94,31 @@ def _name(raw: str) -> str:
 
 # --- bytes per token ------------------------------------------------------------------------------------------------
 
-def bytes_cell(dtype: str, model: TableModel = SMOLLM2) -> Cell:
-    import torch
-
+def _pool_shape(dtype: str, model: TableModel):
     from sgl_kvq.config import default_config
     from sgl_kvq.layout import PoolShape
 
     shape = model.shape
-    if dtype == BF16:
-        dense = shape.dense_bytes_per_token()
-        return Cell(float(dense), f"{dense:,}", LAYOUT)
-    pool = PoolShape(layers=shape.layers, heads=shape.kv_heads, head_dim=shape.head_dim, num_pages=0,
+    return PoolShape(layers=shape.layers, heads=shape.kv_heads, head_dim=shape.head_dim, num_pages=0,
                      cfg=default_config(dtype))
-    device = pool.base_bytes_per_token()
-    host = pool.cfg.format.strategy.host_bytes_per_token(pool, getattr(torch, shape.dtype))
+
+
+def host_bytes(dtype: str, model: TableModel = SMOLLM2) -> int:
+    """Host RAM per token the dtype keeps besides its device pool (SpeCache's 16-bit tier), else 0."""
+    import torch
+
+    if dtype == BF16:
+        return 0
+    pool = _pool_shape(dtype, model)
+    return pool.cfg.format.strategy.host_bytes_per_token(pool, getattr(torch, model.shape.dtype))
+
+
+def bytes_cell(dtype: str, model: TableModel = SMOLLM2) -> Cell:
+    if dtype == BF16:
+        dense = model.shape.dense_bytes_per_token()
+        return Cell(float(dense), f"{dense:,}", LAYOUT)
+    device = _pool_shape(dtype, model).base_bytes_per_token()
+    host = host_bytes(dtype, model)
     return Cell(device, f"{device:,.0f}" + (f" + {host:,} host" if host else ""), LAYOUT)
 
 
@@ -222,9 +238,36 @@ def collect(sources: list[Source], skipped: list[tuple[str, str]] | None = None,
         reader = READERS.get(src.kind)
         cells = attention_cells(src, layers) if src.kind == "attention" else reader(src)
         found.append((src, cells))
-    rows = []
+    rows, stale = [], {}
     for dtype, group in served_dtypes():
         row = Row(dtype, group, {"bytes": bytes_cell(dtype, model)})
-        row.cells.update(merge(found, dtype))
+        since = defaults_changed(dtype)
+        usable = found
+        if since is not None:
+            older = {src.label for src, cells in found
+                     if src.kind in ENGINE_KINDS and src.time < since and dtype in cells}
+            usable = [(src, cells) for src, cells in found if src.label not in older]
+            for label in older:
+                stale.setdefault(label, []).append(f"{dtype} (since {_iso(since)})")
+        row.cells.update(merge(usable, dtype))
         rows.append(row)
-    return Table(rows, sources, list(skipped or []), layers, model)
+    skipped = list(skipped or []) + [(label, f"its rows of {', '.join(d)}: measured before the dtype's defaults "
+                                             "changed") for label, d in stale.items()]
+    return Table(rows, sources, sorted(skipped), layers, model)
+
+
+def defaults_changed(dtype: str) -> float | None:
+    """When `dtype`'s defaults last changed what its engine runs compute (seconds since the epoch), else None."""
+    from sgl_kvq.formats import registry
+
+    if dtype not in registry.BY_NAME:
+        return None  # bf16
+    fmt, bits = registry.BY_NAME[dtype]
+    when = fmt.defaults_changed(bits)
+    return None if when is None else datetime.fromisoformat(when).timestamp()
+
+
+def _iso(t: float) -> str:
+    from datetime import timezone
+
+    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

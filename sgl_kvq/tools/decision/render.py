@@ -7,7 +7,8 @@ import shlex
 import textwrap
 from pathlib import PurePosixPath
 
-from sgl_kvq.tools.decision.cells import BF16, LAYOUT, MISSING, OLD_NEEDLES, OTHER_LAYERS, OVER_KIT, Row, Table
+from sgl_kvq.tools.decision.cells import (BF16, LAYOUT, MISSING, OLD_NEEDLES, OTHER_LAYERS, OVER_KIT, Row, Table,
+                                         host_bytes)
 from sgl_kvq.tools.decision.front import pareto_front
 from sgl_kvq.tools.decision.missing import NO_METHOD, command, missing
 from sgl_kvq.tools.decision.models import MODELS, SMOLLM2, TableModel
@@ -177,25 +178,33 @@ def _short(command: str, limit: int = 240) -> str:
 
 
 def readme_block(table: Table) -> str:
-    """The README's summary: the dtypes on the front of bytes per token and ppl vs bf16, and which are not."""
-    on_front = set(fronts(table)["ppl_delta"])
-    rows = [r for r in by_bytes(table.rows) if r.dtype in on_front]
-    beaten = [r.dtype for r in by_bytes(table.rows) if not r.cell("ppl_delta").missing and r.dtype not in on_front]
-    unmeasured = [r.dtype for r in by_bytes(table.rows) if r.cell("ppl_delta").missing]
+    """The README's summary: the dtypes on the front of device bytes per token and ppl vs bf16 among those that keep
+    no host copy, which are not, and the ones that keep a 16-bit copy of every token in host RAM (SpeCache), apart:
+    their device bytes alone would put them on any such front."""
+    hosted = {r.dtype for r in table.rows if host_bytes(r.dtype, table.model)}
+    points = {r.dtype: (r.cell("bytes").value, r.cell("ppl_delta").value) for r in table.rows
+              if r.dtype not in hosted and not r.cell("ppl_delta").missing}
+    on_front = set(pareto_front(points))
+    ordered = by_bytes(table.rows)
+    rows = [r for r in ordered if r.dtype in on_front]
+    beaten = [r.dtype for r in ordered if r.dtype in points and r.dtype not in on_front]
+    unmeasured = [r.dtype for r in ordered if r.cell("ppl_delta").missing]
     columns = ("bytes", "capacity", "ppl_delta", "needles")
     model = table.model
     begin, end = markers(model)
     lines = [begin]
     lines += _wrap("The dtypes no other beats on both KV bytes per token and cached-turn perplexity against bf16 "
-                   f"({model.title}, every knob at its default); every dtype, peer formats included, with attention "
-                   f"error, greedy agreement, the KL kit and each number's source: [{model.docs}]({model.docs}).")
+                   f"({model.title}, every knob at its default), then those that also keep every token in 16 bits in "
+                   "host RAM; every dtype, peer formats included, with attention error, greedy agreement, the KL kit "
+                   f"and each number's source: [{model.docs}]({model.docs}).")
     lines += ["", "| dtype | " + " | ".join(HEADERS[c] for c in columns) + " |", "|---|" + "---|" * len(columns)]
-    for r in rows:
+    for r in rows + [r for r in ordered if r.dtype in hosted and not r.cell("ppl_delta").missing]:
         lines.append(f"| {_name(r)} | " + " | ".join(f"{r.cell(c).text}{r.cell(c).mark}" if not r.cell(c).missing
                                                        else MISSING for c in columns) + " |")
     notes = []
     if beaten:
-        notes.append("Beaten on both by a row above: " + ", ".join(f"`{n}`" for n in beaten) + ".")
+        notes.append("Not on the front (a row of it has as few bytes and as low a perplexity): "
+                     + ", ".join(f"`{n}`" for n in beaten) + ".")
     if unmeasured:
         notes.append("No perplexity against bf16 in one run yet: " + ", ".join(f"`{n}`" for n in unmeasured) + ".")
     if any(r.cell("needles").mark == OLD_NEEDLES for r in rows):
