@@ -54,21 +54,23 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
 
 
 def extend_paged(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, qo_indptr: torch.Tensor, kv: LayerKV,
-                 reread: PagedReread, sm_scale: float, contexts: list[tuple[torch.Tensor, torch.Tensor]],
-                 window: int = -1) -> torch.Tensor:
+                 plan: PagedPlan, reread: PagedReread, sm_scale: float,
+                 frames: list[tuple[torch.Tensor, torch.Tensor]], window: int = -1) -> torch.Tensor:
     """A paged prefill's one step (sgl_kvq/plan.py PagedReread), after its write: request b's new tokens (rows
     qo_indptr[b]:qo_indptr[b+1] of q/k_new/v_new) each read the pages of its fp16 window in fp16 and every earlier
-    page quantized, as decoding them one by one would. contexts[b]: b's prefix as the step's plan gave it before the
-    write, fp32. One fused attention per query page: the keys a page's queries read differ from the next page's
-    only at the window's edge. Why per page: one masked call over both readings of every position took 33 ms per
-    layer for a 1,024-token prompt against 12 ms for its 16 pages (SmolLM2 heads, 2 threads; causal "full" 11 ms)."""
+    page quantized, as decoding them one by one would. Its prefix is the step's plan, whose frames the write may
+    have reused: frames[b] holds them as read before it (attention_ref.frame_rows); its base pages never change.
+    One fused attention per query page: the keys a page's queries read differ from the next page's only at the
+    window's edge. Why per page: one masked call over both readings of every position took 33 ms per layer for a
+    1,024-token prompt against 12 ms for its 16 pages (SmolLM2 heads, 2 threads; causal "full" 11 ms)."""
     G, ring = kv.G, reread.ring
     out = torch.empty(q.shape[0], q.shape[1], v_new.shape[-1], dtype=q.dtype, device=q.device)
     bounds = qo_indptr.tolist()
-    for b, (kp, vp) in enumerate(contexts):
+    for b in range(plan.batch_size):
         lo, hi = bounds[b], bounds[b + 1]
         if hi == lo:
             continue
+        kp, vp = gather_context(kv, plan, b, frames=frames[b])
         p, f0 = kp.shape[0], reread.first_page[b] * G
         kq, vq = read_base(kv, reread.pages[b]) if reread.pages[b].numel() else (kp[:0], vp[:0])
         # every position's quantized reading (positions 0 .. f0 + len(kq)) and its fp16 one (positions f0 .. s)

@@ -30,17 +30,24 @@ def read_base(kv: LayerKV, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return k.reshape(-1, H, D), v.reshape(-1, H, D)
 
 
-def gather_context(kv: LayerKV, plan: PagedPlan, b: int,
-                   base: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def frame_rows(kv: LayerKV, plan: PagedPlan, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Request b's overlay frames in the plan, as stored: k, v [n_frames, G, H, D] (copies)."""
+    frames = plan.ov_indices[plan.ov_indptr[b]:plan.ov_indptr[b + 1]].long()
+    return kv.ov_k[frames], kv.ov_v[frames]
+
+
+def gather_context(kv: LayerKV, plan: PagedPlan, b: int, base: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   frames: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Request b's keys and values, [T, H, D] fp32, dequantized from its own pages only (as its format reads
     them: Format.read_pages; its overlay tokens through Format.read_overlay). `base`: its base pages already read
-    (read_base of plan_pages(plan, b))."""
+    (read_base of plan_pages(plan, b)); `frames`: its frames already read (frame_rows), e.g. before a write that
+    reuses them."""
     G = kv.G
     H, D = kv.ov_k.shape[2], kv.ov_k.shape[3]
     fmt = of_extras(kv.extras)
     k_base, v_base = base if base is not None else read_base(kv, plan_pages(plan, b))
-    frames = plan.ov_indices[plan.ov_indptr[b]:plan.ov_indptr[b + 1]].long()
-    k_ov, v_ov = fmt.read_overlay(kv.ov_k[frames].reshape(-1, H, D), kv.ov_v[frames].reshape(-1, H, D))
+    k_fr, v_fr = frames if frames is not None else frame_rows(kv, plan, b)
+    k_ov, v_ov = fmt.read_overlay(k_fr.reshape(-1, H, D), v_fr.reshape(-1, H, D))
     nb, no = plan.base_len(b, G), plan.overlay_len(b, G)
     k = torch.cat([k_base[:nb], k_ov[:no]])
     v = torch.cat([v_base[:nb], v_ov[:no]])

@@ -114,14 +114,14 @@ class KVQAttentionBackendBase(AttentionBackend):
                 if save_kv_cache:
                     self._write(li, step, sk, sv, sq, layer)
             else:
-                # A paged prefill in one step: the prefix read before the write (as above), the step's own pages
-                # after it, once their codes are written
+                # A paged prefill in one step: the prefix's frames read before the write (as above), everything
+                # else after it, the step's own pages once their codes are written
                 if not save_kv_cache:
                     raise NotImplementedError(f"sgl_kvq: {self.name}'s paged prefill attends to the codes it writes; "
                                               "an extend that does not save its KV needs KVQ_PREFILL=full")
-                contexts = self.prefix_contexts(li, step)
+                frames = self.prefix_frames(li, step)
                 self._write(li, step, sk, sv, sq, layer)
-                o = self.extend_paged(sq, sk, sv, li, step, layer.scaling, sliding_window(layer), contexts)
+                o = self.extend_paged(sq, sk, sv, li, step, layer.scaling, sliding_window(layer), frames)
             if step.rows is None:
                 out = o
             else:
@@ -146,11 +146,11 @@ class KVQAttentionBackendBase(AttentionBackend):
         """q [N, Hq, D], fresh k/v [N, H, D] -> [N, Hq, D]: the context before the step (step.plan) plus the
         step's own tokens, causally, within the sliding `window` (-1: none)."""
 
-    def prefix_contexts(self, li, step):
-        """A paged one-step extend's prefixes as its plan gives them, [T, H, D] fp32 each (paged_in_one_step)."""
+    def prefix_frames(self, li, step):
+        """A paged one-step extend's prefix frames before its write, per request (paged_in_one_step)."""
         raise NotImplementedError(f"sgl_kvq: {self.name} runs a paged prefill in page steps")
 
-    def extend_paged(self, q, k, v, li, step, sm_scale, window, contexts):
+    def extend_paged(self, q, k, v, li, step, sm_scale, window, frames):
         """A paged one-step extend after its write (paged_in_one_step): attention_extend.extend_paged's contract."""
         raise NotImplementedError(f"sgl_kvq: {self.name} runs a paged prefill in page steps")
 

@@ -15,7 +15,7 @@ import logging
 import torch
 
 from sgl_kvq import attention_batched, attention_extend, decode_paths
-from sgl_kvq.attention_ref import gather_context
+from sgl_kvq.attention_ref import frame_rows
 from sgl_kvq.backends.base import KVQAttentionBackendBase
 from sgl_kvq.kernels import cpu_decode_attention
 
@@ -64,13 +64,13 @@ class KVQTorchBackend(KVQAttentionBackendBase):
         return attention_extend.extend(q, k, v, step.qo_indptr, self.store.layer_view(li), step.plan, sm_scale,
                                        window=window)
 
-    def prefix_contexts(self, li, step):
+    def prefix_frames(self, li, step):
         kv = self.store.layer_view(li)
-        return [gather_context(kv, step.plan, b) for b in range(step.plan.batch_size)]
+        return [frame_rows(kv, step.plan, b) for b in range(step.plan.batch_size)]
 
-    def extend_paged(self, q, k, v, li, step, sm_scale, window, contexts):
-        return attention_extend.extend_paged(q, k, v, step.qo_indptr, self.store.layer_view(li), step.reread,
-                                             sm_scale, contexts, window=window)
+    def extend_paged(self, q, k, v, li, step, sm_scale, window, frames):
+        return attention_extend.extend_paged(q, k, v, step.qo_indptr, self.store.layer_view(li), step.plan,
+                                             step.reread, sm_scale, frames, window=window)
 
     def _derived(self, plan, name, build):
         if self._plan_derived[0] is not plan:

@@ -27,7 +27,7 @@ from sgl_kvq import decode_paths  # noqa: E402
 import dataclasses  # noqa: E402
 
 from sgl_kvq import attention_extend  # noqa: E402
-from sgl_kvq.attention_ref import gather_context, ref_decode  # noqa: E402
+from sgl_kvq.attention_ref import frame_rows, gather_context, ref_decode  # noqa: E402
 from sgl_kvq.config import parse_kv_cache_dtype  # noqa: E402
 from sgl_kvq.formats.registry import DTYPE_NAMES  # noqa: E402
 from sgl_kvq.layout import PoolShape  # noqa: E402
@@ -112,9 +112,10 @@ def _paged_extends(name: str, page_steps: bool):
                     out[rows] = attention_extend.extend(q[rows], k[rows], v[rows], step.qo_indptr, kv, step.plan, SM)
                     pool.store.write_layer(layer, step.write, k[rows], v[rows], q=q[rows], sm_scale=SM)
                 else:
-                    contexts = [gather_context(kv, step.plan, b) for b in range(2)]
+                    frames = [frame_rows(kv, step.plan, b) for b in range(2)]
                     pool.store.write_layer(layer, step.write, k, v, q=q, sm_scale=SM)
-                    out = attention_extend.extend_paged(q, k, v, step.qo_indptr, kv, step.reread, SM, contexts)
+                    out = attention_extend.extend_paged(q, k, v, step.qo_indptr, kv, step.plan, step.reread, SM,
+                                                        frames)
             outs.append(out)
     return outs, pool, req_to_token, lengths
 

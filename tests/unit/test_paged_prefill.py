@@ -1,7 +1,7 @@
 """KVQ_PREFILL=paged: an extend computes exactly what decoding the same tokens one by one computes, however the
 tokens are split into extends (so retraction, eviction, chunking and cache misses cannot change a token's KV).
 Both forms of a paged extend are checked: page steps (kvq_triton's) and one step attended after its write
-(kvq_torch's, attention_extend.extend_paged). "full" (KIVI's prefill, the default) does not have this property: the
+(kvq_torch's, attention_extend.extend_paged). "full" (KIVI's prefill) does not have this property: the
 check below fails for it."""
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ def run_extend(store, r2t, q, k, v, start, end, page_steps=True, window=-1):
     if not page_steps and store.cfg.prefill == "paged":
         (step,) = fp.steps
         kv = store.layer_view(0)
-        contexts = [attention_ref.gather_context(kv, step.plan, 0)]
+        frames = [attention_ref.frame_rows(kv, step.plan, 0)]
         store.write_layer(0, step.write, k[start:end], v[start:end])
         return attention_extend.extend_paged(q[start:end], k[start:end], v[start:end], step.qo_indptr, kv,
-                                             step.reread, SCALE, contexts, window=window)
+                                             step.plan, step.reread, SCALE, frames, window=window)
     for step in fp.steps:
         rows = torch.arange(end - start) if step.rows is None else step.rows
         out[rows] = attention_ref.ref_extend(q[start:end][rows], k[start:end][rows], v[start:end][rows],
