@@ -220,7 +220,8 @@ def test_the_table_command_compares_a_report_with_the_expectations_file(tmp_path
 
 def test_documented_text_failures_are_the_committed_matrix():
     """GREEDY_TEXT_FAILURES names exactly the tests and programs a kvq dtype fails where bf16 passes in the committed
-    matrix, KL tests aside."""
+    matrix, KL tests and the programs BF16_NEAR_TIES names aside (rows run where the machine broke the tie the
+    other way from bf16's row)."""
     doc = json.loads(MATRIX.read_text())
     failing: dict[str, set] = {}
     for group in ("kits", "programs"):
@@ -228,7 +229,8 @@ def test_documented_text_failures_are_the_committed_matrix():
         for dtype, entry in doc["groups"][group].items():
             for test, row in entry["tests"].items():
                 if dtype != "bf16" and test not in conformance_table.KL_TESTS and row["outcome"] != "pass" \
-                        and base.get(test, {}).get("outcome") == "pass":
+                        and base.get(test, {}).get("outcome") == "pass" \
+                        and test.split(".")[-1] not in conformance.BF16_NEAR_TIES:
                     failing.setdefault(dtype, set()).add(test)
     assert failing == {d: set(t) for d, t in conformance.GREEDY_TEXT_FAILURES.items()}
 
