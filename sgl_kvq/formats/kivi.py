@@ -13,6 +13,8 @@ from sgl_kvq.formats.base import Format
 # full, 24.52 paged, KL 0.0117 / 0.0088 full, 0.0023 / 0.0084 paged; kivi2 30.81 full, 32.65 paged.
 # (bench/results/quality/ppl-prefill-smollm2.json, conformance-kl-prefill-paged-smollm2.json; the paged prefill
 # served 3-7% fewer output tokens/s under SGLang's shared-prefix load, serving-prefill-one-step-*-smollm2.json.)
+# The rule: paged where it passes a kit test full fails, or lowers both KL tests without raising that perplexity;
+# no other format meets it (docs/conformance.md, "Which prefill each dtype defaults to").
 PAGED_PREFILL_BITS = (3, 4)
 PAGED_PREFILL_SINCE = "2026-11-29T14:39:00+00:00"
 

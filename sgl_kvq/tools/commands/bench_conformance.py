@@ -27,6 +27,8 @@ import traceback
 import unittest
 from pathlib import Path
 
+from sgl_kvq import env
+
 # The kit's own KL threshold for every dtype (SGLang's CI uses 0.002 for its dense models; a dtype that exceeds it
 # is reported with its measured KL, never given a looser threshold).
 KIT_KL_THRESHOLD = 0.002
@@ -428,6 +430,7 @@ def run(args) -> int:
             report = report_from_tests({g: d for g, d in doc.items() if d}, command)
             report["kv_cache_gb"] = args.kv_cache_gb
             report["model"] = str(args.model)  # which model's table may read it (sgl_kvq/tools/decision/sources.py)
+            report.update(env.run_record())  # when, and the KVQ_ knobs every server of the run inherited
             if args.json:
                 Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
 
