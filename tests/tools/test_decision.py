@@ -15,7 +15,7 @@ import pytest
 from sgl_kvq.tools.commands import bench_decision
 from sgl_kvq.tools.decision import render, sources
 from sgl_kvq.tools.decision.cells import BF16, MISSING, OLD_NEEDLES, OTHER_LAYERS, OVER_KIT, collect
-from sgl_kvq.tools.decision.front import pareto_front
+from sgl_kvq.tools.decision.front import fronts, pareto_front
 from sgl_kvq.tools.decision.missing import command, missing
 from sgl_kvq.tools.decision.models import GEMMA3, MODELS, SMOLLM2
 
@@ -206,7 +206,9 @@ def test_the_readme_front_leaves_host_tier_dtypes_apart(tmp_path):
     the front and beats no device-only dtype off it."""
     write(tmp_path, "ppl.json", ppl({"auto": 20.0, "kivi2": 26.0, "kivi4": 20.2, "specache1": 19.9, "gear2": 27.0}),
           day=30)
-    block = render.readme_block(table_of(tmp_path))
+    table = table_of(tmp_path)
+    assert fronts(table)["ppl_delta"] == ["kivi2", "kivi4", "bf16"]  # the docs' front column and the plot's line too
+    block = render.readme_block(table)
     rows = [line.split(" | ")[0].strip("| ") for line in block.splitlines() if line.startswith("| `")]
     assert rows == ["`kivi2`", "`kivi4`", "`specache1`"]
     assert "2,160 + 23,040 host" in block and "`gear2`" in block.split("Not on the front")[1]

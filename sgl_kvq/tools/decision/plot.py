@@ -6,9 +6,9 @@ from __future__ import annotations
 import textwrap
 
 from sgl_kvq.tools.decision.cells import BF16, Table
-from sgl_kvq.tools.decision.front import pareto_front
+from sgl_kvq.tools.decision.front import fronts
 
-FRONT = "Pareto front (fewer bytes and lower error)"
+FRONT = "Pareto front (fewer bytes and lower error; no host copy)"
 PANELS = (  # column, title, y label, y scale
     ("ppl_delta", "perplexity over cached turns (engine), against bf16 in the same run", "ppl vs bf16 (%)",
      {"value": "symlog", "linthresh": 1.0}),
@@ -62,6 +62,7 @@ def plot(table: Table, path):
     groups = {r.dtype: r.group for r in table.rows}
     colors = _colors(plt, [r.dtype for r in table.rows], groups)
     panels = []
+    on_front = fronts(table)
     for column, title, ylabel, yscale in PANELS:
         points = {r.dtype: (r.cell("bytes").value, r.cell(column).value) for r in table.rows
                   if not r.cell(column).missing}
@@ -78,7 +79,7 @@ def plot(table: Table, path):
             ax.plot(*zip(points[dtype]), linestyle="", marker=marker, markersize=11 if dtype == BF16 else 8,
                     color=colors[dtype], markerfacecolor=colors[dtype] if filled else "white", markeredgewidth=1.5,
                     label=dtype)
-        front = pareto_front(points)
+        front = on_front[column]
         ax.plot([points[d][0] for d in front], [points[d][1] for d in front], drawstyle="steps-post",
                 linestyle="--", color="gray", zorder=0, label=FRONT)
         ax.set_xscale("log")

@@ -9,7 +9,7 @@ from pathlib import PurePosixPath
 
 from sgl_kvq.tools.decision.cells import (BF16, LAYOUT, MISSING, OLD_NEEDLES, OTHER_LAYERS, OVER_KIT, Row, Table,
                                          host_bytes)
-from sgl_kvq.tools.decision.front import pareto_front
+from sgl_kvq.tools.decision.front import QUALITY, fronts
 from sgl_kvq.tools.decision.missing import NO_METHOD, command, missing
 from sgl_kvq.tools.decision.models import MODELS, SMOLLM2, TableModel
 
@@ -18,22 +18,11 @@ README_END = "<!-- decision table: end -->"
 HEADERS = {"bytes": "B/token", "capacity": "tokens x bf16", "attn": "attention error", "ppl": "ppl (cached turns)",
            "ppl_delta": "ppl vs bf16", "needles": "needles", "agree": "greedy agreement",
            "kl_prefill": "KL prefix hit", "kl_decode": "KL decode hit"}
-QUALITY = {"ppl_delta": "ppl", "attn": "attention"}  # the plot's panels: the error each front is drawn on
 WIDTH = 120
 
 
 def by_bytes(rows: list[Row]) -> list[Row]:
     return sorted(rows, key=lambda r: (r.cell("bytes").value, r.dtype))
-
-
-def fronts(table: Table) -> dict[str, list[str]]:
-    """Per quality column, the dtypes on the front of (bytes per token, that error) among those measured."""
-    out = {}
-    for column in QUALITY:
-        points = {r.dtype: (r.cell("bytes").value, r.cell(column).value) for r in table.rows
-                  if not r.cell(column).missing}
-        out[column] = pareto_front(points)
-    return out
 
 
 def _link(label: str, from_dir: str) -> str:
@@ -113,7 +102,8 @@ def _how_to_read(layers: list[int] | None, model: TableModel) -> list[str]:
         "read back from a prefix-cache hit against those it decoded: consistency, not error against bf16), `bench "
         f"conformance`; {OVER_KIT}: above the kit's 0.002.",
         "**front**: on the Pareto front of bytes per token and ppl vs bf16 (ppl) or attention error (attention): no "
-        "dtype has as few or fewer bytes and as low or lower error, one of them strictly.",
+        "dtype has as few or fewer bytes and as low or lower error, one of them strictly. specache is never on it: "
+        "its bytes count the device only, and it also keeps every token in 16 bits in host RAM.",
     ]
     lines.append("")
     for bullet in bullets:
@@ -178,16 +168,14 @@ def _short(command: str, limit: int = 240) -> str:
 
 
 def readme_block(table: Table) -> str:
-    """The README's summary: the dtypes on the front of device bytes per token and ppl vs bf16 among those that keep
-    no host copy, which are not, and the ones that keep a 16-bit copy of every token in host RAM (SpeCache), apart:
-    their device bytes alone would put them on any such front."""
+    """The README's summary: the dtypes on the front of device bytes per token and ppl vs bf16 (front.fronts), which
+    are not, and the ones that keep a 16-bit copy of every token in host RAM (SpeCache), apart."""
     hosted = {r.dtype for r in table.rows if host_bytes(r.dtype, table.model)}
-    points = {r.dtype: (r.cell("bytes").value, r.cell("ppl_delta").value) for r in table.rows
-              if r.dtype not in hosted and not r.cell("ppl_delta").missing}
-    on_front = set(pareto_front(points))
+    on_front = set(fronts(table)["ppl_delta"])
     ordered = by_bytes(table.rows)
     rows = [r for r in ordered if r.dtype in on_front]
-    beaten = [r.dtype for r in ordered if r.dtype in points and r.dtype not in on_front]
+    measured = [r for r in ordered if not r.cell("ppl_delta").missing]
+    beaten = [r.dtype for r in measured if r.dtype not in on_front and r.dtype not in hosted]
     unmeasured = [r.dtype for r in ordered if r.cell("ppl_delta").missing]
     columns = ("bytes", "capacity", "ppl_delta", "needles")
     model = table.model
@@ -198,7 +186,7 @@ def readme_block(table: Table) -> str:
                    "host RAM; every dtype, peer formats included, with attention error, greedy agreement, the KL kit "
                    f"and each number's source: [{model.docs}]({model.docs}).")
     lines += ["", "| dtype | " + " | ".join(HEADERS[c] for c in columns) + " |", "|---|" + "---|" * len(columns)]
-    for r in rows + [r for r in ordered if r.dtype in hosted and not r.cell("ppl_delta").missing]:
+    for r in rows + [r for r in measured if r.dtype in hosted]:
         lines.append(f"| {_name(r)} | " + " | ".join(f"{r.cell(c).text}{r.cell(c).mark}" if not r.cell(c).missing
                                                        else MISSING for c in columns) + " |")
     notes = []
