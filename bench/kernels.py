@@ -39,6 +39,7 @@ import triton  # noqa: E402
 from sgl_kvq.attention_ref import ref_decode  # noqa: E402
 from sgl_kvq.kernels import decode_attention as dec  # noqa: E402
 from sgl_kvq.plan import LayerKV, PagedPlan  # noqa: E402
+from sgl_kvq.quant.rotation import block_hadamard  # noqa: E402
 
 try:  # the baseline SGLang serves with; absent on the GPU machine (no sglang there)
     from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd as sglang_decode
@@ -131,8 +132,18 @@ def bench_config(model, Hq, Hkv, D, B, ctx, bits_list, dtype, device, copy_bw, c
         p = dec.plan(paged, num_qo_heads=Hq, num_kv_heads=Hkv, head_dim=D, page_size=G)
         us = timed(partial(dec.run, q, kv, p, sm_scale, out=out), device)
         err = (out.float() - ref_decode(q, kv, paged, sm_scale).float()).abs().max().item() if check else None
-        record(f"kvq{bits}", us, bytes_packed(B, Hq, Hkv, D, bits, meta["base_pages"], meta["overlay_frames"],
-                                              esize), err)
+        nbytes = bytes_packed(B, Hq, Hkv, D, bits, meta["base_pages"], meta["overlay_frames"], esize)
+        record(f"kvq{bits}", us, nbytes, err)
+        if bits == 2:
+            # KVQ_ROTATE=values: the output rotated back by the split merge (kvq_triton's fused decode) against the
+            # same decode followed by the entry's [B * Hq, D] x [D, D] product (what kvq_torch's boundary does)
+            rt = block_hadamard(D).T.contiguous().to(device)
+            plain = out.clone()
+            us = timed(partial(dec.run, q, kv, p, sm_scale, out=out, out_rotation=rt), device)
+            err = (out.float() - plain.float() @ rt).abs().max().item() if check else None
+            record(f"kvq{bits}-rotv-fused", us, nbytes, err)
+            us = timed(lambda: (dec.run(q, kv, p, sm_scale, out=out).float() @ rt).to(out.dtype), device)
+            record(f"kvq{bits}-rotv-matmul", us, nbytes)
         del kv, paged, p
 
     # The same context as plain bf16/fp16 pages: every page an overlay frame, i.e. our kernel without dequant.

@@ -68,6 +68,13 @@ def check_layer(kv: LayerKV) -> tuple[int, int, int, int]:
     return H, D, G, D // NG
 
 
+def check_rotation(r: torch.Tensor, head_dim: int, device: torch.device) -> None:
+    """A rotation the kernels apply (KVQ_ROTATE=values): [D, D] fp32, contiguous, on the data's device."""
+    require(tuple(r.shape) == (head_dim, head_dim) and r.dtype == torch.float32 and r.is_contiguous(),
+            f"a rotation must be a contiguous [{head_dim}, {head_dim}] fp32 matrix, got {tuple(r.shape)} {r.dtype}")
+    require(r.device == device, f"the rotation is on {r.device}, the data on {device}")
+
+
 def check_paged(p: PagedPlan, device: torch.device) -> None:
     B = p.batch_size
     for name in ("kv_indptr", "kv_indices", "kv_last_page_len", "ov_indptr", "ov_indices", "ov_last_page_len"):

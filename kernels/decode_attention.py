@@ -87,9 +87,11 @@ def plan(paged: PagedPlan, *, num_qo_heads: int, num_kv_heads: int, head_dim: in
 
 def decode_attention(q: torch.Tensor, kv: LayerKV, p: DecodePlan, sm_scale: float,
                      out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None,
-                     window: int = -1) -> torch.Tensor:
+                     window: int = -1, out_rotation: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, D] (one new token per request) -> out [B, Hq, D] in q's dtype; lse_out [B, Hq] fp32 if given.
-    window: a sliding layer's W (the query at position i sees i - W .. i; sgl_kvq/attention_ref.py), -1 for none."""
+    window: a sliding layer's W (the query at position i sees i - W .. i; sgl_kvq/attention_ref.py), -1 for none.
+    out_rotation: RT [D, D] fp32, the output written as o @ RT by the split merge (KVQ_ROTATE=values' way back to
+    the model's basis over values stored rotated)."""
     H, D, G, VG = check_layer(kv)
     require(q.dim() == 3 and tuple(q.shape) == (p.batch_size, p.num_qo_heads, D),
             f"q must be [B={p.batch_size}, Hq={p.num_qo_heads}, D={D}], got {tuple(q.shape)}")
@@ -108,7 +110,7 @@ def decode_attention(q: torch.Tensor, kv: LayerKV, p: DecodePlan, sm_scale: floa
             GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=D, G=G, BITS=kv.bits, VG=VG,
             DOT_FP32=dot_in_fp32(q.dtype), **extras_consts,
         )
-    return merge_state(p.o_partial, p.lse_partial, p.num_splits, out=out, lse_out=lse_out)
+    return merge_state(p.o_partial, p.lse_partial, p.num_splits, out=out, lse_out=lse_out, out_rotation=out_rotation)
 
 
 run = decode_attention

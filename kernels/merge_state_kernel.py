@@ -1,7 +1,8 @@
 """Jitted merge of split-KV partial states (launcher: merge_state.py).
 
 Each partial is (o_s, lse_s) with o_s normalized over its split: o = sum_s exp(lse_s - m) o_s / sum_s exp(lse_s - m),
-m = max_s lse_s (FlashInfer's merge_state, SGLang's decode stage 2)."""
+m = max_s lse_s (FlashInfer's merge_state, SGLang's decode stage 2). ROTATE: the merged row is written as o @ RT
+(RT [D, D] fp32: KVQ_ROTATE=values' way back, sgl_kvq/attention_rotation.py), BLOCK_J output channels at a time."""
 
 import triton
 import triton.language as tl
@@ -9,9 +10,9 @@ import triton.language as tl
 
 @triton.jit
 def _merge_state_kernel(
-    O_part, LSE_part, num_splits, O, LSE,
+    O_part, LSE_part, num_splits, O, LSE, RT,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh, stride_mb, stride_mh,
-    D: tl.constexpr, BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr,
+    D: tl.constexpr, BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr, ROTATE: tl.constexpr, BLOCK_J: tl.constexpr,
 ):
     # One program per (request, query head); all of its splits in one tile.
     b = tl.program_id(0).to(tl.int64)
@@ -29,7 +30,14 @@ def _merge_state_kernel(
     den = tl.sum(w, axis=0)
     # An empty context (no split saw a token) merges to 0 with lse -inf instead of 0/0.
     out = tl.sum(w[:, None] * o, axis=0) / tl.where(den > 0.0, den, 1.0)
-    tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty))
+    if ROTATE:
+        for j in tl.static_range(D // BLOCK_J):
+            offs_j = j * BLOCK_J + tl.arange(0, BLOCK_J)
+            rt = tl.load(RT + offs_d[:, None] * D + offs_j[None, :])
+            out_j = tl.sum(out[:, None] * rt, axis=0)
+            tl.store(O + b * stride_ob + h * stride_oh + offs_j, out_j.to(O.dtype.element_ty))
+    else:
+        tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty))
     if WRITE_LSE:
         lse_out = tl.where(den > 0.0, m_safe + tl.log(tl.where(den > 0.0, den, 1.0)), float("-inf"))
         tl.store(LSE + b * stride_mb + h * stride_mh, lse_out)

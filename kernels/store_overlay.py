@@ -7,13 +7,15 @@ import triton
 
 from sgl_kvq.plan import LayerKV
 
-from .checks import MODEL_DTYPES, check_layer, require
+from .checks import MODEL_DTYPES, check_layer, check_rotation, require
 from .store_overlay_kernel import _store_overlay_kernel
 
 
-def store_overlay(k: torch.Tensor, v: torch.Tensor, frames: torch.Tensor, offsets: torch.Tensor, kv: LayerKV) -> None:
+def store_overlay(k: torch.Tensor, v: torch.Tensor, frames: torch.Tensor, offsets: torch.Tensor, kv: LayerKV,
+                  v_rotation: torch.Tensor | None = None) -> None:
     """ov_k[frames[t], offsets[t]] = k[t] (and v likewise) for t < T; k, v [T, H, D], frames/offsets [T] ints.
-    Rows are cast to the overlay's dtype."""
+    Rows are cast to the overlay's dtype. v_rotation: R [D, D] fp32, and v[t] @ R is stored instead of v[t]
+    (KVQ_ROTATE=values, sgl_kvq/attention_rotation.py), computed in fp32 and rounded once."""
     H, D, G, _ = check_layer(kv)
     require(k.dim() == 3 and tuple(k.shape[1:]) == (H, D) and v.shape == k.shape,
             f"k, v must be [T, H={H}, D={D}], got {tuple(k.shape)} {tuple(v.shape)}")
@@ -24,11 +26,14 @@ def store_overlay(k: torch.Tensor, v: torch.Tensor, frames: torch.Tensor, offset
         require(t.shape == (T,) and t.device == k.device and not t.is_floating_point(),
                 f"{name} must be [T={T}] integers on {k.device}")
     require(k.device == kv.ov_k.device and v.device == k.device, "k/v and the pool are on different devices")
+    rotate = v_rotation is not None
+    if rotate:
+        check_rotation(v_rotation, D, k.device)
     if T == 0:
         return
     _store_overlay_kernel[(T,)](
-        k, v, frames, offsets, kv.ov_k, kv.ov_v,
+        k, v, frames, offsets, kv.ov_k, kv.ov_v, v_rotation if rotate else kv.ov_v,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kv.ov_k.stride(0), kv.ov_k.stride(1), kv.ov_k.stride(2),
-        H=H, D=D, BLOCK_H=triton.next_power_of_2(H),
+        H=H, D=D, BLOCK_H=max(16 if rotate else 1, triton.next_power_of_2(H)), ROTATE_V=rotate,
     )

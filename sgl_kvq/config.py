@@ -115,9 +115,9 @@ class KVQConfig:
     # as memory holds (SmolLM2, 0.12 GiB, the shared-prefix load: kivi2 16 running and 1.92x bf16's output tok/s,
     # bench/results/serving-concurrency-smollm2.json) where static frames run 1.
     frames: str = "pooled"
-    # The basis K and V are quantized in (sgl_kvq/attention_rotation.py): "hadamard" rotates q, k and v along
-    # head_dim by the normalized Hadamard matrix at the attention backends' entry and the output back (attention is
-    # unchanged by it; the quantization error is not). "none" by default until the engine evaluations decide.
+    # The basis K and V are quantized in (sgl_kvq/attention_rotation.py): "values" rotates V along head_dim by the
+    # normalized (block) Hadamard matrix before it is written and the attention output back; "hadamard" rotates q and
+    # K alike too (attention is unchanged by either; the quantization error is not); "none" stores them as computed.
     rotate: str = "none"
 
     def __post_init__(self):
@@ -180,9 +180,6 @@ class KVQConfig:
                 raise KVQConfigError(
                     f"sgl_kvq: {what}={d} is not a multiple of the value group {self.value_group_for(d)}")
             self.format.check_head_dim(self, d)
-            if self.rotate == "hadamard" and d & (d - 1):
-                raise KVQConfigError(f"sgl_kvq: KVQ_ROTATE=hadamard needs a power-of-two head_dim (a Hadamard matrix "
-                                     f"of that size); this model's {what} is {d}. Use KVQ_ROTATE=none")
 
 
 def knob_names() -> tuple[str, ...]:

@@ -128,17 +128,20 @@ class QuantizedKVStore:
             fmt.batch_frames_written(self, layer, bw, q, sm_scale)
 
     def write_decode_layer(self, layer: int, dw: DecodeWrite, k: torch.Tensor, v: torch.Tensor, *,
-                           q: torch.Tensor | None = None, sm_scale: float | None = None) -> None:
+                           q: torch.Tensor | None = None, sm_scale: float | None = None,
+                           v_rotation: torch.Tensor | None = None) -> None:
         """A decode batch's write with the Triton kernels, static shapes and no host sync (CUDA graphs): every row
         into its frame, then each page a row completed quantized from that frame (dw: metadata.device.build_decode).
-        Bit-exact with write_layer on the same batch (tests/unit/test_decode_metadata.py)."""
+        Bit-exact with write_layer on the same batch (tests/unit/test_decode_metadata.py). v_rotation: R [D, D]
+        fp32, the values stored as v @ R by the frame write (KVQ_ROTATE=values fused; every page is then packed
+        from rotated frames)."""
         from sgl_kvq.kernels.quantize_pages import quantize_pages
         from sgl_kvq.kernels.store_overlay import store_overlay
 
         self._need_q(q, sm_scale)
         fmt = self.format
         kv = self.layer_view(layer)
-        store_overlay(k, v, dw.frame_ids, dw.frame_offs, kv)
+        store_overlay(k, v, dw.frame_ids, dw.frame_offs, kv, v_rotation=v_rotation)
         received = fmt.decode_frames_written(self, layer, dw, q, sm_scale)
         if fmt.quantize_kernel:
             quantize_pages(kv.ov_k, kv.ov_v, dw.done_pages, kv, src_ids=dw.frame_ids,

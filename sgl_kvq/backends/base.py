@@ -38,6 +38,9 @@ class KVQAttentionBackendBase(AttentionBackend):
     sliding_windows = False
     # whether a paged prefill runs as one step attended after its write (extend_paged), else one step per page
     paged_in_one_step = False
+    # whether the decode kernels apply KVQ_ROTATE=values themselves (V rotated as it is written, the output as it is
+    # merged: attend_decode then takes q, k, v as the model computes them), else forward_decode rotates around them
+    fused_decode_rotation = False
 
     def __init__(self, model_runner):
         super().__init__()
@@ -51,9 +54,12 @@ class KVQAttentionBackendBase(AttentionBackend):
         self.store = pool.store
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         self.forward_plan: ForwardPlan | None = None
-        # KVQ_ROTATE (sgl_kvq/attention_rotation.py): q, k, v rotated here, before anything is written or read, and
-        # the output rotated back, so every path below sees rotated rows only
+        # KVQ_ROTATE (sgl_kvq/attention_rotation.py): v (and with "hadamard" q and k) rotated here, before anything is
+        # written or read, and the output rotated back, so every path below sees the stored basis only
         self.rotation = attention_rotation.for_config(pool.cfg, pool.shape.head_dim, pool.store.device)
+        # the values rotation the decode kernels apply themselves (fused_decode_rotation), None where they do not
+        r = self.rotation
+        self.kernel_rotation = r if self.fused_decode_rotation and r is not None and not r.keys else None
 
     def init_forward_metadata(self, forward_batch):
         mode = forward_batch.forward_mode
@@ -93,13 +99,15 @@ class KVQAttentionBackendBase(AttentionBackend):
         r = self.rotation
         if r is None:
             return self.attend_extend(q, k, v, layer, forward_batch, save_kv_cache)
-        return r.back(self.attend_extend(r.into(q), r.into(k), r.into(v), layer, forward_batch, save_kv_cache))
+        return r.back(self.attend_extend(*r.inputs(q, k, v), layer, forward_batch, save_kv_cache))
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         r = self.rotation
         if r is None:
             return self.attend_decode(q, k, v, layer, forward_batch, save_kv_cache)
-        return r.back(self.attend_decode(r.into(q), r.into(k), r.into(v), layer, forward_batch, save_kv_cache))
+        if self.kernel_rotation is not None:
+            return self.attend_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        return r.back(self.attend_decode(*r.inputs(q, k, v), layer, forward_batch, save_kv_cache))
 
     # ---- one layer's write and attention over rows in the stored basis; subclasses override these ----
     def attend_extend(self, q, k, v, layer, forward_batch, save_kv_cache):

@@ -19,6 +19,8 @@ class KVQTritonBackend(KVQAttentionBackendBase):
     name = "kvq_triton"
     write_kernels = True
     sliding_windows = True
+    # KVQ_ROTATE=values in the decode kernels: V rotated by the overlay write, the output by the split merge
+    fused_decode_rotation = True
 
     def __init__(self, model_runner):
         super().__init__(model_runner)
@@ -66,8 +68,10 @@ class KVQTritonBackend(KVQAttentionBackendBase):
     # ---- compute ----
     def attend_decode(self, q, k, v, layer, forward_batch, save_kv_cache):
         q, k, v, li = self._views(q, k, v, layer)
+        r = self.kernel_rotation
         if save_kv_cache:
-            self.store.write_decode_layer(li, self.forward_plan.steps[0].write, k, v, q=q, sm_scale=layer.scaling)
+            self.store.write_decode_layer(li, self.forward_plan.steps[0].write, k, v, q=q, sm_scale=layer.scaling,
+                                          v_rotation=None if r is None else r.r)
         return self.decode(q, li, self.forward_plan.steps[0], layer.scaling, sliding_window(layer)).reshape(
             q.shape[0], -1)
 
@@ -77,5 +81,6 @@ class KVQTritonBackend(KVQAttentionBackendBase):
                                 window=window)
 
     def decode(self, q, li, step, sm_scale, window):
+        r = self.kernel_rotation  # the values rotation undone by the split merge
         return decode_kernel.decode_attention(q.contiguous(), self.store.layer_view(li), self.decode_plan, sm_scale,
-                                              window=window)
+                                              window=window, out_rotation=None if r is None else r.r_t)

@@ -13,7 +13,7 @@ The rotation is one fixed matrix per head_dim shared by every layer, head and to
 a codebook): it costs no cache bytes.
 
 - hadamard(d): the Sylvester-Hadamard matrix divided by sqrt(d) (symmetric, orthogonal, d a power of two). Used by
-  kivi2-had / kivi3-had.
+  kivi2-had / kivi3-had; block_hadamard(d), its blocks along the diagonal for any d (what KVQ_ROTATE serves).
 - random_orthogonal(d, seed): a Haar-random orthogonal matrix, QR of a seeded standard normal matrix with the signs
   of R's diagonal folded in; the same construction as vLLM's TurboQuant generate_rotation_matrix
   (vllm/model_executor/layers/quantization/turboquant/quantizer.py).
@@ -50,6 +50,14 @@ def hadamard(d: int) -> torch.Tensor:
     return (_sylvester(d) / d ** 0.5).float()
 
 
+def block_hadamard(d: int) -> torch.Tensor:
+    """The normalized Hadamard matrix of the largest power of two b dividing d, repeated d / b times along the
+    diagonal: orthogonal and symmetric for every d (H_d itself when d is a power of two; head_dim 192 gets three
+    64-blocks, 48 three 16-blocks), float32."""
+    b = d & -d
+    return torch.block_diag(*[hadamard(b)] * (d // b)) if b != d else hadamard(d)
+
+
 def random_orthogonal(d: int, seed: int = 42) -> torch.Tensor:
     """Haar-random orthogonal [d, d] float32 from `seed` (vLLM TurboQuant's generate_rotation_matrix)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -81,15 +89,19 @@ def unrotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     return x.float() @ r.T
 
 
-def rotated(fn, basis):
+def rotated(fn, basis, keys: bool = True):
     """A method fn(k, v, q, sm_scale) -> CompressedKV run in a rotated basis.
 
     `basis` maps head_dim -> R (e.g. hadamard). q, k and v are rotated alike, fn quantizes the rotated k and v, and
     the reconstructions come back rotated by R.T: attention over them with the original q is the rotated attention
-    with its output rotated back (module docstring). Bytes (fn's `stored`) and the kept mask are fn's."""
+    with its output rotated back (module docstring). With keys=False only v is rotated (q and k as they are: the
+    scores need no rotation, and only the output is rotated back). Bytes (fn's `stored`) and the kept mask are fn's."""
 
     def method(k, v, q, s):
         r = basis(k.shape[-1])
+        if not keys:
+            c = fn(k.float(), rotate(v, r), q.float(), s)
+            return CompressedKV(c.k_hat, unrotate(c.v_hat, r), c.stored, c.kept)
         c = fn(rotate(k, r), rotate(v, r), rotate(q, r), s)
         return CompressedKV(unrotate(c.k_hat, r), unrotate(c.v_hat, r), c.stored, c.kept)
 

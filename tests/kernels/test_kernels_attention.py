@@ -18,6 +18,7 @@ import pytest  # noqa: E402
 from sgl_kvq.attention_ref import ref_decode, ref_extend  # noqa: E402
 from sgl_kvq.kernels import decode_attention as dec  # noqa: E402
 from sgl_kvq.kernels.extend_attention import extend_attention  # noqa: E402
+from sgl_kvq.attention_rotation import basis  # noqa: E402
 from sgl_kvq.kernels.merge_state import merge_state  # noqa: E402
 from kernel_checks import DEVICE, DTYPES, assert_close_written, to_device  # noqa: E402
 from paged_pool import make_pool  # noqa: E402
@@ -99,6 +100,25 @@ def test_merge_state_matches_logsumexp(splits):
     got = merge_state(o.to(DEVICE), lse.to(DEVICE), ns.to(DEVICE), lse_out=got_lse)
     torch.testing.assert_close(got.cpu(), want_o, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_lse.cpu(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("D", [16, 64, 128])
+def test_merge_state_writes_the_rotated_row(D):
+    """out_rotation RT: the merged row o is written as o @ RT (KVQ_ROTATE=values undone by the merge), equal to the
+    plain merge rotated in fp32, in the output's dtype."""
+    gen = torch.Generator().manual_seed(D)
+    B, H, S = 3, 4, 3
+    o = torch.randn(B, H, S, D, generator=gen)
+    lse = torch.randn(B, H, S, generator=gen)
+    ns = torch.tensor([3, 2, 1], dtype=torch.int32)
+    rt = basis("values", D).T.contiguous()
+    plain = merge_state(o.to(DEVICE), lse.to(DEVICE), ns.to(DEVICE)).cpu()
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+        out = torch.empty(B, H, D, dtype=dtype, device=DEVICE)
+        got = merge_state(o.to(DEVICE), lse.to(DEVICE), ns.to(DEVICE), out=out, out_rotation=rt.to(DEVICE))
+        torch.testing.assert_close(got.cpu().float(), plain @ rt, rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="rotation must be"):
+        merge_state(o.to(DEVICE), lse.to(DEVICE), ns.to(DEVICE), out_rotation=rt[:8].to(DEVICE))
 
 
 # (G, H, group, D, VG, requests as (base tokens, overlay tokens, new tokens))

@@ -84,10 +84,15 @@ SCRIPT = textwrap.dedent('''
          dict(G=32, D=128, VG=32, BITS=4, SPECACHE_ONE_BIT=True), dict(enable_fp_fusion=False)),
         (_quantize_pages_kernel, dict(K="*bf16", V="*bf16", src_ids="*i32", dst_pages="*i32", **pool),
          dict(G=64, D=64, VG=64, BITS=3, SPECACHE_ONE_BIT=True), dict(enable_fp_fusion=False)),
-        (_merge_state_kernel, dict(O_part="*fp32", LSE_part="*fp32", num_splits="*i32", O="*bf16", LSE="*fp32"),
-         dict(D=128, BLOCK_S=8, WRITE_LSE=True), {}),
+        (_merge_state_kernel, dict(O_part="*fp32", LSE_part="*fp32", num_splits="*i32", O="*bf16", LSE="*fp32",
+                                   RT="*fp32"), dict(D=128, BLOCK_S=8, WRITE_LSE=True, ROTATE=False, BLOCK_J=32), {}),
+        # KVQ_ROTATE=values: the output rotated back as it is merged, V rotated as it is stored
+        (_merge_state_kernel, dict(O_part="*fp32", LSE_part="*fp32", num_splits="*i32", O="*bf16", LSE="*fp32",
+                                   RT="*fp32"), dict(D=128, BLOCK_S=8, WRITE_LSE=False, ROTATE=True, BLOCK_J=32), {}),
         (_store_overlay_kernel, dict(K="*bf16", V="*bf16", frames="*i64", offsets="*i64", OVK="*bf16",
-                                     OVV="*bf16"), dict(H=3, D=64, BLOCK_H=4), {}),
+                                     OVV="*bf16", RV="*fp32"), dict(H=3, D=64, BLOCK_H=4, ROTATE_V=False), {}),
+        (_store_overlay_kernel, dict(K="*bf16", V="*bf16", frames="*i64", offsets="*i64", OVK="*bf16",
+                                     OVV="*bf16", RV="*fp32"), dict(H=8, D=128, BLOCK_H=16, ROTATE_V=True), {}),
         (_scatter_rows_kernel, dict(K="*bf16", V="*bf16", slots="*i64", HK="*bf16", HV="*bf16"),
          dict(H=8, D=128, BLOCK_H=8), {}),
         (_gather_head_rows_kernel, dict(HK="*bf16", HV="*bf16", slots="*i64", heads="*i64", out_rows="*i64",
@@ -112,4 +117,4 @@ def test_kernels_compile_for_sm90():
     env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=root, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
-    assert r.stdout.count("compiled") == 15, r.stdout
+    assert r.stdout.count("compiled") == 17, r.stdout

@@ -12,6 +12,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from sgl_kvq.kernels.quantize_pages import quantize_pages  # noqa: E402
+from sgl_kvq.attention_rotation import HeadRotation, basis  # noqa: E402
 from sgl_kvq.kernels.store_overlay import store_overlay  # noqa: E402
 from sgl_kvq.plan import LayerKV  # noqa: E402
 from sgl_kvq.quant import kivi_page  # noqa: E402
@@ -143,3 +144,24 @@ def test_store_overlay_scatter(src_dtype, ov_dtype):
     want_v[frames, offsets] = v.to(ov_dtype)
     torch.testing.assert_close(kv.ov_k.cpu(), want_k, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(kv.ov_v.cpu(), want_v, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("H,D", [(3, 64), (1, 16), (8, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])  # bf16 rows meet the dot in fp32
+def test_store_overlay_stores_rotated_values(H, D, dtype):
+    """v_rotation R: each value row is stored as v @ R (KVQ_ROTATE=values fused into the decode write), equal to the
+    boundary rotation (attention_rotation.HeadRotation: fp32 product, rounded once); keys are stored as given."""
+    G = 16
+    kv = empty_layer(1, G, H, D, 4, min(D, 64), frames=3, dtype=dtype)
+    gen = torch.Generator().manual_seed(H * D)
+    T = 4
+    k = torch.randn(T, H, D, generator=gen).to(dtype)
+    v = torch.randn(T, H, D, generator=gen).to(dtype)
+    frames = torch.tensor([2, 0, 1, 0])
+    offsets = torch.tensor([0, 15, 3, 1])
+    r = basis("values", D)
+    store_overlay(k.to(DEVICE), v.to(DEVICE), frames.to(DEVICE), offsets.to(DEVICE), kv, v_rotation=r.to(DEVICE))
+    want_v = HeadRotation(r, keys=False).into(v)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]  # a rounding of one ulp
+    torch.testing.assert_close(kv.ov_v.cpu()[frames, offsets].float(), want_v.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(kv.ov_k.cpu()[frames, offsets], k, rtol=0, atol=0)
