@@ -13,10 +13,13 @@ from sgl_kvq.tools.eval import attention
 
 EXPECTED = {"fp16", "per-token-2", "kivi4", "kivi2", "kivi1", "kivi1-plain", "gear-l-2", "gear-2", "zipcache",
             "zipcache-0.6", "logquant-2", "logquant-2-w21",
-            "kivi3", "kivi2-had", "kivi3-had",  # KIVI at 3 bits, KIVI in a Hadamard basis
+            "kivi3", "kivi2-had", "kivi3-had", "kivi4-had",  # KIVI at 3 bits, KIVI in a Hadamard basis
             "fp8_e4m3", "fp4_mx_block16", "nvfp4", "nvfp4-gs1",  # SGLang's KV formats (sgl_kvq.quant.peers)
             "int4-pth-asym", "int4-pth-sym", "tq3", "tq4", "tq-3bit-nc", "tq-4bit-nc", "tq-k8v4",  # vLLM's
             "specache1", "specache2"}  # SpeCache's read at its served top-k (tools/eval/specache.py)
+# ... and each of ours (but the per-token baseline) with its values in the Hadamard basis (KVQ_ROTATE=values)
+EXPECTED |= {f"{m}-hadv" for m in ("kivi4", "kivi2", "kivi1", "kivi1-plain", "gear-l-2", "gear-2", "zipcache",
+                                   "zipcache-0.6", "logquant-2", "logquant-2-w21", "kivi3", "specache1", "specache2")}
 
 
 def _args(tmp_path, model, *extra):
@@ -84,6 +87,8 @@ def test_tiny_llama_capture_reproduces_the_model_and_reports_every_method(tmp_pa
     assert m["fp16"]["attn_err"] == 0.0 and m["fp16"]["bits"] == 16.0 and m["fp16"]["kept_mass"] == pytest.approx(1)
     assert m["kivi4"]["attn_err"] < m["kivi2"]["attn_err"] < m["kivi1-plain"]["attn_err"]
     assert m["kivi4"]["bits"] > m["kivi2"]["bits"] > m["kivi1"]["bits"]
+    assert m["kivi2-hadv"]["bits"] == m["kivi2"]["bits"] and m["kivi2-hadv"]["k_err"] == m["kivi2"]["k_err"]
+    assert m["kivi2-hadv"]["v_err"] != m["kivi2"]["v_err"]  # the keys as they are, the values another basis's
     assert "| kivi2 |" in (tmp_path / "out.md").read_text()
 
 

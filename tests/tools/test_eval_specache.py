@@ -75,3 +75,22 @@ def test_a_sliding_layers_read_stays_in_its_window(window):
 
 def read_base(k):
     return specache(k, k, bits=1, top_k=1, **KIVI).base
+
+
+def test_values_in_the_hadamard_basis_change_only_what_the_low_bit_copy_reads():
+    """values_basis R (KVQ_ROTATE=values): read wholly in 16 bits it is still the 16-bit cache (the rotated rows'
+    rounding aside); its rankings are the unrotated read's (the keys are not rotated); its low-bit read is KIVI's over
+    the rotated values, rotated back."""
+    from sgl_kvq.quant.kivi import kivi
+    from sgl_kvq.quant.rotation import block_hadamard
+
+    q, k, v = _qkv(6)
+    s, r = D ** -0.5, block_hadamard(D)
+    every = specache(k, v, bits=2, top_k=T, values_basis=r, **KIVI)
+    torch.testing.assert_close(every.attend(q, s, chunk=64), causal_attention(q, fp16(k), fp16(v), s),
+                               rtol=2e-3, atol=2e-3)
+    plain, rotated = specache(k, v, bits=2, top_k=7, **KIVI), specache(k, v, bits=2, top_k=7, values_basis=r, **KIVI)
+    assert torch.equal(plain.picks(q, s), rotated.picks(q, s))
+    low = kivi(k, v @ r, bits=2, **KIVI).v_hat @ r.T
+    torch.testing.assert_close(rotated.v_hat, low)
+    assert not torch.allclose(rotated.v_hat, plain.v_hat, atol=1e-2)

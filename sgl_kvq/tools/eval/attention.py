@@ -44,7 +44,7 @@ from sgl_kvq.quant.logquant import logquant
 from sgl_kvq.quant.kivi_bits import kivi_bits
 from sgl_kvq.quant.peers import fp4_mx_block16, fp8_e4m3, int4_per_token_head, nvfp4, turboquant, turboquant_preset
 from sgl_kvq.quant.per_token import per_token
-from sgl_kvq.quant.rotation import hadamard, rotated
+from sgl_kvq.quant.rotation import block_hadamard, hadamard, rotated
 from sgl_kvq.quant.zipcache import zipcache
 from sgl_kvq.tools.eval.masks import visible
 from sgl_kvq.tools.eval.specache import specache
@@ -67,7 +67,7 @@ def methods(group_size: int = 64, value_group: int = 64, residual: int = 64, win
     page = dict(group_size=group_size, value_group=value_group)
     kv = dict(page, residual=residual)
     w = KVQConfig.logquant_window if window is None else window  # the served logquant2's W
-    return {
+    ours = {
         "fp16": lambda k, v, q, s: fp16_baseline(k, v),
         "per-token-2": lambda k, v, q, s: per_token(k, v, bits=2, **kv),
         "kivi4": lambda k, v, q, s: kivi(k, v, bits=4, **kv),
@@ -85,6 +85,24 @@ def methods(group_size: int = 64, value_group: int = 64, residual: int = 64, win
         "kivi3": lambda k, v, q, s: kivi_bits(k, v, bits=3, **kv),
         "kivi2-had": rotated(lambda k, v, q, s: kivi(k, v, bits=2, **kv), hadamard),
         "kivi3-had": rotated(lambda k, v, q, s: kivi_bits(k, v, bits=3, **kv), hadamard),
+        "kivi4-had": rotated(lambda k, v, q, s: kivi(k, v, bits=4, **kv), hadamard),
+        # SpeCache's read: the low-bit copy with each query's top-k base rows per KV head in 16 bits, at the served
+        # top-k and ranking (tools/eval/specache.py: the speculative lane's guess modelled as right)
+        **{f"specache{b}": (lambda k, v, q, s, b=b: specache(k, v, bits=b, top_k=SPECACHE_TOP_K[b], **kv))
+           for b in SPECACHE_TOP_K},
+    }
+    # its read with the values of both copies in the Hadamard basis
+    ours.update({f"specache{b}-hadv": (lambda k, v, q, s, b=b: specache(
+        k, v, bits=b, top_k=SPECACHE_TOP_K[b], values_basis=block_hadamard(k.shape[-1]), **kv))
+        for b in SPECACHE_TOP_K})
+    # each of ours with its values alone in the Hadamard basis (KVQ_ROTATE=values: keys per channel keep their
+    # outlier channels apart), named <method>-hadv; SpeCache's read is not one reconstruction, and rotates its own
+    values_rotated = {f"{name}-hadv": rotated(fn, block_hadamard, keys=False) for name, fn in ours.items()
+                      if name not in ("fp16", "per-token-2") and not name.endswith(("-had", "-hadv"))
+                      and not name.startswith("specache")}
+    return {
+        **ours,
+        **values_rotated,
         # what the engines ship (sgl_kvq.quant.peers): every token quantized, no fp16 window
         "fp8_e4m3": lambda k, v, q, s: fp8_e4m3(k, v),  # SGLang fp8_e4m3, scale 1
         "fp4_mx_block16": lambda k, v, q, s: fp4_mx_block16(k, v),  # SGLang fp4_mx_block16
@@ -97,21 +115,27 @@ def methods(group_size: int = 64, value_group: int = 64, residual: int = 64, win
         "tq-3bit-nc": lambda k, v, q, s: turboquant_preset(k, v, "turboquant_3bit_nc"),  # vLLM's presets
         "tq-4bit-nc": lambda k, v, q, s: turboquant_preset(k, v, "turboquant_4bit_nc"),
         "tq-k8v4": lambda k, v, q, s: turboquant_preset(k, v, "turboquant_k8v4"),
-        # SpeCache's read: the low-bit copy with each query's top-k base rows per KV head in 16 bits, at the served
-        # top-k and ranking (tools/eval/specache.py: the speculative lane's guess modelled as right)
-        **{f"specache{b}": (lambda k, v, q, s, b=b: specache(k, v, bits=b, top_k=SPECACHE_TOP_K[b], **kv))
-           for b in SPECACHE_TOP_K},
     }
 
 
 # The method that builds each served dtype's pages (`sgl-kvq bench decision` reads its rows): ours with the engine's
 # fp16 window, the peers' without one (they quantize every token; peer_nvfp4 at global scale 1, as served), SpeCache's
-# read at its served top-k.
-DTYPE_METHODS = {"specache1": "specache1", "specache2": "specache2", "kivi1": "kivi1", "kivi2": "kivi2",
-                 "kivi3": "kivi3", "kivi4": "kivi4", "gear2": "gear-2", "gearl2": "gear-l-2", "logquant2": "logquant-2",
-                 "zipcache2": "zipcache",
-                 "peer_fp8_e4m3": "fp8_e4m3", "peer_fp4_mx_block16": "fp4_mx_block16", "peer_nvfp4": "nvfp4-gs1",
-                 "peer_int4": "int4-pth-asym", "peer_tq3": "tq-3bit-nc", "peer_tq4": "tq-4bit-nc"}
+# read at its served top-k; with its values in the Hadamard basis (<method>-hadv) where the dtype's default rotates them
+# (KVQ_ROTATE=values, sgl_kvq/formats/rotation.py).
+_UNROTATED_METHODS = {"specache1": "specache1", "specache2": "specache2", "kivi1": "kivi1", "kivi2": "kivi2",
+                      "kivi3": "kivi3", "kivi4": "kivi4", "gear2": "gear-2", "gearl2": "gear-l-2",
+                      "logquant2": "logquant-2", "zipcache2": "zipcache",
+                      "peer_fp8_e4m3": "fp8_e4m3", "peer_fp4_mx_block16": "fp4_mx_block16", "peer_nvfp4": "nvfp4-gs1",
+                      "peer_int4": "int4-pth-asym", "peer_tq3": "tq-3bit-nc", "peer_tq4": "tq-4bit-nc"}
+
+
+def _served_method(dtype: str, method: str) -> str:
+    from sgl_kvq.config import default_config
+
+    return f"{method}-hadv" if default_config(dtype).rotate == "values" else method
+
+
+DTYPE_METHODS = {d: _served_method(d, m) for d, m in _UNROTATED_METHODS.items()}
 
 
 def _expand(x: torch.Tensor, hq: int) -> torch.Tensor:

@@ -91,8 +91,14 @@ class SpeCacheRead(NamedTuple):
 
 
 def specache(k: torch.Tensor, v: torch.Tensor, *, bits: int, top_k: int, follow: bool = True, group_size: int = 64,
-             value_group: int = 64, residual: int = 64) -> SpeCacheRead:
-    """specache<bits> at top_k: KIVI's low-bit copy (1-bit with SpeCache's zero/scale) and the 16-bit rows."""
-    c = kivi(k, v, bits=bits, group_size=group_size, value_group=value_group, residual=residual)
+             value_group: int = 64, residual: int = 64, values_basis: torch.Tensor | None = None) -> SpeCacheRead:
+    """specache<bits> at top_k: KIVI's low-bit copy (1-bit with SpeCache's zero/scale) and the 16-bit rows.
+    values_basis R: the values stored as v @ R, both copies (KVQ_ROTATE=values); the read is linear in them, so
+    their reconstructions rotated back by R^T give its output in the model's basis."""
+    v_in = v.float() if values_basis is None else v.float() @ values_basis
+    c = kivi(k, v_in, bits=bits, group_size=group_size, value_group=value_group, residual=residual)
     base = int((~c.kept[:, 0]).sum()) if c.kept is not None else k.shape[0]
-    return SpeCacheRead(c.k_hat, c.v_hat, c.stored, c.kept, fp16(k), fp16(v), base, top_k, follow)
+    v_hat, v16 = c.v_hat, fp16(v_in)
+    if values_basis is not None:
+        v_hat, v16 = v_hat @ values_basis.T, v16.float() @ values_basis.T
+    return SpeCacheRead(c.k_hat, v_hat, c.stored, c.kept, fp16(k), v16, base, top_k, follow)
