@@ -52,6 +52,14 @@ class Format:
     # every format shares (sgl_kvq/env.py CORE_KNOBS); check_knobs refuses their bad values.
     knobs: dict[str, tuple[str, Callable]] = {}
 
+    @property
+    def values_rotated(self) -> tuple[int, ...]:
+        """The widths whose values are stored in the Hadamard basis unless KVQ_ROTATE says otherwise
+        (KVQ_ROTATE=values), as sgl_kvq/formats/rotation.py chose them."""
+        from sgl_kvq.formats.rotation import VALUES_ROTATED
+
+        return VALUES_ROTATED.get(self.family, ())
+
     # ---- names and knobs ----
     def dtype_name(self, bits: int) -> str:
         """The --kv-cache-dtype name of width `bits` (KVQConfig.name)."""
@@ -62,12 +70,14 @@ class Format:
 
     def default_knobs(self, bits: int) -> dict:
         """Knob values this dtype defaults to where no KVQ_* variable sets them."""
-        return {}
+        return {"rotate": "values"} if bits in self.values_rotated else {}
 
     def defaults_changed(self, bits: int) -> str | None:
         """When (ISO 8601) this dtype's defaults last changed what an engine run of it computes, if they did: a
         result measured before then ran it otherwise (the decision table does not read its engine columns)."""
-        return None
+        from sgl_kvq.formats.rotation import VALUES_ROTATED_SINCE
+
+        return VALUES_ROTATED_SINCE if bits in self.values_rotated else None
 
     def check_knobs(self, cfg: KVQConfig) -> None:
         """Refuse bad values of this family's KVQ_* knobs. Run for every dtype: the environment is shared by every

@@ -24,10 +24,13 @@ class Kivi(Format):
     bits = (1, 2, 3, 4)
 
     def default_knobs(self, bits: int) -> dict:
-        return {"prefill": "paged"} if bits in PAGED_PREFILL_BITS else {}
+        paged = {"prefill": "paged"} if bits in PAGED_PREFILL_BITS else {}
+        return {**super().default_knobs(bits), **paged}
 
     def defaults_changed(self, bits: int) -> str | None:
-        return PAGED_PREFILL_SINCE if bits in PAGED_PREFILL_BITS else None
+        changed = [t for t in (super().defaults_changed(bits), PAGED_PREFILL_SINCE if bits in PAGED_PREFILL_BITS
+                               else None) if t is not None]
+        return max(changed) if changed else None
 
 
 FORMAT = Kivi()

@@ -52,7 +52,12 @@ class PeerFormat(Format):
         return self.family
 
     def default_knobs(self, bits: int) -> dict:
-        return {"residual": 0}  # the engines keep no fp16 window: every token is quantized
+        return {**super().default_knobs(bits), "residual": 0}  # the engines keep no fp16 window
+
+    def check(self, cfg) -> None:
+        if cfg.rotate != "none":
+            raise KVQConfigError(f"sgl_kvq: {cfg.name} is the peer's own arithmetic (its rotation, if any, is part of "
+                                 f"it); KVQ_ROTATE={cfg.rotate} would make it another format. Unset KVQ_ROTATE")
 
     def check_head_dim(self, cfg, head_dim: int) -> None:
         if head_dim % self.block:

@@ -24,7 +24,7 @@ class SpeCache(Format):
              "KVQ_SPECACHE_RECALL": ("specache_recall", int)}
 
     def default_knobs(self, bits: int) -> dict:
-        return {"top_k": SPECACHE_TOP_K[bits]}
+        return {**super().default_knobs(bits), "top_k": SPECACHE_TOP_K[bits]}
 
     def check_knobs(self, cfg) -> None:
         if cfg.specache_follow not in (0, 1):

@@ -23,16 +23,18 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def write(folder: Path, name: str, doc: dict, day: int | None = None) -> Path:
-    """A result file; `day` sets when it finished (2026-11-<day>), else it has no finished_at."""
+    """A result file; `day` sets when it finished (2030-01-<day>: after every dtype's defaults last changed, so a
+    test's files are read whatever a dtype's defaults are now), else it has no finished_at."""
     if day is not None:
-        doc = {**doc, "finished_at": f"2026-11-{day:02d}T12:00:00+00:00"}
+        doc = {**doc, "finished_at": f"2030-01-{day:02d}T12:00:00+00:00"}
     path = folder / name
     path.write_text(json.dumps(doc))
     return path
 
 
-def ppl(rows: dict[str, float], command: str = "sgl-kvq eval ppl") -> dict:
+def ppl(rows: dict[str, float], command: str = "sgl-kvq eval ppl", turns: int = 24) -> dict:
     return {"eval": "ppl", "model": "/cache/smollm2-135m-instruct", "command": command,
+            "settings": {"turns": turns, "turn_tokens": 192, "text": "paul graham essays"},
             "results": [{"kv_cache_dtype": d, "ppl_cached_turns": v} for d, v in rows.items()]}
 
 
@@ -44,7 +46,11 @@ def niah(trials: dict[str, list[tuple[str | None, bool]]]) -> dict:
 
 
 def attention(layers: list[int], errs: dict[str, list[float]]) -> dict:
-    return {"methods": {m: {"attn_err": sum(e) / len(e), "per_layer": {"attn_err": e}} for m, e in errs.items()},
+    """errs: a served dtype (or fp16, the reference) -> its per-layer errors, under the dtype's method name."""
+    from sgl_kvq.tools.eval.attention import DTYPE_METHODS
+
+    return {"methods": {DTYPE_METHODS.get(d, d): {"attn_err": sum(e) / len(e), "per_layer": {"attn_err": e}}
+                        for d, e in errs.items()},
             "capture_check": {"max_rel_err": 0.0}, "layers": layers, "model": "smollm2",
             "settings": {"group_size": 64, "value_group": 64, "residual": 64, "window": 10},
             "command": "sgl-kvq eval attention"}
@@ -107,14 +113,15 @@ def test_ppl_and_its_delta_come_from_one_file_that_ran_bf16(tmp_path):
 
 
 def test_file_times_order_files_without_finished_at(tmp_path):
-    """Outside git (or changed in it) a file's modification time dates it."""
-    old = write(tmp_path, "b.json", ppl({"auto": 20.0, "kivi2": 40.0}))
-    new = write(tmp_path, "a.json", ppl({"auto": 20.0, "kivi2": 30.0}))
+    """Outside git (or changed in it) a file's modification time dates it (zipcache2: its defaults never changed,
+    so files of any time are read for it)."""
+    old = write(tmp_path, "b.json", ppl({"auto": 20.0, "zipcache2": 40.0}))
+    new = write(tmp_path, "a.json", ppl({"auto": 20.0, "zipcache2": 30.0}))
     os.utime(old, (1_000_000, 1_000_000))
     os.utime(new, (2_000_000, 2_000_000))
-    assert table_of(tmp_path).row("kivi2").cell("ppl").source == "a.json"
+    assert table_of(tmp_path).row("zipcache2").cell("ppl").source == "a.json"
     os.utime(old, (3_000_000, 3_000_000))
-    assert table_of(tmp_path).row("kivi2").cell("ppl").source == "b.json"
+    assert table_of(tmp_path).row("zipcache2").cell("ppl").source == "b.json"
 
 
 def test_runs_with_a_knob_changed_are_not_read(tmp_path):
@@ -125,24 +132,30 @@ def test_runs_with_a_knob_changed_are_not_read(tmp_path):
     write(tmp_path, "other.json", {**ppl({"auto": 9.0, "kivi2": 9.5}), "model": "/cache/llama-3-8b"}, 6)
     write(tmp_path, "g32.json", {**attention([0], {"fp16": [0.0], "kivi2": [0.3]}),
                                  "settings": {"group_size": 32}}, 7)
-    write(tmp_path, "text.json", {**ppl({"auto": 18.0, "gear2": 19.0}), "settings": {"text": "/tmp/other.txt"}}, 8)
+    write(tmp_path, "text.json", {**ppl({"auto": 18.0, "gear2": 19.0}),
+                                  "settings": {"text": "/tmp/other.txt", "turns": 24, "turn_tokens": 192}}, 8)
+    write(tmp_path, "short.json", ppl({"auto": 18.0, "gearl2": 19.0}, turns=8), 9)
     table = table_of(tmp_path)
     assert table.row("gear2").cell("ppl").missing  # another text: its perplexities are not the column's
+    assert table.row("gearl2").cell("ppl").missing  # another length of it: neither
     assert table.row("logquant2").cell("ppl").missing and table.row("specache1").cell("ppl").missing
     assert table.row("specache2").cell("ppl").text == "20.10"  # a reported counter and the thread count change nothing
     assert table.row("kivi2").cell("ppl").missing and table.row("kivi2").cell("attn").missing
     why = dict(table.skipped)
     assert "KVQ_LOGQUANT_WINDOW" in why["w21.json"] and "KVQ_TOPK" in why["topk.json"]
     assert "llama-3-8b" in why["other.json"] and "group_size=32" in why["g32.json"]
-    assert "text=/tmp/other.txt" in why["text.json"]
+    assert "text=/tmp/other.txt" in why["text.json"] and "turns=8 x 192" in why["short.json"]
 
 
-def test_engine_results_from_before_a_dtypes_defaults_changed_are_not_read_for_it(tmp_path):
-    """kivi4's prefill became paged by default (formats/kivi.py): its engine columns come from files measured since;
-    the layout's capacity and the offline attention error do not depend on the prefill and stay read."""
-    from sgl_kvq.formats.kivi import PAGED_PREFILL_SINCE
+def test_engine_results_from_before_a_dtypes_defaults_changed_are_not_read_for_it(tmp_path, monkeypatch):
+    """A dtype whose defaults changed (here kivi4's, on day 29) takes its engine columns from files measured since;
+    the layout's capacity and the offline attention error do not depend on them and stay read."""
+    from datetime import datetime
 
-    assert PAGED_PREFILL_SINCE.startswith("2026-11-29")
+    from sgl_kvq.tools.decision import cells
+
+    changed = datetime.fromisoformat("2030-01-29T00:00:00+00:00").timestamp()
+    monkeypatch.setattr(cells, "defaults_changed", lambda dtype: changed if dtype == "kivi4" else None)
     write(tmp_path, "old.json", ppl({"auto": 20.0, "kivi4": 20.1, "kivi2": 24.0}), day=28)
     write(tmp_path, "old-kl.json", conformance({"kivi4": (0.0024, 0.0023)}), day=28)
     write(tmp_path, "old-attn.json", attention([0], {"fp16": [0.0], "kivi4": [0.1]}), day=28)
@@ -156,6 +169,25 @@ def test_engine_results_from_before_a_dtypes_defaults_changed_are_not_read_for_i
     assert "kivi4" in why["old.json"] and "kivi4" in why["old-kl.json"] and "old-attn.json" not in why
     write(tmp_path, "new.json", ppl({"auto": 20.0, "kivi4": 20.3}), day=30)
     assert table_of(tmp_path).row("kivi4").cell("ppl").source == "new.json"
+
+
+def test_a_dtypes_defaults_changed_when_its_newest_default_did():
+    """kivi4's prefill became paged (formats/kivi.py) and then its values rotated (formats/rotation.py): the table
+    reads its engine runs from the later; zipcache2's defaults never changed."""
+    from sgl_kvq.formats.kivi import PAGED_PREFILL_SINCE
+    from sgl_kvq.formats.rotation import VALUES_ROTATED_SINCE
+    from sgl_kvq.tools.decision.cells import defaults_changed
+
+    assert PAGED_PREFILL_SINCE < VALUES_ROTATED_SINCE
+    assert defaults_changed("kivi4") == datetime_of(VALUES_ROTATED_SINCE)
+    assert defaults_changed("kivi2") == datetime_of(VALUES_ROTATED_SINCE)
+    assert defaults_changed("zipcache2") is None and defaults_changed(BF16) is None
+
+
+def datetime_of(iso: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(iso).timestamp()
 
 
 def test_needles_count_the_reporting_half_where_trials_say_their_half(tmp_path):
@@ -181,9 +213,9 @@ def test_capacity_is_sglangs_default_sizing_at_the_largest_fraction(tmp_path):
 
 
 def test_attention_error_is_averaged_over_the_newest_files_layers(tmp_path):
-    write(tmp_path, "means.json", {**attention([5], {"fp16": [0.0], "gear-2": [0.9]}), "layers": []}, day=1)
+    write(tmp_path, "means.json", {**attention([5], {"fp16": [0.0], "gear2": [0.9]}), "layers": []}, day=1)
     write(tmp_path, "all.json", attention([0, 1, 2, 3], {"fp16": [0.0] * 4, "kivi1": [1.0, 2.0, 3.0, 4.0],
-                                                         "gear-2": [0.1, 0.2, 0.3, 0.4]}), day=2)
+                                                         "gear2": [0.1, 0.2, 0.3, 0.4]}), day=2)
     write(tmp_path, "some.json", attention([1, 3], {"fp16": [0.0, 0.0], "kivi4": [0.1, 0.3]}), day=3)
     table = table_of(tmp_path)
     assert table.attention_layers == [1, 3]
@@ -258,7 +290,10 @@ def test_run_measures_only_the_missing_evals_of_the_requested_dtypes(tmp_path, m
     kinds = {argv[2]: argv for argv in runs}
     assert set(kinds) == {"attention", "niah", "agree", "ppl"}
     assert kinds["ppl"][kinds["ppl"].index("--kv-cache-dtype") + 1] == "auto,kivi3"  # bf16 in the same file
-    assert kinds["attention"][kinds["attention"].index("--methods") + 1] == "kivi1,kivi2,kivi3"
+    from sgl_kvq.tools.eval.attention import DTYPE_METHODS
+
+    want = ",".join(DTYPE_METHODS[d] for d in ("kivi1", "kivi2", "kivi3"))
+    assert kinds["attention"][kinds["attention"].index("--methods") + 1] == want
     assert all(a[a.index("--json") + 1] == f"bench/results/quality/{a[2]}-STAMP-smollm2.json" for a in runs)
     assert [a[2] for a in bench_decision.planned_runs(table, {"kivi3"}, "STAMP", ["agree"])] == ["agree"]
     with pytest.raises(SystemExit, match="capacity"):

@@ -80,9 +80,12 @@ def test_essays_are_paul_graham_text():
 def test_held_out_essays_are_past_what_the_default_ppl_text_reads():
     held = data.held_out_essay_text()
     joined = data.essay_text()
-    # the default run reads the first 1,537 tokens of essay_text(min_chars=8 * 1,537): far fewer characters
+    # the default run reads the first 4,609 tokens of essay_text(min_chars=8 * 4,609): far fewer characters
+    from sgl_kvq.tools.commands.eval_ppl import TURN_TOKENS, TURNS
+
+    n = TURNS * TURN_TOKENS + 1
     assert len(held) > 50_000 and joined.endswith(held)
-    assert joined.find(held) > len(data.essay_text(min_chars=8 * 1_537))
+    assert joined.find(held) > len(data.essay_text(min_chars=8 * n))
 
 
 def test_sharegpt_has_multiturn_human_messages():

@@ -46,8 +46,10 @@ def test_rotate_knob_is_read_and_validated(monkeypatch):
     monkeypatch.setenv("KVQ_ROTATE", "walsh")
     with pytest.raises(KVQConfigError, match="KVQ_ROTATE='walsh'"):
         parse_kv_cache_dtype("kivi2")
-    monkeypatch.delenv("KVQ_ROTATE")
+    monkeypatch.setenv("KVQ_ROTATE", "none")
     assert parse_kv_cache_dtype("kivi3").rotate == "none"
+    monkeypatch.delenv("KVQ_ROTATE")  # each dtype's default (sgl_kvq/formats/rotation.py)
+    assert parse_kv_cache_dtype("kivi2").rotate == "values" and parse_kv_cache_dtype("kivi3").rotate == "none"
 
 
 def test_a_head_dim_that_is_not_a_power_of_two_rotates_in_hadamard_blocks():

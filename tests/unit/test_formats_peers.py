@@ -139,6 +139,16 @@ def test_peer_config():
         parse_kv_cache_dtype("peer_tq5")
 
 
+def test_a_peer_refuses_kvqs_rotation(monkeypatch):
+    """KVQ_ROTATE would add our rotation to the peer's arithmetic: refused by name, whatever the peer; the peers
+    default to none."""
+    assert {parse_kv_cache_dtype(name).rotate for name in PEERS} == {"none"}
+    monkeypatch.setenv("KVQ_ROTATE", "values")
+    for name in PEERS:
+        with pytest.raises(KVQConfigError, match=f"{name} is the peer's own arithmetic.*Unset KVQ_ROTATE"):
+            parse_kv_cache_dtype(name)
+
+
 def test_frames_pool_even_where_a_row_is_no_whole_number_of_code_rows():
     from sgl_kvq.frames import can_pool
 

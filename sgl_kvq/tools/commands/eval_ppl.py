@@ -7,7 +7,13 @@ the radix cache (quantized pages under kvq) and the scored tokens attend to it. 
 would never read the pool: extend attention uses the batch's own fresh keys/values and only writes them (quantized)
 afterwards, so a plain prefill scores bf16 KV whatever the cache dtype.
 
-Standalone: python -m sgl_kvq.tools.commands.eval_ppl [--turns 8] [--turn-tokens 192] [--kv-cache-dtype auto,kivi2] ...
+Standalone: python -m sgl_kvq.tools.commands.eval_ppl [--turns 24] [--turn-tokens 192] [--kv-cache-dtype auto,kivi2] ...
+
+The default length (TURNS x TURN_TOKENS, 4,608 tokens scored in 23 cached turns, contexts up to 4.4k) is what the
+decision table reads: at 8 turns (1,344 cached-turn tokens, contexts to 1.5k) two runs of the same dtypes on two
+machines put kivi4 and peer_int4 in opposite orders (+0.75% / +0.24% against +0.31% / +0.77%), bf16 arithmetic
+moving each number by about half a point; at 24 turns kivi4 +0.07%, peer_int4 +0.89%
+(bench/results/quality/ppl24-rotation-choose-smollm2.json).
 """
 
 from __future__ import annotations
@@ -19,14 +25,17 @@ from pathlib import Path
 
 from sgl_kvq.tools.eval import engine_eval as ee
 
+TURNS, TURN_TOKENS = 24, 192  # the default run's turns and tokens per turn (3 pages of 64)
+
 
 def add_arguments(p) -> None:
     ee.add_common_arguments(p)
     p.add_argument("--text", type=Path, help="text file to score (default: the Paul Graham essays)")
     p.add_argument("--held-out", action="store_true",
                    help="score the last three essays, which the default text never reaches (a reporting half)")
-    p.add_argument("--turns", type=int, default=8, help="number of turns (default 8)")
-    p.add_argument("--turn-tokens", type=int, default=192, help="tokens per turn (default 192 = 3 pages of 64)")
+    p.add_argument("--turns", type=int, default=TURNS, help=f"number of turns (default {TURNS})")
+    p.add_argument("--turn-tokens", type=int, default=TURN_TOKENS,
+                   help=f"tokens per turn (default {TURN_TOKENS} = 3 pages of 64)")
 
 
 def text_ids(tok, path: Path | None, n: int, held_out: bool = False) -> list[int]:

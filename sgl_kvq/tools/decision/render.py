@@ -88,9 +88,10 @@ def _how_to_read(layers: list[int] | None, model: TableModel) -> list[str]:
         + f"; {OTHER_LAYERS}: the file's own layers. Offline: the dtype's quantizer, not the engine; specache's "
         "read is modelled with its top-k rows in 16 bits as the served lane ranks them when its next-token guess "
         "is right (sgl_kvq/tools/eval/specache.py), so a wrong guess is not in its number.",
-        f"**{HEADERS['ppl']}**, **{HEADERS['ppl_delta']}**: perplexity of turns 2-8 of an essay scored turn by turn "
-        "through the engine, so they read the quantized cache (`eval ppl`), and its change against the bf16 run of "
-        "the same file (both from the newest file that ran bf16 too, else the newest and no change).",
+        f"**{HEADERS['ppl']}**, **{HEADERS['ppl_delta']}**: perplexity of turns 2-24 of the essays (192 tokens a "
+        "turn, 4,608 in all) scored turn by turn through the engine, so they read the quantized cache (`eval ppl`), "
+        "and its change against the bf16 run of the same file (both from the newest file that ran bf16 too, else "
+        "the newest and no change).",
         f"**{HEADERS['needles']}**: needles answered / asked from the prefix cache, contexts 1k-4k (`eval niah`), "
         f"the reporting half of the needle set; {OLD_NEEDLES}: a file from before the split (one needle, six "
         "trials).",

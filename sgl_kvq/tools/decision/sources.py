@@ -78,10 +78,17 @@ def changed_knobs(data: dict) -> list[str]:
 
 def changed_settings(kind: str, data: dict) -> list[str]:
     """`eval attention`'s page settings that differ from the served defaults (it takes them as arguments, not knobs),
-    and an `eval ppl` over another text than the essays every other row's perplexity is over."""
+    and an `eval ppl` over another text, or another length of it, than every other row's perplexity is over (the
+    command's default: eval_ppl.TURNS x TURN_TOKENS)."""
     if kind == "ppl":
-        text = (data.get("settings") or {}).get("text", DEFAULT_PPL_TEXT)
-        return [] if text == DEFAULT_PPL_TEXT else [f"text={text}"]
+        from sgl_kvq.tools.commands.eval_ppl import TURN_TOKENS, TURNS
+
+        ran = data.get("settings") or {}
+        text = ran.get("text", DEFAULT_PPL_TEXT)
+        out = [] if text == DEFAULT_PPL_TEXT else [f"text={text}"]
+        if (ran.get("turns"), ran.get("turn_tokens")) != (TURNS, TURN_TOKENS):
+            out.append(f"turns={ran.get('turns')} x {ran.get('turn_tokens')} tokens")
+        return out
     if kind != "attention":
         return []
     from sgl_kvq.config import KVQConfig
