@@ -1,12 +1,12 @@
-"""KVQ_ROTATE=hadamard through the real SGLang engine on CPU with the tiny random Llama (float32, head_dim 16):
+"""KVQ_ROTATE through the real SGLang engine on CPU with the tiny random Llama (float32):
 
 - where nothing is quantized (a residual window longer than every context: each token is read from the fp32 frames)
-  the rotation is exact, so the rotated engine decodes the unrotated engine's greedy tokens: q, k and v are rotated
-  alike in the spawned scheduler (the pool reports it) and the output rotated back;
-- on 2-bit pages, kvq_triton (its write and read kernels) and kvq_torch (the C kernel by default) decode the same
-  tokens, over two turns where the second reads the first's packed pages from the radix tree;
-- a head_dim that is not a power of two is refused before the model loads (tests/unit/test_attention_rotation.py has
-  the unit tests)."""
+  the rotation is exact, so kivi2 at its default (the values rotated, here on a head_dim of 24: block-diagonal
+  Hadamard blocks of 8) decodes the unrotated engine's greedy tokens: V is rotated in the spawned scheduler (the pool
+  reports it) and the output rotated back;
+- on 2-bit pages, kvq_triton (the values rotation in its decode kernels) and kvq_torch (at the backends' entry, the C
+  kernel by default) decode the same tokens, over two turns where the second reads the first's packed pages from the
+  radix tree (tests/unit/test_attention_rotation.py has the unit tests of both modes on every path)."""
 
 from __future__ import annotations
 
@@ -21,12 +21,18 @@ from engine_runs import engine_in_env, pool_stats
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 SAMPLING = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
-ROTATE = {"KVQ_ROTATE": "hadamard"}
+NONE = {"KVQ_ROTATE": "none"}
 
 
 @pytest.fixture(scope="module")
 def tiny():
     return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def tiny_hd24():
+    """The tiny Llama with head_dim 24 (not a power of two)."""
+    return tiny_llama(head_dim=24)
 
 
 @pytest.fixture(scope="module")
@@ -51,39 +57,25 @@ def ids(turn) -> list[list[int]]:
     return [o["output_ids"] for o in turn]
 
 
-def test_rotation_changes_no_token_where_nothing_is_quantized(tiny, prompts):
-    # R = 512: the longest request (~200 tokens with its output) never leaves the fp32 frames
-    window = {"KVQ_RESIDUAL": "512"}
-    plain, _ = serve_turns(tiny, prompts, window, max_total_tokens=65536)
-    rotated, stats = serve_turns(tiny, prompts, {**window, **ROTATE}, max_total_tokens=65536)
-    assert stats["config"]["rotate"] == "hadamard", stats
+def test_rotation_changes_no_token_where_nothing_is_quantized(tiny_hd24, prompts):
+    # R = 512: the longest request (~200 tokens with its output) never leaves the fp32 frames; value groups of 8
+    window = {"KVQ_RESIDUAL": "512", "KVQ_VALUE_GROUP": "8"}
+    plain, stats = serve_turns(tiny_hd24, prompts, {**window, **NONE}, max_total_tokens=65536)
+    assert stats["config"]["rotate"] == "none", stats
+    rotated, stats = serve_turns(tiny_hd24, prompts, window, max_total_tokens=65536)
+    assert stats["config"]["rotate"] == "values", stats  # kivi2's default
     assert ids(rotated[0]) == ids(plain[0])
 
 
 @matrix_only("the rotated basis is checked on every read path over 2-bit pages by tests/unit/test_attention_rotation.py "
-             "and end to end by the exact test above (124 s of a CI worker)")
-def test_rotated_kivi2_gives_the_same_tokens_on_both_backends_across_a_radix_hit(tiny, prompts):
+             "(kvq_triton's fused decode against kvq_torch's entry too) and end to end by the exact test above")
+@pytest.mark.parametrize("rotate", ["values", "hadamard"])
+def test_rotated_kivi2_gives_the_same_tokens_on_both_backends_across_a_radix_hit(tiny, prompts, rotate):
     # R = 0: only each request's open page is fp16, so the second turn reads its whole cached prefix from 2-bit pages
-    env = {**ROTATE, "KVQ_RESIDUAL": "0"}
+    env = {"KVQ_ROTATE": rotate, "KVQ_RESIDUAL": "0"}
     triton, _ = serve_turns(tiny, prompts, {**env, "TRITON_INTERPRET": "1"}, turns=2, max_total_tokens=16384,
                             attention_backend="kvq_triton")
     torch_, stats = serve_turns(tiny, prompts, env, turns=2, max_total_tokens=16384, attention_backend="kvq_torch")
-    assert stats["config"]["rotate"] == "hadamard" and stats["pages_quantized"] > 0, stats
+    assert stats["config"]["rotate"] == rotate and stats["pages_quantized"] > 0, stats
     assert all(o["meta_info"]["cached_tokens"] >= 64 for o in torch_[1][:2])  # the first turn's complete pages
     assert [ids(t) for t in triton] == [ids(t) for t in torch_]
-
-
-def test_rotation_refuses_a_head_dim_that_is_not_a_power_of_two(tiny, tmp_path, monkeypatch):
-    import sglang
-    from transformers import LlamaConfig
-
-    from sgl_kvq.config import KVQConfigError
-
-    odd = LlamaConfig.from_pretrained(tiny)
-    odd.head_dim, odd.hidden_size = 24, 24 * odd.num_attention_heads
-    odd.save_pretrained(tmp_path / "hd24")
-    monkeypatch.setenv("KVQ_ROTATE", "hadamard")
-    monkeypatch.setenv("KVQ_VALUE_GROUP", "8")
-    with pytest.raises(KVQConfigError, match="power-of-two head_dim.*head_dim is 24"):
-        sglang.Engine(model_path=str(tmp_path / "hd24"), tokenizer_path=str(tiny), device="cpu", log_level="error",
-                      kv_cache_dtype="kivi2")
