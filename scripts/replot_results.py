@@ -103,6 +103,8 @@ PLOTS = {  # PNG under bench/results/: how it is drawn
     "serving-default-budgets-smollm2.png": serving_budgets("serving-default-0.12-2-smollm2.json",
                                                            "serving-default-0.25-0.5-smollm2.json"),
     "serving-default-1-smollm2.png": serving("serving-default-1-smollm2.json", "shared-prefix-multiturn", "generous"),
+    "serving-rotation-smollm2-shared-prefix-multiturn-generous.png": serving(
+        "serving-rotation-smollm2.json", "shared-prefix-multiturn", "generous"),
     "soak-smollm2.png": lambda path: bench_soak.plot(load("soak-smollm2.json")["runs"], path),
     "soak-30min-smollm2.png": lambda path: bench_soak.plot(load("soak-30min-smollm2.json")["runs"], path),
     "decision-smollm2.png": decision("smollm2"),
