@@ -11,10 +11,8 @@ is padded: the fp16 overlay frames are more units beside the pages, and the soft
 by segment reductions. attention_batched.py (the padded, dequantized layout) serves the formats with per-page
 extras and stays this path's cross-check; attention_ref.ref_decode is the oracle of both.
 
-Why (SmolLM2 geometry, one thread; ShareGPT-like batch B=16 with contexts of 20..500 tokens): the padded layout
-dequantizes B x the longest context, and its K addcmul, V scale passes and overlay copy were 2/3 of a layer's
-decode attention (2.2 of 3.2 ms at B=16, 512 tokens); measurements in docs/results.md, "Where a decode step's time
-goes".
+Why: on ragged batches the padded layout dequantizes B x the longest context, and those dequantizing passes were most
+of a layer's decode attention (docs/knobs.md, "Fixed thresholds"; docs/results.md, "Where a decode step's time goes").
 """
 
 from __future__ import annotations
@@ -35,10 +33,9 @@ def supports(kv: LayerKV) -> bool:
     return of_extras(kv.extras).plain_pages
 
 
-# When this path does less work than the padded one (one layer, SmolLM2, one thread, median thread time,
-# bench/decode_work.py --paths): it wins where the padded layout pads (ragged contexts: B=16 within 20..512 tokens
-# 1.54x, B=3 1.14x) or the batch holds many tokens (uniform 8k tokens: 1.17-1.18x at B=8 and 16, B=1 1.14x), and
-# loses its extra ~0.04 ms of small ops on short uniform batches (B=1: 0.84x at 512 tokens, 0.90x at 1k, 1.0x at 4k).
+# When this path does less work than the padded one: it wins where the padded layout pads or the batch holds many
+# tokens, and loses its extra small ops on short uniform batches (docs/knobs.md, "Fixed thresholds";
+# bench/results/decode-paths-smollm2.json).
 PADDED_OVER_REAL = 1.2  # padded units per real unit above which the page path wins
 MANY_TOKENS = 4096  # real context tokens in the batch from which it wins anyway
 

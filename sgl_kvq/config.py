@@ -4,7 +4,8 @@ A dtype name is `<method><bits>` or a peer's `peer_<format>`; the registry (`sgl
 them all and maps each to its format.
 Knobs that SGLang's command line has no room for come from environment variables with the `KVQ_` prefix (read in one
 place, `sgl_kvq.env`), so they reach SGLang's spawned scheduler processes unchanged. Defaults are the papers': G = 64,
-residual window R = 64 (SpeCache's G and R; KIVI's paper uses G = 32 and R = 32..128).
+residual window R = 64 (SpeCache's G and R; KIVI's paper uses G = 32 and R = 32..128). Every knob, its default and
+why: docs/knobs.md.
 """
 
 from __future__ import annotations
@@ -49,22 +50,21 @@ class KVQConfig:
     #           can therefore differ from when it was decoded.
     #   "paged" page by page, each new page attending to the pages before it exactly as decode reads them (packed
     #           base beyond the fp16 window): a token's KV no longer depends on how it was scheduled.
-    # kivi3 and kivi4 default to "paged" (sgl_kvq/formats/kivi.py says why), every other dtype to "full".
+    # kivi3 and kivi4 default to "paged", every other dtype to "full" (docs/knobs.md, KVQ_PREFILL).
     prefill: str = "full"
     # SpeCache: host rows each decode step reads in 16 bits per (request, layer, KV head), picked by the
     # speculative lane's attention (the paper's top-64; specache1's default is SPECACHE_TOP_K's).
     top_k: int = 64
     # SpeCache: 1 = rank each base position by the speculative row's attention mass plus the real row's mass one
     # position before it: the row after each position the real token read, which is what a copying (induction)
-    # head reads next. Measured on SmolLM2's committed needles
-    # (bench/results/quality/niah-specache-follow-smollm2.json): specache1 2/6 -> 3/6 at top-64 and 4/6 -> 6/6 at
-    # top-128; specache2 6/6 at top-64 either way, its speculative guess right 1.0 of the time. 0 = the paper's
-    # ranking (the speculative row alone).
+    # head reads next. 0 = the paper's ranking (the speculative row alone). On by default because it lets specache1
+    # answer more needles at the same top-k (docs/knobs.md, KVQ_SPECACHE_FOLLOW;
+    # bench/results/quality/niah-specache-follow-smollm2.json).
     specache_follow: int = 1
     # SpeCache: where an extend reads its cached prefix. "host": the 16-bit rows from the host tier (the paper's
-    # full-precision prefill; on a GPU that is PCIe traffic proportional to the prefix on every turn, 78 ms at 32k
-    # tokens of Llama-3-8B, docs/results.md). "device": the low-bit pool as kivi reads it (no host traffic; the cached
-    # prefix's quality is then the low-bit base's).
+    # full-precision prefill, at the cost of host-to-device traffic proportional to the prefix on every turn).
+    # "device": the low-bit pool as kivi reads it (no host traffic; the cached prefix's quality is then the low-bit
+    # base's). Host by default because it keeps SpeCache's perplexity bf16's (docs/knobs.md, KVQ_SPECACHE_PREFIX).
     specache_prefix: str = "host"
     # SpeCache: the share of the host's available RAM its 16-bit host tier may take (sizing caps the pool's tokens
     # at what it holds; a pinned --max-total-tokens that needs more fails at startup with the count that fits).
@@ -75,8 +75,8 @@ class KVQConfig:
     specache_recall: int = 0
     # The share of SGLang's KV budget that per-slot state may take when --max-running-requests is not given: SpeCache's
     # top-k buffers, and the overlay frames where they cannot be pooled (prefill/decode disaggregation); it sets
-    # their default max_running_requests (sgl_kvq/capacity.py). Pooled frames (the default) need no share. 0.06 kept
-    # kivi4 at 3.34x and kivi2 at 6.0x bf16's tokens with static frames (packed ratios 3.56x / 6.4x).
+    # their default max_running_requests (sgl_kvq/capacity.py). Pooled frames (the default) need no share. 0.06 costs
+    # static frames little of the packed capacity ratio (docs/knobs.md, KVQ_OVERLAY_SHARE).
     overlay_share: float = 0.06
     # GEAR / GEAR-L (gear_rank, gear_iters used by both; gear_outliers by gear only). Each page of G = 64 tokens is
     # compressed once, when it completes: GEAR's streaming buffer (n_b = 64) at its decode-phase rank 2.
@@ -85,39 +85,33 @@ class KVQConfig:
     # Share of each row kept as fp16 outliers (GEAR's s = 2%): keys per channel over the page's G tokens, values
     # per token over its D channels, at least one per row.
     gear_outliers: float = 0.02
-    # LogQuant's window W (logquant2). The rule keeps the sink and a band of about 6W recent positions; at G = R =
-    # 64 every W <= 12 keeps only the sink beyond KIVI's fp16 window (M = 1 row per page, 3,960 B/token for
-    # SmolLM2, kivi2 + 10%), while the reference's W = 21 (3W ~ R) needs M = 8 rows per page (6,484 B/token, kivi4's
-    # bytes): W = 10 (band ~ R) keeps logquant2 a 2-bit cache. docs/results.md "GEAR, LogQuant and ZipCache" has
-    # the measurements of both.
+    # LogQuant's window W (logquant2). The rule keeps the sink and a band of about 6W recent positions; W = 10
+    # (band ~ R) keeps logquant2 a 2-bit cache, where the reference's W = 21 costs kivi4's bytes (docs/knobs.md,
+    # KVQ_LOGQUANT_WINDOW).
     logquant_window: int = 10
-    # ZipCache: share of each page's G tokens (per KV head) kept at 4 bit, NS = round(ratio * G). 0.4 (26 of 64):
-    # zipcache2 then stores 74.0 B per token-head-layer at D = 64, kivi4's 72, so the two compare at about equal
-    # bytes; 0.6 (the authors' demo) costs 87 B (bench/results/attention_fidelity.md has both).
+    # ZipCache: share of each page's G tokens (per KV head) kept at 4 bit, NS = round(ratio * G). 0.4 puts zipcache2
+    # at about kivi4's bytes, so the two compare at equal memory (docs/knobs.md, KVQ_ZIPCACHE_SALIENT).
     zipcache_salient: float = 0.4
     # Intra-op threads kvq_torch's batched decode attention runs with on a CPU (0: torch's own count, the
-    # process's). 0 by default: on a quiet 2-core machine the second thread is faster (one layer, SmolLM2, 256
-    # tokens: B=8 0.52 vs 0.72 ms, B=16 0.97 vs 1.43 ms; 1k tokens, B=8: 1.96 vs 2.79 ms; bench/decode_work.py,
-    # bench/results/decode-work-quiet-smollm2.json), and switching the count per layer slowed the model's next
-    # matmul (16 ShareGPT prompts x 32 tokens in one batch: 5.4-6.0 s against 5.8-7.4 s). 1 is for a machine other
-    # processes load: each of the attention's ~14 ops above torch's grain size is an OpenMP barrier that waits for a
-    # descheduled thread (one layer 161 ms against 0.68 ms on one thread at load average 13-17; docs/results.md "Where a
-    # decode step's time goes").
+    # process's). 0 by default because on a quiet machine the second thread is faster; 1 is for a machine other
+    # processes load, where each of the attention's OpenMP barriers waits for a descheduled thread (docs/knobs.md,
+    # KVQ_ATTENTION_THREADS; bench/results/decode-work-quiet-smollm2.json).
     attention_threads: int = 0
     # 1: kvq_torch decodes the codes-scales-zeros formats (kivi1/2/3/4) on a CPU with the compiled C kernel
     # (kernels/cpu_decode_attention.c) when a C compiler is found, else its torch paths; 0: always the torch paths.
-    # One layer, SmolLM2, 2 threads, wall: B=1 256 tokens 0.10 ms against the padded path's 0.47 (bf16
-    # torch_native 0.24), B=8 1k 1.6 against 3.7 (bf16 7.5); bench/results/decode-kernel-smollm2.json.
+    # On by default because the kernel decodes faster than both the torch paths and bf16's own decode
+    # (docs/knobs.md, KVQ_CPU_KERNEL; bench/results/decode-kernel-smollm2.json).
     cpu_kernel: int = 1
     # "pooled": running requests' fp16 frames are pages of the pool, taken from the KV budget while they run
     # (sgl_kvq/frames.py); "static": `ring` frames per request slot in a region of their own, sized by
-    # overlay_share (what prefill/decode disaggregation always uses). Pooled frames run as many requests
-    # as memory holds (SmolLM2, 0.12 GiB, the shared-prefix load: kivi2 16 running and 1.92x bf16's output tok/s,
-    # bench/results/serving-concurrency-smollm2.json) where static frames run 1.
+    # overlay_share (what prefill/decode disaggregation always uses). Pooled by default because pooled frames run as
+    # many requests as memory holds where static frames run few (docs/knobs.md, KVQ_FRAMES;
+    # bench/results/serving-concurrency-smollm2.json).
     frames: str = "pooled"
     # The basis K and V are quantized in (sgl_kvq/attention_rotation.py): "values" rotates V along head_dim by the
     # normalized (block) Hadamard matrix before it is written and the attention output back; "hadamard" rotates q and
     # K alike too (attention is unchanged by either; the quantization error is not); "none" stores them as computed.
+    # Each format's default is sgl_kvq/formats/rotation.py's (docs/knobs.md, KVQ_ROTATE).
     rotate: str = "none"
 
     def __post_init__(self):

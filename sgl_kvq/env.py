@@ -1,7 +1,7 @@
 """Every environment variable sgl_kvq reads, under one prefix: KVQ_. (Not SGL_KVQ_: SGLang treats every SGL_*
 variable as a deprecated spelling of SGLANG_* and warns about it in each of its processes.)
 
-The knobs, their meaning and defaults are the README's knob table, the one table of them (tests/project/test_readme.py
+The knobs, their meaning and defaults are docs/knobs.md's table, the one table of them (tests/project/test_readme.py
 holds its rows equal to the KVQ_ names sgl_kvq reads: add a row there with a knob here or in a format). CORE_KNOBS
 below maps each knob every format's KVQConfig reads to its field; a format family's own knobs are declared by its
 module (sgl_kvq/formats/, Format.knobs) and sgl_kvq.config reads both through knobs(table).

@@ -7,14 +7,11 @@ from __future__ import annotations
 from sgl_kvq.formats.base import Format
 
 
-# Widths whose extends attend page by page (KVQ_PREFILL=paged) by default, chosen on SmolLM2's committed essays
-# (cached-turn perplexity, bf16 23.93) and SGLang's KL kit (threshold 0.002): kivi4 24.04 full, 24.11 paged, and
-# the KL kit's prefix / decode hit 0.00242 / 0.00236 full (a fail), 0.00123 / 0.00146 paged (a pass); kivi3 24.57
-# full, 24.52 paged, KL 0.0117 / 0.0088 full, 0.0023 / 0.0084 paged; kivi2 30.81 full, 32.65 paged.
-# (bench/results/quality/ppl-prefill-smollm2.json, conformance-kl-prefill-paged-smollm2.json; the paged prefill
-# served 3-7% fewer output tokens/s under SGLang's shared-prefix load, serving-prefill-one-step-*-smollm2.json.)
-# The rule: paged where it passes a kit test full fails, or lowers both KL tests without raising that perplexity;
-# no other format meets it (docs/conformance.md, "Which prefill each dtype defaults to").
+# Widths whose extends attend page by page (KVQ_PREFILL=paged) by default. The rule: paged where it passes a kit
+# test full fails, or lowers both KL tests without raising cached-turn perplexity; kivi4 and kivi3 meet it on
+# SmolLM2 and no other format does (docs/knobs.md, KVQ_PREFILL; docs/conformance.md, "Which prefill each dtype
+# defaults to"; bench/results/quality/ppl-prefill-smollm2.json,
+# bench/results/conformance-kl-prefill-paged-smollm2.json).
 PAGED_PREFILL_BITS = (3, 4)
 PAGED_PREFILL_SINCE = "2026-11-29T14:39:00+00:00"
 

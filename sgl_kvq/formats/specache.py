@@ -10,7 +10,7 @@ from sgl_kvq.specache.strategy import STRATEGY
 
 # The default top-k per code width: the smallest k at which specache1 answers every needle bf16 answers on SmolLM2
 # (3 KV heads of 64 channels: a 1-bit key ranks a position more noisily than at the paper's 8 x 128), with
-# specache_follow on; KVQ_TOPK overrides it.
+# specache_follow on; KVQ_TOPK overrides it (docs/knobs.md, KVQ_TOPK).
 SPECACHE_TOP_K = {1: 128, 2: 64}
 PREFIX_SOURCES = ("host", "device")
 
