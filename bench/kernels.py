@@ -120,7 +120,8 @@ def bench_config(model, Hq, Hkv, D, B, ctx, bits_list, dtype, device, copy_bw, c
 
     def record(variant, us, nbytes, err=None):
         row = dict(model=model, batch=B, context=ctx, variant=variant, us=round(us, 2),
-                   bytes=nbytes, gbps=round(nbytes / (us * 1e3), 2), pct_copy=round(100 * nbytes / (us * 1e3) / copy_bw, 1))
+                   bytes=nbytes, gbps=round(nbytes / (us * 1e3), 2),
+                   pct_copy=round(100 * nbytes / (us * 1e3) / copy_bw, 1))
         if err is not None:
             row["max_abs_err"] = err
         rows.append(row)
@@ -142,7 +143,8 @@ def bench_config(model, Hq, Hkv, D, B, ctx, bits_list, dtype, device, copy_bw, c
             us = timed(partial(dec.run, q, kv, p, sm_scale, out=out, out_rotation=rt), device)
             err = (out.float() - plain.float() @ rt).abs().max().item() if check else None
             record(f"kvq{bits}-rotv-fused", us, nbytes, err)
-            us = timed(lambda: (dec.run(q, kv, p, sm_scale, out=out).float() @ rt).to(out.dtype), device)
+            # kv, p bound now: the loop's `del kv, paged, p` leaves the name unbound for a late-bound lambda
+            us = timed(lambda kv=kv, p=p: (dec.run(q, kv, p, sm_scale, out=out).float() @ rt).to(out.dtype), device)
             record(f"kvq{bits}-rotv-matmul", us, nbytes)
         del kv, paged, p
 
@@ -224,7 +226,8 @@ def main(argv=None) -> int:
     if args.tiny:
         models, contexts, batches, bits_list = TINY_MODELS, [200], [1, 2], args.bits or [2]
     else:
-        models, contexts, batches, bits_list = MODELS, [1024, 4096, 16384, 32768], [1, 8, 32, 64], args.bits or [1, 2, 4]
+        models, contexts, batches = MODELS, [1024, 4096, 16384, 32768], [1, 8, 32, 64]
+        bits_list = args.bits or [1, 2, 4]
     copy_bw = copy_gbps(device, (1 << 30) if CUDA else (64 << 20))
     name = torch.cuda.get_device_name(device) if CUDA else platform.processor() or platform.machine()
     print(f"device {name}; copy bandwidth {copy_bw:.1f} GB/s; dtype {dtype}; sglang baseline: "

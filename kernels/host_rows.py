@@ -68,9 +68,10 @@ def gather_head_rows(hk: torch.Tensor, hv: torch.Tensor, slots: torch.Tensor, he
         require(out_k.shape[0] == N, f"{out_k.shape[0]} output rows for {N} copies (pass out_rows)")
         out_rows = torch.arange(N, device=dev)
     require(slots.shape == (N,) and heads.shape == (N,) and out_rows.shape == (N,), "slots, heads, out_rows: [N]")
-    require(slots.device == dev and heads.device == dev and out_rows.device == dev, "index tensors off the output's device")
-    require(out_k.dim() == 2 and out_k.shape[1] == D and out_v.shape == out_k.shape and out_k.stride() == out_v.stride(),
-            f"out_k, out_v must be [M, D={D}] alike")
+    require(slots.device == dev and heads.device == dev and out_rows.device == dev,
+            "index tensors off the output's device")
+    require(out_k.dim() == 2 and out_k.shape[1] == D and out_v.shape == out_k.shape
+            and out_k.stride() == out_v.stride(), f"out_k, out_v must be [M, D={D}] alike")
     require(out_k.stride(-1) == 1 and triton.next_power_of_2(D) == D, "rows must be contiguous, D a power of two")
     if N == 0:
         return

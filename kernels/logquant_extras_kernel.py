@@ -1,6 +1,7 @@
 """Jitted LogQuant rows (logquant2): a page's stored fp16 rows replace the dequantized ones, as
-sgl_kvq.quant.logquant_page.apply_rows does. X is a PageRows of contiguous tensors (formats/logquant.py logquant_shapes): k_rows,
-v_rows [P, M, H, D] and row_off [P, M] (255: an empty slot, which matches no offset). SIZES = (M,)."""
+sgl_kvq.quant.logquant_page.apply_rows does. X is a PageRows of contiguous tensors (formats/logquant.py
+logquant_shapes): k_rows, v_rows [P, M, H, D] and row_off [P, M] (255: an empty slot, which matches no offset).
+SIZES = (M,)."""
 
 import triton
 import triton.language as tl

@@ -11,7 +11,8 @@ rows [n, 2n) their speculative tokens; with one lane (the pre-decode) every row 
 same keys (the paper's Algorithm 3, sgl_kvq/specache/attention.py is the reference): request b's packed base and
 fp16 frames, with each position in its prefetched top-k set read from its 16-bit row instead of the codes (row j
 of request slot r = topk.req[b], KV head h: topk.k/v[f, j % C, h] at position topk.pos[f, j % C, h], f =
-topk.table[r, j // C]; -1 = none, positions >= the base tokens ignored: sgl_kvq/specache/topk_rows.py); the speculative lane also reads its own k_own/v_own [n, H, D], which are never stored. No context is
+topk.table[r, j // C]; -1 = none, positions >= the base tokens ignored: sgl_kvq/specache/topk_rows.py); the
+speculative lane also reads its own k_own/v_own [n, H, D], which are never stored. No context is
 dequantized to memory: codes are read once per page for both lanes. A top-k set must not repeat a position (the
 torch.topk that selects it cannot).
 

@@ -127,8 +127,8 @@ def apply_token_constraints(orig, self, token_capacity: int) -> int:
         if tokens < split.min_tokens:  # only a token cap (--max-total-tokens) gets here: the budget was checked
             raise KVQConfigError(
                 f"sgl_kvq: {tokens} {self.kv_cache_dtype_str} tokens (--max-total-tokens) cannot hold one running "
-                f"request's fp16 frames ({split.frame_tokens} tokens of pages) besides the padded rows' dummy frame; use "
-                f"--max-total-tokens {split.min_tokens + split.page_size} or more")
+                f"request's fp16 frames ({split.frame_tokens} tokens of pages) besides the padded rows' dummy frame; "
+                f"use --max-total-tokens {split.min_tokens + split.page_size} or more")
     return tokens
 
 

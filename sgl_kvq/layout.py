@@ -51,8 +51,9 @@ Overlay (fp16 tokens that override the base: the open page and the recent window
     static  a separate region of F = request slots * ring frames; slot r owns frame_of(r, n, ring) = r*ring + n%ring.
     ov_tag   [F]                int64   pool page whose tokens the frame holds (-1: empty)
     ov_gen   [F]                int64   that page's generation when the frame was written
-    ov_score [L, F, G, H]       fp32    zipcache2's per-frame state (Format.frame_shapes): attention each frame token has received from its page's
-                                        queries so far (the saliency accumulator, reset when offset 0 is written)
+    ov_score [L, F, G, H]       fp32    zipcache2's per-frame state (Format.frame_shapes): attention each frame
+                                        token has received from its page's queries so far (the saliency
+                                        accumulator, reset when offset 0 is written)
     page_gen [P]                int64   bumped whenever offset 0 of a page is written, i.e. when a freed page is
                                         reused: SGLang never tells the pool about frees, so a frame is valid only
                                         while (ov_tag, ov_gen) still names the page's current contents.

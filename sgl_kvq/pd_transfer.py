@@ -58,8 +58,8 @@ def base_buf_infos(store) -> tuple[list[int], list[int], list[int]]:
 
 
 def request_state_entries(store) -> list[torch.Tensor]:
-    """The overlay frames per layer (with the format's per-frame state: zipcache2's saliency accumulator), item = one request
-    slot's `ring` consecutive frames (frame_of: slot r owns frames r*ring .. r*ring+ring-1), then the slots'
+    """The overlay frames per layer (with the format's per-frame state: zipcache2's saliency accumulator), item = one
+    request slot's `ring` consecutive frames (frame_of: slot r owns frames r*ring .. r*ring+ring-1), then the slots'
     pd_window counts (item = one slot's count)."""
     names = ("ov_k", "ov_v", *store.frame_state)
     return [getattr(store, n)[layer] for n in names for layer in range(store.shape.layers)] + [store.pd_window]

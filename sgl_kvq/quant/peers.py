@@ -142,7 +142,8 @@ def e2m1_round(y: torch.Tensor) -> torch.Tensor:
     (cvt.rn.satfinite.e2m1x2.f32). A tie at boundary i goes to the even one of codes i and i + 1."""
     a = y.abs().unsqueeze(-1)
     b = torch.tensor(E2M1_BOUNDS, dtype=torch.float32, device=y.device)
-    even_low = torch.arange(len(E2M1_BOUNDS), device=y.device) % 2 == 0  # tie at b_i -> code i (strict >) when i is even
+    # tie at b_i -> code i (strict >) when i is even
+    even_low = torch.arange(len(E2M1_BOUNDS), device=y.device) % 2 == 0
     mag = torch.where(even_low, a > b, a >= b).sum(-1).to(torch.uint8)
     return mag | (torch.signbit(y).to(torch.uint8) << 3)
 

@@ -50,7 +50,8 @@ def add_arguments(p) -> None:
                         "so the tokens mean nothing, the step's cost is what is measured); max = this less N + 8")
     p.add_argument("--batch", default="1,8", help="comma list of batch sizes")
     p.add_argument("--skip", default="8x4096,8xmax",
-                   help="BxC points of the grid left out (B=8 at 4k and 8k: prefill alone takes many minutes on 2 cores)")
+                   help="BxC points of the grid left out "
+                        "(B=8 at 4k and 8k: prefill alone takes many minutes on 2 cores)")
     p.add_argument("--steps", type=int, default=16, help="decode steps N timed per point")
     p.add_argument("--reps", type=int, default=2, help="timed repetitions per point; the fastest counts")
     p.add_argument("--quick", action="store_true", help="contexts 1024,4096, batches 1,8, N=8, one repetition")
@@ -196,8 +197,8 @@ def measure(model: Path, label: str, dtype: str, tree: str | None, points, args,
             for batch, context in points:
                 sec, cpu = time_point(server, batch, context, args.steps, args.reps, geo["vocab"])
                 row = {"kv_cache_dtype": label, "batch": batch, "context": context, "ms_per_step": sec * 1e3,
-                       "cpu_ms_per_step": cpu * 1e3, "tok_per_s": batch / sec, "kv_read_bytes_per_step": read_bytes_per_step(stats, geo, batch,
-                                                                                                context)}
+                       "cpu_ms_per_step": cpu * 1e3, "tok_per_s": batch / sec,
+                       "kv_read_bytes_per_step": read_bytes_per_step(stats, geo, batch, context)}
                 rows.append(row)
                 print(f"[decode] {label} B={batch} C={context}: {row['ms_per_step']:.0f} ms/step "
                       f"({row['cpu_ms_per_step']:.0f} CPU ms), "

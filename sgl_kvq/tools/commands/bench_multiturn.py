@@ -50,7 +50,8 @@ def serve_and_run(model: Path, dtype: str, args, conversations, tokenizer, refer
     print(f"[multiturn] starting the server with --kv-cache-dtype {dtype} (log: {log})", flush=True)
     with ServerProcess(server_args, log_path=log) as server:
         stats = server.kv_pool_stats()
-        print(f"[multiturn] {dtype}: {stats['capacity_tokens']} tokens of KV capacity; running the workload", flush=True)
+        print(f"[multiturn] {dtype}: {stats['capacity_tokens']} tokens of KV capacity; running the workload",
+              flush=True)
         result = run_multiturn(server, tokenizer, conversations, args.max_new_tokens, args.concurrency, reference)
     return stats, result
 
@@ -104,8 +105,9 @@ def print_table(report: dict, args) -> None:
             ("cached tok", "cached_tokens", "{:d}"), ("cached % t2+", "cached_share_turns_2plus", "{:.0%}"),
             ("agree bf16", "token_agreement_with_bf16", "{:.1%}"), ("exact turns", "exact_turns_vs_bf16", "{:.0%}"),
             ("tok/s", "tokens_per_s", "{:.1f}")]
-    print(f"\nsgl-kvq multiturn: {report['model']}, {report['conversations']} ShareGPT conversations x {report['turns']} "
-          f"turns, {report['max_new_tokens']} new tokens/turn, KV budget {report['kv_cache_gb']} GiB each")
+    print(f"\nsgl-kvq multiturn: {report['model']}, {report['conversations']} ShareGPT conversations "
+          f"x {report['turns']} turns, {report['max_new_tokens']} new tokens/turn, "
+          f"KV budget {report['kv_cache_gb']} GiB each")
     print(f"{'kv dtype':<10}" + "".join(f"{c[0]:>14}" for c in cols))
     for name, r in report["runs"].items():
         print(f"{name:<10}" + "".join(f"{c[2].format(r[c[1]]):>14}" for c in cols))

@@ -3,15 +3,15 @@
 Each evaluation runs one Engine per --kv-cache-dtype, one after the other, and records for each: its metrics, the
 live pool's byte accounting (engine.get_server_info()["internal_states"][0]["kv_pool"]), startup and wall time.
 
-Overlay flush. A running request keeps the fp16 copy of its last pages (R/G + 1 of them) in overlay frames owned by
-its request slot, and the pool's read plan takes a cached prefix's last pages from those frames while they still hold
-them (sgl_kvq/metadata/host.py `plan_contexts`). SGLang hands out request slots last-in first-out, so when one client sends turn t+1
-right after turn t, turn t+1 usually lands on turn t's slot and reads the end of its cached prefix in fp16, not from
-the quantized pages. To measure the quantized cache itself, the request that fills the cache appends a tail of
-(R/G + 1) * G + 1 fresh random tokens (`FlushTail`): its last pages, the ones left in its frames, are then tail pages
-that the next turn never matches, so the next turn reads every cached page from the packed base whatever slot it
-lands on. The tail only follows the tokens being cached and scored, so it changes no scored logprob (causal
-attention). Every dtype gets the same requests. --no-flush drops the tail (serving as is).
+Overlay flush. A running request keeps the fp16 copy of its last pages (R/G + 1 of them) in overlay frames owned by its
+request slot, and the pool's read plan takes a cached prefix's last pages from those frames while they still hold them
+(sgl_kvq/metadata/host.py `plan_contexts`). SGLang hands out request slots last-in first-out, so when one client sends
+turn t+1 right after turn t, turn t+1 usually lands on turn t's slot and reads the end of its cached prefix in fp16, not
+from the quantized pages. To measure the quantized cache itself, the request that fills the cache appends a tail of (R/G
++ 1) * G + 1 fresh random tokens (`FlushTail`): its last pages, the ones left in its frames, are then tail pages that
+the next turn never matches, so the next turn reads every cached page from the packed base whatever slot it lands on.
+The tail only follows the tokens being cached and scored, so it changes no scored logprob (causal attention). Every
+dtype gets the same requests. --no-flush drops the tail (serving as is).
 """
 
 from __future__ import annotations
