@@ -17,7 +17,7 @@ COMMANDS = {
     "eval": ("sgl_kvq.tools.commands.eval", "quality evaluations: attention, niah, ppl, agree"),
     "bench": ("sgl_kvq.tools.commands.bench", "benchmarks: multiturn, kernels"),
     "demo": ("sgl_kvq.tools.commands.demo",
-             "the main job: CPU server with kivi2 vs bf16 on a multi-turn ShareGPT workload"),
+             "the main job: bf16 vs kivi4 vs kivi2 on a multi-turn ShareGPT workload"),
 }
 
 

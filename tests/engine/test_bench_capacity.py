@@ -8,8 +8,11 @@ import json
 import subprocess
 
 import pytest
+from slices import matrix_only
 
-pytestmark = [pytest.mark.slow, pytest.mark.engine]
+pytestmark = [pytest.mark.slow, pytest.mark.engine,
+              matrix_only("a measurement-style run of `sgl-kvq bench capacity` (251 s); "
+                          "its helpers are tests/tools/'s")]
 
 
 def test_bench_capacity_records_the_peak_of_running_requests_of_a_burst(venv_bin, tmp_path):

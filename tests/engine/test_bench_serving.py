@@ -8,13 +8,16 @@ import json
 import subprocess
 
 import pytest
+from slices import matrix_only
 
-pytestmark = [pytest.mark.slow, pytest.mark.engine]
+pytestmark = [pytest.mark.slow, pytest.mark.engine,
+              matrix_only("a measurement-style run of `sgl-kvq bench serving` (189 s); its helpers are tests/tools/'s")]
 
 
 def test_bench_serving_tiny_writes_loadgen_metrics_server_stats_and_plots(venv_bin, tmp_path):
     out = tmp_path / "serving-tiny.json"
-    cmd = [str(venv_bin / "sgl-kvq"), "bench", "serving", "--model", "tiny", "--kv-cache-dtype", "auto,kivi2:KVQ_PREFILL=paged",
+    cmd = [str(venv_bin / "sgl-kvq"), "bench", "serving", "--model", "tiny",
+           "--kv-cache-dtype", "auto,kivi2:KVQ_PREFILL=paged",
            "--concurrency", "2", "--waves", "1", "--regime", "tight", "--groups", "1", "--turns", "2",
            "--system-prompt-len", "64", "--question-len", "16", "--output-len", "4", "--sharegpt-context-len", "256",
            "--flags", "default", "--server-args", "--dtype float32", "--json", str(out)]

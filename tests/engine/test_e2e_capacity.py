@@ -16,6 +16,7 @@ from sgl_kvq.tools.commands.serving_workloads import ModelShape
 from sgl_kvq.tools.launch import ServerProcess, baseline_page_size
 from sgl_kvq.tools.models import smollm2, tiny_llama
 from slices import ci_slice
+from slices import matrix_only
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -78,6 +79,9 @@ def bf16_prompt_tokens_at_once(model, prompts: list[str], page_size: int) -> int
     return total
 
 
+@matrix_only("a measurement (368 s of a CI worker): `sgl-kvq bench capacity` and `bench serving` record the peak of "
+             "running requests (bench/results/serving-default-*.json); test_capacity_at_sglang_default_sizing checks "
+             "that pooled frames leave SGLang's own request count")
 def test_concurrency_follows_memory_at_default_flags(tmp_path, monkeypatch):
     """The issue's case, small: 8 conversations of ~580 tokens (4 shared 512-token prefixes) at a 0.05 GiB budget.
     bf16's pool at that budget cannot hold the 8 prompts at once (2,530 tokens against its 2,330, counted from its

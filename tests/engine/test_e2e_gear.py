@@ -13,6 +13,7 @@ from multiturn import radix_hits_over_http
 from slices import ci_slice
 from contended import contended_agreement_in_the_deterministic_mode, contended_prompts
 from engine_runs import refused_before_load, run_engine
+from slices import matrix_only
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -24,7 +25,9 @@ def tiny():
     return tiny_llama()
 
 
-@pytest.mark.parametrize("dtype", ci_slice(GEAR_DTYPES, ["gearl2"]))  # CI: each gear dtype in one engine test
+# KVQ_TEST_MATRIX=all (130 s a dtype); in CI GEAR's Triton correction equals its reference in
+# tests/kernels/test_kernels_attention.py
+@pytest.mark.parametrize("dtype", ci_slice(GEAR_DTYPES, []))
 def test_kvq_triton_gives_the_same_tokens_as_kvq_torch(tiny, dtype):
     prompts = contended_prompts(3)
     torch_out, stats = run_engine(tiny, dtype, prompts, attention_backend="kvq_torch", max_total_tokens=16384)
@@ -44,6 +47,7 @@ def test_http_server_multiturn_and_forked_program_hit_the_radix_cache(tiny, tmp_
     assert stats["base_bytes_per_token"] == pytest.approx(2 * 2 * per_head)
 
 
+@matrix_only("kivi2's run in tests/engine/test_e2e_serving.py retracts through the same pool and tree (93 s)")
 def test_pool_too_small_completes_every_request_and_is_exact_in_the_deterministic_mode(capfd):
     """As tests/engine/test_e2e_serving.py's kivi2 case, for gear2: 12 requests x 160 tokens against a 16-page pool with
     retraction forced. With KVQ_PREFILL=paged and KVQ_RESIDUAL=0 a page's compression is a function of its tokens

@@ -1,10 +1,10 @@
 """Every served dtype's greedy tokens on the tiny fp32 Llama, through kvq_torch and kvq_triton (kvq_torch alone for the
 peers' formats), equal the ones recorded in tests/data/greedy_tokens.json (scripts/greedy_tokens.py: two turns, the
-second a radix hit whose extend reads packed pages with their extras). The record was taken before the kernels'
-format interface changed; a change meant to keep every dtype's output runs this with KVQ_TEST_MATRIX=all (an engine
-per dtype and backend: over an hour on 2 cores). CI holds kivi2 (the default dtype) and zipcache2 (a format whose
-pages carry extras, corrected in the kernels) to their records through both backends (about 80 s and 120 s); tests/engine/test_e2e_{serving,gear,logquant,zipcache,specache}.py compare kvq_triton with kvq_torch per
-format."""
+second a radix hit whose extend reads packed pages with their extras). Both backends' records are equal, so each
+backend compared with the record is the two compared with each other. A change meant to keep every dtype's output
+runs this with KVQ_TEST_MATRIX=all (an engine per dtype and backend: over an hour on 2 cores); CI holds kivi2 (the
+default dtype) to its record through both backends (about 160 s); each format's Triton reads are compared with its
+reference in tests/kernels/."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def test_the_record_covers_every_dtype_and_its_backends():
 
 @pytest.mark.slow
 @pytest.mark.engine
-@pytest.mark.parametrize("dtype", ci_slice(DTYPE_NAMES, ["kivi2", "zipcache2"]))
+@pytest.mark.parametrize("dtype", ci_slice(DTYPE_NAMES, ["kivi2"]))
 def test_greedy_tokens_equal_the_record(dtype):
     want = json.loads(RECORD.read_text())["tokens"][dtype]
     assert _recorder().record([dtype])[dtype] == want

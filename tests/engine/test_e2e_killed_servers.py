@@ -278,6 +278,7 @@ def host_tokens(out: dict) -> int:
     return (out["meta_info"].get("cached_tokens_details") or {}).get("host", 0)
 
 
+@matrix_only("tests/engine/test_e2e_hicache.py evicts a prefix to the host tier and loads it back (97 s)")
 def test_hicache_loads_back_under_load(monkeypatch):
     monkeypatch.setenv("KVQ_KV_CACHE_GB", "0.25")
     t_start = time.time()

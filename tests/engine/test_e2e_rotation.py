@@ -67,7 +67,8 @@ def test_rotation_changes_no_token_where_nothing_is_quantized(tiny_hd24, prompts
     assert ids(rotated[0]) == ids(plain[0])
 
 
-@matrix_only("the rotated basis is checked on every read path over 2-bit pages by tests/unit/test_attention_rotation.py "
+@matrix_only("the rotated basis is checked on every read path over 2-bit pages by "
+             "tests/unit/test_attention_rotation.py "
              "(kvq_triton's fused decode against kvq_torch's entry too) and end to end by the exact test above")
 @pytest.mark.parametrize("rotate", ["values", "hadamard"])
 def test_rotated_kivi2_gives_the_same_tokens_on_both_backends_across_a_radix_hit(tiny, prompts, rotate):

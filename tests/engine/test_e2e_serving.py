@@ -33,11 +33,11 @@ def prompts():
     return [" ".join(rng.choice(words) for _ in range(120)) for _ in range(6)]
 
 
-# CI: the default prefill on equal contexts (2-4 minutes of the Triton interpreter per case); the matrix
-# (KVQ_TEST_MATRIX=all) adds the paged prefill on ragged contexts through the page-by-page path
+# KVQ_TEST_MATRIX=all (2-4 minutes of the Triton interpreter per case); in CI kivi2's tokens on both backends equal
+# the committed record (test_e2e_greedy_tokens.py), and each torch path's reads equal the reference
+# (tests/unit/test_attention_batched.py, test_attention_pages.py, tests/kernels/test_kernels_cpu_decode.py)
 @pytest.mark.parametrize("prefill,contexts,torch_paths", ci_slice(
-    [("full", "equal", ["padded", "cpu_kernel"]), ("paged", "ragged", ["pages"])],
-    [("full", "equal", ["padded", "cpu_kernel"])]))
+    [("full", "equal", ["padded", "cpu_kernel"]), ("paged", "ragged", ["pages"])], []))
 def test_kvq_triton_gives_the_same_tokens_as_kvq_torch(tiny, prompts, prefill, contexts, torch_paths):
     """kvq_torch's decode paths give kvq_triton's tokens: with KVQ_CPU_KERNEL=0 equal contexts decode on the padded
     path, ragged ones (120, 40 and 6 words) page by page (sgl_kvq/attention_pages.py); by default on a CPU the C
@@ -87,11 +87,11 @@ def test_pool_too_small_completes_every_request_like_an_uncontended_run(capfd):
     (another request's codes, a stale scale) derails a continuation far beyond that."""
     from contended import DETERMINISTIC, uncontended_and_contended
 
-    # CI: bf16, kivi2 and kivi2's deterministic mode (each run pair 2-5 minutes of CPU); kivi4 reads the same pages
-    # through the same code at another width (KVQ_TEST_MATRIX=all adds it)
-    runs = {"auto": ("auto", {}), "kivi2": ("kivi2", {}), "kivi2-paged-r0": ("kivi2", DETERMINISTIC)}
+    # CI: bf16 and kivi2's deterministic mode (each run pair 2-5 minutes of CPU), where a stale or foreign page read
+    # shows at once; KVQ_TEST_MATRIX=all adds kivi2 and kivi4 at their defaults (the quantization-noise bound)
+    runs = {"auto": ("auto", {}), "kivi2-paged-r0": ("kivi2", DETERMINISTIC)}
     if full_matrix():
-        runs["kivi4"] = ("kivi4", {})
+        runs.update({"kivi2": ("kivi2", {}), "kivi4": ("kivi4", {})})
     free, contended = {}, {}
     for name, (dtype, env) in runs.items():
         free[name], contended[name] = uncontended_and_contended(dtype, env, capfd)

@@ -71,6 +71,7 @@ def window_prompts() -> list[list[int]]:
     return prompts + [prompts[0][:300] + random_ids(rng, 100)]
 
 
+@matrix_only("specache's windowed lanes equal the oracle in tests/unit/test_specache_window.py (47 s)")
 def test_specache2_attends_and_prefetches_within_the_window():
     """specache2 on kvq_torch, two sliding layers of window 100, R = 0: its extend reads the 16-bit prefix (a radix
     hit for the third prompt) within the window, and its decode lanes attend within theirs, the top-k rows
@@ -89,6 +90,8 @@ def test_specache2_attends_and_prefetches_within_the_window():
 
 
 # CI: one server start on the tiny model (about 50 s on a loaded 2-core machine)
+@matrix_only("the Engine tests above slide the same window; launch_server and the frontend language are "
+             "tests/engine/test_e2e_serving.py's (66 s)")
 def test_launch_server_and_a_frontend_program_slide_the_window_on_kivi2(tmp_path, monkeypatch):
     """The window test above through SGLang's HTTP server, started as users start it (`python -m sglang.launch_server
     --kv-cache-dtype kivi2`, the plugin loading itself), and a two-turn frontend-language program against it: the

@@ -12,6 +12,7 @@ from multiturn import radix_hits_over_http
 from slices import ci_slice
 from contended import contended_agreement_in_the_deterministic_mode, contended_prompts
 from engine_runs import refused_before_load, run_engine
+from slices import matrix_only
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -46,6 +47,7 @@ def test_http_server_multiturn_and_forked_program_hit_the_radix_cache(tiny, tmp_
     assert stats["base_bytes_per_token"] == pytest.approx(2 * 2 * per_head)
 
 
+@matrix_only("kivi2's run in tests/engine/test_e2e_serving.py retracts through the same pool and tree (78 s)")
 def test_pool_too_small_completes_every_request_and_is_exact_in_the_deterministic_mode(capfd):
     """12 requests x 160 tokens against a 16-page pool with retraction forced. With KVQ_PREFILL=paged and
     KVQ_RESIDUAL=0 a page's compression is a function of its tokens and their queries alone, so the contended run

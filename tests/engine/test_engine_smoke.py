@@ -1,4 +1,5 @@
-"""The real sglang.Engine on CPU with SmolLM2 (bf16 KV cache, our plugin loaded): a sane answer and a radix-cache hit."""
+"""The real sglang.Engine on CPU with SmolLM2 (bf16 KV cache, our plugin loaded): a sane answer and a radix-cache
+hit."""
 
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ import pytest
 from sgl_kvq.tools.commands import eval_agree, eval_niah
 from sgl_kvq.tools.eval import engine_eval as ee
 from sgl_kvq.tools.eval import needles
+from slices import matrix_only
 
 TINY = ["--model", "tiny", "--max-total-tokens", "4096", "--max-running-requests", "4"]
 
@@ -140,6 +141,7 @@ def test_niah_plan_single_runs_the_given_needle_at_every_depth():
 
 @pytest.mark.slow
 @pytest.mark.engine
+@matrix_only("a measurement run (`sgl-kvq eval`, 106 s); its parts are checked offline above")
 def test_ppl_turns_read_the_cache(tmp_path):
     res, proc = _eval(tmp_path, "ppl", "--kv-cache-dtype", "auto,kivi2", "--turns", "3", "--turn-tokens", "128")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -159,6 +161,7 @@ def test_ppl_turns_read_the_cache(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.engine
+@matrix_only("a measurement run (`sgl-kvq eval`, 64 s); its parts are checked offline above")
 def test_niah_question_hits_the_cached_haystack(tmp_path):
     res, proc = _eval(tmp_path, "niah", "--kv-cache-dtype", "kivi2", "--needle-set", "single", "--lengths", "320",
                       "--depths", "0.2,0.8", "--max-new-tokens", "4")
@@ -177,6 +180,7 @@ def test_niah_question_hits_the_cached_haystack(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.engine
+@matrix_only("a measurement run (`sgl-kvq eval`, 152 s); its parts are checked offline above")
 def test_agree_bf16_reproduces_itself_and_kivi2_is_measured(tmp_path):
     res, proc = _eval(tmp_path, "agree", "--kv-cache-dtype", "auto,kivi2", "--prompts", "2", "--prompt-tokens", "192",
                       "--new-tokens", "12")

@@ -12,8 +12,10 @@ import pytest
 from sgl_kvq.tools.commands.bench_soak import soak_one, verdict
 from sgl_kvq.tools.models import tiny_llama
 from sgl_kvq.tools.soak import malformed_requests
+from slices import matrix_only
 
-pytestmark = [pytest.mark.slow, pytest.mark.engine]
+pytestmark = [pytest.mark.slow, pytest.mark.engine,
+              matrix_only("a measurement-style run of `sgl-kvq bench soak` (183 s); its helpers are tests/tools/'s")]
 
 
 def test_short_soak_kivi2_deterministic(tmp_path):

@@ -29,7 +29,9 @@ KL_OVER_KIT_THRESHOLD: dict[str, dict[str, dict]] = _EXPECTED["kl_over_kit_thres
 GREEDY_TEXT_FAILURES: dict[str, dict[str, str]] = _EXPECTED["greedy_text_failures"]
 BF16_NEAR_TIES: dict[str, str] = _EXPECTED["bf16_near_ties"]
 
-CI_DTYPES = ["kivi2", "specache2"]
+# CI serves kivi2, the representative (specache2's radix hits, host tier and lanes are tests/engine/
+# test_e2e_specache.py's); KVQ_TEST_CONFORMANCE_DTYPES=all (or `sgl-kvq bench conformance`) serves every dtype.
+CI_DTYPES = ["kivi2"]
 # The client checks and frontend programs exercise SGLang's HTTP and frontend layers over whatever pool serves them:
 # CI runs them on kivi2. On specache2 they took 1,000 s of a loaded CI worker (two decode lanes per token on 2 cores)
 # to repeat what kivi2's run and tests/engine/test_e2e_specache.py's HTTP and frontend test cover; the matrix
@@ -48,24 +50,11 @@ CI_KIT_TESTS = [
     "api_contract.test_get_model_info", "api_contract.test_get_server_info", "api_contract.test_health",
     "api_contract.test_health_generate", "api_contract.test_openai_chat_completion",
     "api_contract.test_openai_completion", "decode_correctness.test_max_token_one", "abort_all.test_abort_all",
-    "kl_divergence.test_input_output_logprobs_match_decode_cache_hit",
-    "kl_divergence.test_input_output_logprobs_match_prefill_cache_hit", "cache_hit.test_multiturn_cache_hit",
     "matched_stop.test_finish_length", "matched_stop.test_finish_stop_eos",
 ]
-
-
-# specache2 runs CI_KIT_TESTS but the multi-turn cache hit and the two KL tests (465 s of a CI worker): they read
-# kivi2's pages through the same radix tree, tests/engine/test_e2e_specache.py serves specache2's radix hits, host
-# tier and both lanes, and its KL is a documented excess over the kit's threshold (tests/data/expected_failures.json,
-# a bound the matrix holds it to). The matrix (`sgl-kvq bench conformance`, KVQ_TEST_CONFORMANCE_KITS=all) runs every
-# kit test on every dtype.
-CI_KIT_TESTS_LEFT_OUT = {
-    # kivi2's decode-hit KL (182 s of a CI worker): a documented excess like its prefix-hit KL, which stays
-    "kivi2": {"kl_divergence.test_input_output_logprobs_match_decode_cache_hit"},
-    "specache2": {"cache_hit.test_multiturn_cache_hit",
-                  "kl_divergence.test_input_output_logprobs_match_decode_cache_hit",
-                  "kl_divergence.test_input_output_logprobs_match_prefill_cache_hit"},
-}
+# The KL kit (274 s of a CI worker on kivi2, where it is a documented excess: tests/data/expected_failures.json) and
+# the multi-turn cache hit (288 s) are measurements the committed matrix holds (bench/results/conformance-*.json,
+# docs/conformance.md); radix hits are every e2e module's multi-turn test. KVQ_TEST_CONFORMANCE_KITS=all runs them.
 
 
 def kit_tests(dtype: str | None = None) -> list[str]:
@@ -75,8 +64,7 @@ def kit_tests(dtype: str | None = None) -> list[str]:
         return every
     missing = set(CI_KIT_TESTS) - set(every)
     assert not missing, f"CI_KIT_TESTS names kit tests SGLang's kits do not have: {sorted(missing)}"
-    left_out = CI_KIT_TESTS_LEFT_OUT.get(dtype, set())
-    return [t for t in CI_KIT_TESTS if t not in left_out]
+    return list(CI_KIT_TESTS)
 
 
 def dtypes(ci: list[str] = CI_DTYPES) -> list[str]:

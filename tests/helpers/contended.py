@@ -1,9 +1,9 @@
 """The contended-vs-uncontended run shared by the e2e modules: 12 requests x 160 tokens of the tiny bf16 Llama,
 uncontended (a pool that holds them all) and contended (a pool that holds a few, with SGLang's retraction test mode
 on). bf16's pair of runs is every dtype's baseline and is identical in every module, so it runs once per test
-session, shared by the xdist workers through a file. bf16: 4,096 and 1,024 tokens (16 pages). A kvq pool's running requests also take their fp16 frames from it
-(8 pages of 64 tokens each at 2 bit for this model's 16 channels, 1,024 tokens a request): 16,384 and 4,096 tokens
-(about 3 requests' frames at once)."""
+session, shared by the xdist workers through a file. bf16: 4,096 and 1,024 tokens (16 pages). A kvq pool's running
+requests also take their fp16 frames from it (8 pages of 64 tokens each at 2 bit for this model's 16 channels, 1,024
+tokens a request): 16,384 and 4,096 tokens (about 3 requests' frames at once)."""
 
 from __future__ import annotations
 

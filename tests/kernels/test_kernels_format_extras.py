@@ -1,7 +1,7 @@
 """The kernels' format extras group (kernels/format_extras.py) against the layout the pool allocates: the tensors the
-kernels read by name are the ones each format declares (formats.registry.EXTRA_SHAPES), and the sizes read off a pool's layer view are the
-ones PoolShape takes from the config (ZipCache's salient width included). Reading them is checked by the
-kernel-vs-reference tests (tests/kernels/test_kernels_attention.py)."""
+kernels read by name are the ones each format declares (formats.registry.EXTRA_SHAPES), and the sizes read off a
+pool's layer view are the ones PoolShape takes from the config (ZipCache's salient width included). Reading them is
+checked by the kernel-vs-reference tests (tests/kernels/test_kernels_attention.py)."""
 
 from __future__ import annotations
 

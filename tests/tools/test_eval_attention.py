@@ -10,6 +10,7 @@ import torch
 
 from sgl_kvq.tools.commands import eval_attention
 from sgl_kvq.tools.eval import attention
+from slices import matrix_only
 
 EXPECTED = {"fp16", "per-token-2", "kivi4", "kivi2", "kivi1", "kivi1-plain", "gear-l-2", "gear-2", "zipcache",
             "zipcache-0.6", "logquant-2", "logquant-2-w21",
@@ -126,6 +127,7 @@ def test_layer_spec():
 
 
 @pytest.mark.slow
+@matrix_only("a measurement (`sgl-kvq eval attention`, 58 s); the tests above check its parts offline")
 def test_smollm2_two_layers(tmp_path):
     args = _args(tmp_path, "smollm2", "--tokens", "512", "--layers", "0,29")
     assert eval_attention.run(args) == 0

@@ -1,6 +1,7 @@
 """Sliding-window layers (SGLang's `sliding_window_size` W: a query at position i sees positions i - W .. i) on every
-kvq_torch path (the C decode kernel included, where a compiler is found), against the oracle attention_ref: windows that end inside a base page, inside an overlay frame, on a
-page boundary, W = 0 (the query's own token only) and windows wider than the context; every format's pages."""
+kvq_torch path (the C decode kernel included, where a compiler is found), against the oracle attention_ref: windows
+that end inside a base page, inside an overlay frame, on a page boundary, W = 0 (the query's own token only) and
+windows wider than the context; every format's pages."""
 
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ def test_a_window_wider_than_the_context_changes_nothing_and_a_narrow_one_does()
 # kivi2 does; kivi3 has two code planes), per-page extras and a peer's own base go through the padded path
 FORMATS = {
     "kivi2": dict(bits=2), "kivi3": dict(bits=3), "gear2": dict(bits=2, gear=(2, 1, 1)),
-    "zipcache2": dict(bits=2, salient=3), "logquant2": dict(bits=2, rows=3), "peer_int4": dict(bits=4, peer="peer_int4"),
+    "zipcache2": dict(bits=2, salient=3), "logquant2": dict(bits=2, rows=3),
+    "peer_int4": dict(bits=4, peer="peer_int4"),
 }
 
 

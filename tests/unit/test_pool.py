@@ -34,6 +34,7 @@ from sgl_kvq.metadata.host import begin_batch, plan_contexts  # noqa: E402
 from sgl_kvq.pool import KVQTokenToKVPool  # noqa: E402
 from sgl_kvq.quant import gear_page, kivi_page, logquant_page, zipcache_page  # noqa: E402
 from sgl_kvq.quant.zipcache import page_scores  # noqa: E402
+from slices import full_matrix
 
 H, D, L = 2, 16, 2
 HQ, SM_SCALE = 2 * H, 0.25  # zipcache2's queries: GQA group 2
@@ -81,7 +82,8 @@ def expected_context(tokens, n, layer, plan, b, cfg):
                 cfg.format.outliers_per_row(cfg, D)), cfg.bits)
         else:
             kq, vq = kivi_page.dequantize_pages(kivi_page.pack_pages(kp, vp, cfg.bits, vg), cfg.bits)
-        if cfg.method == "logquant":  # the rows LogQuant's rule keeps at each logical page's exit: a function of positions only
+        # the rows LogQuant's rule keeps at each logical page's exit: a function of positions only
+        if cfg.method == "logquant":
             off = logquant_page.offsets_table(cfg.logquant_window, G, cfg.ring_pages, n_base_pages,
                                                logquant.rows_per_page(cfg))
             kq, vq = logquant_page.apply_rows(kq, vq, logquant_page.PageRows(*logquant_page.gather_rows(kp, vp, off),
@@ -211,7 +213,8 @@ def test_pool_through_radix_tree(seed, bits, G, window_pages):
     trunks = [[rng.randrange(100) for _ in range(rng.randrange(G, 5 * G))] for _ in range(3)]
     for _ in range(7):
         trunk = rng.choice(trunks)
-        tokens = trunk[: rng.randrange(1, len(trunk) + 1)] + [rng.randrange(100) for _ in range(rng.randrange(0, 2 * G))]
+        tokens = (trunk[: rng.randrange(1, len(trunk) + 1)]
+                  + [rng.randrange(100) for _ in range(rng.randrange(0, 2 * G))])
         ep.run_request(tokens, decode_steps=rng.randrange(0, G + 3), chunk=rng.choice([3, G - 1, G, 2 * G + 5]),
                        slot=rng.randrange(1, 5))
         if rng.random() < 0.3:
@@ -256,7 +259,8 @@ def test_zipcache_pool_through_radix_tree(seed, ratio, window_pages):
     _shared_life(cfg, rng)
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# 10 examples under KVQ_TEST_MATRIX=all, 3 in CI (12 s each under the interpreter)
+@settings(max_examples=10 if full_matrix() else 3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**31), window=st.sampled_from([2, 3, 5]), window_pages=st.sampled_from([0, 1]),
        kernels=st.booleans())
 def test_logquant_pool_through_radix_tree(seed, window, window_pages, kernels):

@@ -118,8 +118,8 @@ def test_device_prefix_mode_reads_the_cached_prefix_from_the_low_bit_pool():
     a = Seq(1, 1, 40, r2t, torch.Generator().manual_seed(0))
     extend(backend, [a], [0], [29])
     fb = SimpleNamespace(forward_mode=ForwardMode.EXTEND, req_pool_indices=torch.tensor([1]),
-                         seq_lens=torch.tensor([40]), out_cache_loc=torch.arange(29, 40) + a.first, extend_prefix_lens_cpu=[29],
-                         extend_seq_lens_cpu=[11])
+                         seq_lens=torch.tensor([40]), out_cache_loc=torch.arange(29, 40) + a.first,
+                         extend_prefix_lens_cpu=[29], extend_seq_lens_cpu=[11])
     backend.init_forward_metadata(fb)
     plan = backend.forward_plan.steps[0].plan
     mask = torch.ones(11, 40, dtype=torch.bool)

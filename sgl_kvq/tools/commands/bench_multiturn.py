@@ -13,8 +13,8 @@ from pathlib import Path
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="smollm2", help="smollm2 | gemma3 | tiny | a model folder")
-    p.add_argument("--kv-cache-dtype", default="kivi2",
-                   help="comma list of kv dtypes compared with bf16, e.g. kivi4,kivi2,kivi1")
+    p.add_argument("--kv-cache-dtype", default="kivi4,kivi2",
+                   help="comma list of kv dtypes compared with bf16, e.g. kivi4,kivi3,kivi2")
     p.add_argument("--conversations", type=int, default=6)
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=32)

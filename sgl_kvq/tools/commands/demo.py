@@ -1,6 +1,7 @@
 """`sgl-kvq demo`: the main job. Starts the SGLang server (CPU engine when there is no GPU) with the embedded
-SmolLM2 twice, bf16 KV then kivi2, at the same KV memory budget, runs the same small multi-turn ShareGPT workload
-against each, and prints what it measured (sgl_kvq/tools/commands/bench_multiturn.py does the work)."""
+SmolLM2 three times at the same KV memory budget: bf16 KV, then kivi4 (the near-lossless choice) and kivi2 (the most
+tokens); runs the same small multi-turn ShareGPT workload against each and prints capacity, throughput and agreement
+with bf16 (sgl_kvq/tools/commands/bench_multiturn.py does the work)."""
 
 from __future__ import annotations
 
