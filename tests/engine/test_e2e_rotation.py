@@ -57,6 +57,9 @@ def ids(turn) -> list[list[int]]:
     return [o["output_ids"] for o in turn]
 
 
+@matrix_only("kivi2 rotates its values by default, so its greedy record through both backends "
+             "(tests/engine/test_e2e_greedy_tokens.py) serves the rotation end to end; the block Hadamard of head_dim "
+             "24 is tests/unit/test_attention_rotation.py's (72 s)")
 def test_rotation_changes_no_token_where_nothing_is_quantized(tiny_hd24, prompts):
     # R = 512: the longest request (~200 tokens with its output) never leaves the fp32 frames; value groups of 8
     window = {"KVQ_RESIDUAL": "512", "KVQ_VALUE_GROUP": "8"}

@@ -47,6 +47,8 @@ def test_inside_the_fp16_window_kivi2_gives_sglangs_own_sliding_window_tokens():
         assert a == pytest.approx(b, abs=1e-4)
 
 
+@matrix_only("the test above serves the window against SGLang's own tokens; which pages each path reads under a "
+             "window is tests/unit/test_attention_window.py's (39 s)")
 def test_tokens_before_the_window_are_never_read_from_the_packed_pages():
     """Two sliding layers of window 100 with R = 0 (only the open page is fp16: the window reaches into packed
     pages). Two 400-token prompts that differ only in their first 100 tokens: a layer-2 key at position j depends on

@@ -74,6 +74,8 @@ def test_multiturn_with_radix_hits_and_prefetch_counters(tiny, dtype, monkeypatc
     print(dtype, "cached", cached, "specache", sc)
 
 
+@matrix_only("kivi2's retraction pair in tests/engine/test_e2e_serving.py retracts through the same pool and tree; "
+             "the host tier's writes and frees are tests/unit/test_specache_host_tier.py's (95 s)")
 def test_long_contended_run_completes_and_the_host_tier_does_not_grow(tiny, capfd):
     """24 requests through a 128-page pool (about 2 requests' pooled frames, fp16 window and top-k rows, and their
     pages) with SGLang's
@@ -96,6 +98,8 @@ def test_long_contended_run_completes_and_the_host_tier_does_not_grow(tiny, capf
     assert pool["specache"]["predecode_rows"] > 24  # resumed requests pre-decode again
 
 
+@matrix_only("specache2's radix hits are the Engine test above's; the server and frontend language are "
+             "tests/engine/test_e2e_serving.py's (69 s)")
 def test_http_server_and_frontend_language_on_specache2(tiny, tmp_path, frontend_fork):
     """`sgl-kvq serve --kv-cache-dtype specache2` (SGLang's launch_server with the plugin): /generate with a shared
     prefix hits the radix cache, the frontend language forks on it, and the lanes ran in the server's scheduler."""
