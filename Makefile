@@ -11,9 +11,9 @@ setup:
 	KVQ_VENV=$(abspath $(VENV)) bash scripts/setup_env.sh
 
 # -n: TEST_WORKERS pytest-xdist workers, each taking whole test files (--dist loadfile: a module's servers start
-# once; tests/conftest.py keeps the conformance modules on one worker and hands out the engine modules first). Much
-# of the suite waits on one core (the Triton interpreter, a server's scheduler, imports), which the second worker
-# fills. Matrices run one representative case; KVQ_TEST_MATRIX=all runs every case (docs/development.md, Tests).
+# once; tests/conftest.py keeps the conformance modules on one worker). Much of the suite waits on one core (the
+# Triton interpreter, a server's scheduler, imports), which the second worker fills. Matrices run one
+# representative case; KVQ_TEST_MATRIX=all runs every case (docs/development.md, Tests).
 # --timeout: a hung engine test fails after 20 min instead of eating CI's budget. pytest exits 5 when it collected
 # no tests: say so, and fail.
 TEST_WORKERS ?= 2
@@ -31,5 +31,7 @@ check: setup
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -n 0 -p no:cacheprovider --timeout=120 $(CHECK_TESTS)
 
+# DEMO_ARGS: e.g. --json FILE to keep the measurements (sgl-kvq demo --help)
+DEMO_ARGS ?=
 demo: setup
-	$(VENV)/bin/sgl-kvq demo
+	$(VENV)/bin/sgl-kvq demo $(DEMO_ARGS)

@@ -94,17 +94,6 @@ def pytest_xdist_make_scheduler(config, log):
     return ModuleScheduling(config, log)
 
 
-# The folders by how long their modules take, longest first: pytest-xdist hands out whole modules in collection order,
-# so the engine modules start first and the short unit modules fill the end of both workers' runs.
-FOLDER_ORDER = ("engine", "unit", "kernels", "tools", "project")
-
-
-def _longest_first(item) -> int:
-    parts = Path(str(item.fspath)).parts
-    folder = parts[parts.index("tests") + 1] if "tests" in parts else ""
-    return FOLDER_ORDER.index(folder) if folder in FOLDER_ORDER else len(FOLDER_ORDER)
-
-
 def pytest_collection_modifyitems(config, items):
     """Mark the documented expected failures xfail(strict=True) (tests/data/expected_failures.json, read at
     collection: conformance.mark_documented_failures), and deselect the kit tests a dtype leaves out in CI
@@ -113,7 +102,6 @@ def pytest_collection_modifyitems(config, items):
     server."""
     from conformance import kit_tests, mark_documented_failures
 
-    items.sort(key=_longest_first)  # stable: a module's tests keep their order
     mark_documented_failures(items)
     drop = []
     for item in items:
