@@ -96,20 +96,7 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_collection_modifyitems(config, items):
     """Mark the documented expected failures xfail(strict=True) (tests/data/expected_failures.json, read at
-    collection: conformance.mark_documented_failures), and deselect the kit tests a dtype leaves out in CI
-    (tests/helpers/conformance.py: kit_tests(dtype)). Parametrizing over (dtype, kit test) pairs instead would give
-    each pair its own server key, and pytest would stop grouping the kit and client tests of one dtype around its one
-    server."""
-    from conformance import kit_tests, mark_documented_failures
+    collection: conformance.mark_documented_failures)."""
+    from conformance import mark_documented_failures
 
     mark_documented_failures(items)
-    drop = []
-    for item in items:
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        if "kit_test" in params and "conformance_server" in params \
-                and params["kit_test"] not in kit_tests(params["conformance_server"]):
-            drop.append(item)
-    if drop:
-        config.hook.pytest_deselected(items=drop)
-        dropped = set(drop)
-        items[:] = [item for item in items if item not in dropped]

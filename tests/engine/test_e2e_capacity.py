@@ -15,8 +15,7 @@ from sgl_kvq.tools.commands.serving_stats import scheduler_log_stats
 from sgl_kvq.tools.commands.serving_workloads import ModelShape
 from sgl_kvq.tools.launch import ServerProcess, baseline_page_size
 from sgl_kvq.tools.models import smollm2, tiny_llama
-from slices import ci_slice
-from slices import matrix_only
+from slices import ci_slice, matrix_only
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 

@@ -12,12 +12,11 @@ import re
 import pytest
 import torch
 
-from slices import ci_slice, full_matrix
+from slices import ci_slice, full_matrix, matrix_only
 from engine_runs import pool_stats
 from sgl_kvq.formats.specache import SPECACHE_TOP_K
 from sgl_kvq.tools.launch import engine_kwargs
 from sgl_kvq.tools.models import tiny_llama
-from slices import matrix_only
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 

@@ -9,10 +9,9 @@ import pytest
 
 from sgl_kvq.tools.models import tiny_llama
 from multiturn import radix_hits_over_http
-from slices import ci_slice
+from slices import ci_slice, matrix_only
 from contended import contended_agreement_in_the_deterministic_mode, contended_prompts
 from engine_runs import refused_before_load, run_engine
-from slices import matrix_only
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 

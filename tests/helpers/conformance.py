@@ -33,9 +33,8 @@ BF16_NEAR_TIES: dict[str, str] = _EXPECTED["bf16_near_ties"]
 # test_e2e_specache.py's); KVQ_TEST_CONFORMANCE_DTYPES=all (or `sgl-kvq bench conformance`) serves every dtype.
 CI_DTYPES = ["kivi2"]
 # The client checks and frontend programs exercise SGLang's HTTP and frontend layers over whatever pool serves them:
-# CI runs them on kivi2. On specache2 they took 1,000 s of a loaded CI worker (two decode lanes per token on 2 cores)
-# to repeat what kivi2's run and tests/engine/test_e2e_specache.py's HTTP and frontend test cover; the matrix
-# (KVQ_TEST_CONFORMANCE_DTYPES) runs them on every dtype.
+# CI runs them on kivi2 (on specache2 they took 1,000 s of a loaded CI worker, two decode lanes per token on 2 cores);
+# the matrix (KVQ_TEST_CONFORMANCE_DTYPES) runs them on every dtype.
 CI_CLIENT_DTYPES = ["kivi2"]
 # The kit tests CI runs: the ones measured on every CI dtype (bench/results/conformance-smollm2.json: the API
 # contract, a one-token decode, abort-all, both KL tests, the multi-turn cache hit; bench/results/
@@ -58,8 +57,8 @@ CI_KIT_TESTS = [
 # multi-turn test. KVQ_TEST_CONFORMANCE_KITS=all runs them.
 
 
-def kit_tests(dtype: str | None = None) -> list[str]:
-    """The kit tests that run (on `dtype`, or on any dtype)."""
+def kit_tests() -> list[str]:
+    """The kit tests that run on every served dtype."""
     every = bc.kit_test_names()
     if os.environ.get("KVQ_TEST_CONFORMANCE_KITS") == "all":
         return every
