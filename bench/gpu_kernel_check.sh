@@ -22,8 +22,9 @@ print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.cu
 PY
 
 if $PY -c "import pytest" 2>/dev/null; then
-    # -p no:cacheprovider: the checkout may be read-only; --junitxml keeps per-test results
-    $PY -m pytest -p no:cacheprovider -q tests/kernels/test_kernels_quantize.py \
+    # -p no:cacheprovider: the checkout may be read-only; --junitxml keeps per-test results; KVQ_TEST_MATRIX=all:
+    # every case of the sweeps CI slices (tests/helpers/slices.py), cheap on a GPU
+    KVQ_TEST_MATRIX=all $PY -m pytest -p no:cacheprovider -q tests/kernels/test_kernels_quantize.py \
         tests/kernels/test_kernels_attention.py tests/kernels/test_kernels_specache.py \
         tests/unit/test_decode_metadata.py tests/unit/test_specache_decode_metadata.py \
         tests/unit/test_specache_prefix_frames.py \

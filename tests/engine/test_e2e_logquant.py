@@ -47,7 +47,7 @@ def test_http_server_multiturn_and_forked_program_hit_the_radix_cache(tiny, tmp_
 @matrix_only("the same forced retraction runs on gear2 (test_e2e_gear.py) and kivi2 (test_e2e_serving.py); "
              "logquant2's page writes under it are its store's, unit-tested (161 s of a CI worker)")
 def test_pool_too_small_completes_every_request_and_is_exact_in_the_deterministic_mode(capfd):
-    """As tests/engine/test_e2e_gear.py's case, for logquant2: 12 requests x 160 tokens against a 16-page pool with
+    """As tests/engine/test_e2e_gear.py's case, for logquant2: 8 requests x 160 tokens against a 16-page pool with
     retraction forced. With KVQ_PREFILL=paged and KVQ_RESIDUAL=0 a page's codes and rows are a function of its
     tokens and position alone, so the contended run must agree with the uncontended one at least as well as
     bf16's does."""

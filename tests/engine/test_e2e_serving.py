@@ -71,7 +71,7 @@ def test_kivi3_gives_kvq_torchs_tokens_on_kvq_triton(tiny, prompts):
 
 
 def test_pool_too_small_completes_every_request_like_an_uncontended_run(capfd):
-    """12 requests x 160 tokens against a pool that holds a few (tests/helpers/contended.py) with SGLang's retraction
+    """8 requests x 160 tokens against a pool that holds a few (tests/helpers/contended.py) with SGLang's retraction
     test mode on: requests are retracted (their complete pages checkpointed into the tree, patches/retraction.py), pages
     evicted and reused, requests resumed. Every request must complete; outputs are compared with an uncontended run
     of the same requests, and

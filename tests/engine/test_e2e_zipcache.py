@@ -48,7 +48,7 @@ def test_http_server_multiturn_and_forked_program_hit_the_radix_cache(tiny, tmp_
 
 @matrix_only("kivi2's run in tests/engine/test_e2e_serving.py retracts through the same pool and tree (78 s)")
 def test_pool_too_small_completes_every_request_and_is_exact_in_the_deterministic_mode(capfd):
-    """12 requests x 160 tokens against a 16-page pool with retraction forced. With KVQ_PREFILL=paged and
+    """8 requests x 160 tokens against a 16-page pool with retraction forced. With KVQ_PREFILL=paged and
     KVQ_RESIDUAL=0 a page's compression is a function of its tokens and their queries alone, so the contended run
     must agree with the uncontended one at least as well as bf16's does."""
     contended = contended_agreement_in_the_deterministic_mode("zipcache2", capfd)

@@ -1,4 +1,4 @@
-"""The contended-vs-uncontended run shared by the e2e modules: 12 requests x 160 tokens of the tiny bf16 Llama,
+"""The contended-vs-uncontended run shared by the e2e modules: 8 requests x 160 tokens of the tiny bf16 Llama,
 uncontended (a pool that holds them all) and contended (a pool that holds a few, with SGLang's retraction test mode
 on). bf16's pair of runs is every dtype's baseline and is identical in every module, so it runs once per test
 session, shared by the xdist workers through a file. bf16: 4,096 and 1,024 tokens (16 pages). A kvq pool's running
@@ -25,7 +25,7 @@ DETERMINISTIC = {"KVQ_PREFILL": "paged", "KVQ_RESIDUAL": "0"}
 _BF16: dict[str, tuple[list[list[int]], float]] = {}
 
 
-def contended_prompts(n: int = 12, words: int = 120) -> list[str]:
+def contended_prompts(n: int = 8, words: int = 120) -> list[str]:
     rng = random.Random(0)
     vocab = "def class return import from self lambda yield while for if else try except with as print".split()
     return [" ".join(rng.choice(vocab) for _ in range(words)) for _ in range(n)]

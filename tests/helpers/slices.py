@@ -23,3 +23,12 @@ def matrix_only(why: str):
     import pytest
 
     return pytest.mark.skipif(not full_matrix(), reason=f"KVQ_TEST_MATRIX=all runs it; in CI {why}")
+
+
+def covering_pairs(xs: list, ys: list) -> list[tuple]:
+    """Every (x, y) under KVQ_TEST_MATRIX=all; in CI each x once, with the ys in turn (x_i, y_{i mod len(ys)}), so
+    every x and every y still runs. For the kernel sweeps, whose time under the Triton interpreter is linear in their
+    cases: a shape bug shows in either dtype, and a dtype bug on any shape."""
+    if full_matrix():
+        return [(x, y) for x in xs for y in ys]
+    return [(x, ys[i % len(ys)]) for i, x in enumerate(xs)]

@@ -22,6 +22,7 @@ from sgl_kvq.attention_rotation import basis  # noqa: E402
 from sgl_kvq.kernels.merge_state import merge_state  # noqa: E402
 from kernel_checks import DEVICE, DTYPES, assert_close_written, to_device  # noqa: E402
 from paged_pool import make_pool  # noqa: E402
+from slices import covering_pairs  # noqa: E402
 
 
 # (G, H, group, D, VG, requests as (base tokens, overlay tokens)); base tokens are whole pages whenever the request
@@ -34,9 +35,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case,dtype", covering_pairs(list(CASES), DTYPES))
 @pytest.mark.parametrize("bits", [1, 2, 3, 4])
-@pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_matches_reference(case, bits, dtype):
     G, H, group, D, VG, reqs = CASES[case]
     kv, paged = make_pool(G, H, D, VG, bits, reqs, dtype, seed=bits)
@@ -129,9 +129,8 @@ EXTEND_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(EXTEND_CASES))
+@pytest.mark.parametrize("case,dtype", covering_pairs(list(EXTEND_CASES), DTYPES))
 @pytest.mark.parametrize("bits", [1, 2, 3, 4])
-@pytest.mark.parametrize("dtype", DTYPES)
 def test_extend_matches_reference(case, bits, dtype):
     G, H, group, D, VG, reqs = EXTEND_CASES[case]
     kv, paged = make_pool(G, H, D, VG, bits, [(b, o) for b, o, _ in reqs], dtype, seed=10 + bits)
@@ -217,9 +216,8 @@ def _check_extend_format(case, *, seed, **extras):
 GEAR = {"gear2": (2, 1, 1), "gearl2": (2, 0, 0), "rank3-nk2-nv3": (3, 2, 3)}
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case,dtype", covering_pairs(list(CASES), DTYPES))
 @pytest.mark.parametrize("gear", list(GEAR))
-@pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_gear_matches_reference(case, gear, dtype):
     _check_decode_format(case, dtype, seed=3, gear=GEAR[gear])
 
@@ -244,9 +242,8 @@ def test_gear_correction_layout_is_checked():
 SALIENT = [1, 7]
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case,dtype", covering_pairs(list(CASES), DTYPES))
 @pytest.mark.parametrize("ns", SALIENT)
-@pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_zipcache_matches_reference(case, ns, dtype):
     _check_decode_format(case, dtype, seed=5, salient=ns)
 
@@ -272,9 +269,8 @@ def test_zipcache_salient_layout_is_checked():
 ROWS = {"M1": 1, "M3": 3, "M8": 8}
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case,dtype", covering_pairs(list(CASES), DTYPES))
 @pytest.mark.parametrize("rows", list(ROWS))
-@pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_logquant_rows_match_reference(case, rows, dtype):
     _check_decode_format(case, dtype, seed=5, rows=ROWS[rows])
 

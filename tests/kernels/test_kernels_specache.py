@@ -21,6 +21,7 @@ from sgl_kvq.specache.attention import output_rows, speculative_rows, with_topk 
 from kernel_checks import DEVICE, TOL, assert_close_written, to_device  # noqa: E402
 from sgl_kvq.specache.topk_rows import TopKRows  # noqa: E402
 from paged_pool import make_pool  # noqa: E402
+from slices import covering_pairs  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
@@ -81,9 +82,8 @@ def _mass(p_spec, H, n_base, p_real=None):
     return m
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case,dtype", covering_pairs(list(CASES), DTYPES))
 @pytest.mark.parametrize("bits", [1, 2])
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lanes,follow", [(2, False), (2, True), (1, False)])
 def test_lanes_match_torch(case, bits, dtype, lanes, follow):
     G, H, group, D, VG, K, reqs = CASES[case]
@@ -145,15 +145,15 @@ def _windows(G: int) -> list[int]:
     return [0, 5, G - 1, G + 3, 2 * G + 6, 10 * G]
 
 
-@pytest.mark.parametrize("case", ["G16-mha-odd-k5", "G32-gqa3-k24"])
-@pytest.mark.parametrize("lanes,follow", [(2, False), (2, True), (1, False)])
-def test_lanes_match_torch_under_sliding_windows(case, lanes, follow):
+@pytest.mark.parametrize("lanes_follow,case", covering_pairs([(2, False), (2, True), (1, False)],
+                                                             ["G16-mha-odd-k5", "G32-gqa3-k24"]))
+def test_lanes_match_torch_under_sliding_windows(case, lanes_follow):
     """A sliding layer: the output row (at its context's last position T - 1) sees T - 1 - W .., the speculative row
     (own key at T) T - W .., prefetched rows included; the kernel against the torch lanes with the same window, its
     scores written at every visible base position, and select_topk (given window_first) choosing inside the
     speculative row's window only, the torch lanes' set up to near-ties. Split-KV with 3 splits starting at the
     window's first page."""
-    G, H, group, D, VG, K, reqs = CASES[case]
+    (lanes, follow), (G, H, group, D, VG, K, reqs) = lanes_follow, CASES[case]
     dtype, bits = torch.float32, 1 + lanes % 2
     kv, paged = make_pool(G, H, D, VG, bits, reqs, dtype, seed=bits + 11)
     n, Hq = len(reqs), H * group

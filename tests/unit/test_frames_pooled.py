@@ -24,6 +24,7 @@ from sgl_kvq.layout import PoolShape
 from sgl_kvq.metadata.device import DecodeBuffers, build_decode
 from sgl_kvq.metadata.forward import build_forward_plan
 from sgl_kvq.patches.frames import FramePageAllocator
+from slices import ci_slice
 
 H, HQ, D, SCALE = 2, 4, 32, 0.2
 SLOTS, MAX_CTX = 6, 192
@@ -337,9 +338,12 @@ class Life:
             assert self.alloc.frames_obtainable(n) == (can >= n), (n, can)
 
 
-@pytest.mark.parametrize("G,bits,residual,method", [(16, 2, 16, "kivi"), (16, 4, 32, "kivi"), (16, 2, 0, "kivi"),
-                                                    (16, 3, 32, "kivi"), (16, 2, 16, "zipcache"),
-                                                    (16, 2, 16, "logquant")])
+# CI: 2 bits (8 pages a frame), 3 (frames lie apart) and the formats with extras; 4 bits and R = 0 in the matrix
+FRAME_CASES = [(16, 2, 16, "kivi"), (16, 4, 32, "kivi"), (16, 2, 0, "kivi"), (16, 3, 32, "kivi"),
+               (16, 2, 16, "zipcache"), (16, 2, 16, "logquant")]
+
+
+@pytest.mark.parametrize("G,bits,residual,method", ci_slice(FRAME_CASES, [FRAME_CASES[i] for i in (0, 3, 4, 5)]))
 def test_pooled_frames_serve_what_static_frames_serve(G, bits, residual, method, triton_interpret):
     # whole frames, page 0 included: 8 pages a frame at 2 bits, 6 at 3 (5.33 used: frames lie apart), 4 at 4
     static, pooled, dev = make_pair(G, bits, residual, method, num_pages=131 if bits == 3 else 127)
