@@ -22,13 +22,14 @@ test: setup
 	  || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
 
-# Lint, the generated blocks against their sources (README's decision summaries, docs/decision*.md, the conformance
+# Lint, the layer contract (pyproject.toml's [tool.importlinter]), the generated blocks against their sources (README's decision summaries, docs/decision*.md, the conformance
 # tables, the knob table) and the fast unit tests.
 CHECK_TESTS := tests/project/test_readme.py tests/tools/test_decision.py tests/tools/test_conformance_offline.py \
   tests/tools/test_cli.py tests/unit/test_config.py tests/unit/test_layout.py tests/unit/test_formats.py \
   tests/unit/test_plan.py tests/unit/test_quant_kivi.py
 check: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q -n 0 -p no:cacheprovider --timeout=120 $(CHECK_TESTS)
 
 # DEMO_ARGS: e.g. --json FILE to keep the measurements (sgl-kvq demo --help)

@@ -40,8 +40,8 @@ from sgl_kvq import attention_pages as ap
 from sgl_kvq.attention_rotation import HeadRotation
 from sgl_kvq.config import KVQConfig
 from sgl_kvq.kv_store import QuantizedKVStore
-from sgl_kvq.layout import PoolShape
 from sgl_kvq.metadata.forward import build_forward_plan
+from sgl_kvq.pool_shape import PoolShape
 from sgl_kvq.quant.rotation import hadamard
 
 L, H, HQ, D, G = 30, 3, 9, 64, 64

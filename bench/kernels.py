@@ -203,7 +203,7 @@ def plot(rows, path: Path) -> str:
         return "matplotlib is not installed: no plot (the JSON has every number)"
     if not rows:
         return "no rows: no plot"
-    from sgl_kvq.tools.plots import kernel_times, pyplot
+    from bench.plots import kernel_times, pyplot
 
     fig = kernel_times(rows)
     fig.savefig(path, dpi=110)

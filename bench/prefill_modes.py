@@ -27,7 +27,7 @@ def workloads(ids: list[int], n: int, length: int) -> tuple[list[list[int]], lis
 def measure(setting: str, path, ids: list[int], n: int, length: int) -> dict:
     import sglang as sgl
 
-    from sgl_kvq.tools.launch import engine_kwargs
+    from bench.launch import engine_kwargs
 
     dtype, _, mode = setting.partition(":")
     if mode:
@@ -62,8 +62,8 @@ def main() -> None:
     args = p.parse_args()
     from transformers import AutoTokenizer
 
-    from sgl_kvq.tools.data import essay_text
-    from sgl_kvq.tools.models import smollm2
+    from bench.data import essay_text
+    from bench.models import smollm2
 
     n, length = int(os.environ.get("N", 4)), int(os.environ.get("L", 1024))
     path = smollm2()

@@ -45,7 +45,7 @@ import triton  # noqa: E402
 from sgl_kvq.config import KVQConfig  # noqa: E402
 from sgl_kvq.kernels import decode_attention as dec  # noqa: E402
 from sgl_kvq.kernels import specache_decode as sd  # noqa: E402
-from sgl_kvq.layout import PoolShape  # noqa: E402
+from sgl_kvq.pool_shape import PoolShape  # noqa: E402
 from sgl_kvq.specache.state import SpeCacheState  # noqa: E402
 
 # bench/kernels.py builds the packed pool; loaded by path ("kernels" is also the repository's kernel package)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from sgl_kvq.env import cache_dir
 from sgl_kvq.formats.registry import of_extras
 from sgl_kvq.plan import LayerKV, PagedPlan
 from sgl_kvq.quant.pack import packed_dim
@@ -58,8 +59,6 @@ def _cpu_flags() -> str:
 
 
 def _build(cc: str) -> Path:
-    from sgl_kvq.env import cache_dir
-
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_flags()]).encode())
     out_dir = cache_dir() / "cpu_kernels"

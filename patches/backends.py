@@ -14,19 +14,38 @@ def register() -> None:
 
     @register_attention_backend("kvq_torch")
     def create_kvq_torch_backend(runner):
-        return _strategy(runner).backend("kvq_torch")(runner)
+        return backend_class(_strategy_name(runner), "kvq_torch")(runner)
 
     if triton_backend_available():
 
         @register_attention_backend("kvq_triton")
         def create_kvq_triton_backend(runner):
-            return _strategy(runner).backend("kvq_triton")(runner)
+            return backend_class(_strategy_name(runner), "kvq_triton")(runner)
 
 
-def _strategy(runner):
-    """The decode strategy of the runner's kvq pool (formats/strategy.py), which picks the backend class; a pool
-    that is not a kvq pool gets the plain backends (which refuse it with their own error)."""
-    from sgl_kvq.formats.strategy import POOL_ONLY
+def backend_class(strategy: str, backend: str) -> type:
+    """The class serving attention backend `backend` ("kvq_torch", "kvq_triton") under decode strategy `strategy`
+    (Format.strategy: SpeCache's two lanes, or the pool alone). Imported when the factory runs, so a process
+    serving kvq_torch never imports the Triton kernels."""
+    if strategy == "specache":
+        if backend == "kvq_torch":
+            from sgl_kvq.backends.specache_backend import KVQSpeCacheBackend
 
+            return KVQSpeCacheBackend
+        from sgl_kvq.backends.specache_triton_backend import KVQSpeCacheTritonBackend
+
+        return KVQSpeCacheTritonBackend
+    if backend == "kvq_torch":
+        from sgl_kvq.backends.torch_backend import KVQTorchBackend
+
+        return KVQTorchBackend
+    from sgl_kvq.backends.triton_backend import KVQTritonBackend
+
+    return KVQTritonBackend
+
+
+def _strategy_name(runner) -> str:
+    """The decode strategy of the runner's kvq pool; a pool that is not a kvq pool gets the plain backends (which
+    refuse it with their own error)."""
     cfg = getattr(runner.token_to_kv_pool, "cfg", None)
-    return POOL_ONLY if cfg is None else cfg.format.strategy
+    return "pool" if cfg is None else cfg.format.strategy

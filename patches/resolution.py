@@ -8,6 +8,7 @@ import logging
 from sgl_kvq import env
 from sgl_kvq.config import KVQConfigError, looks_like_kvq_dtype, parse_kv_cache_dtype
 from sgl_kvq.model_check import check_hf_config
+from sgl_kvq.strategies import strategy_of
 
 logger = logging.getLogger("sgl_kvq")
 
@@ -82,7 +83,7 @@ def validate(server_args, view, cfg) -> None:
     for field, what in unsupported.items():
         if getattr(view, field, None):
             raise KVQConfigError(f"sgl_kvq: {what} is not supported with --kv-cache-dtype {cfg.name} yet")
-    strategy = cfg.format.strategy
+    strategy = strategy_of(cfg)
     refusal = strategy.refusal("hicache", cfg.name)
     if getattr(view, "enable_hierarchical_cache", None) and refusal:
         raise KVQConfigError(f"sgl_kvq: {refusal}")
@@ -146,7 +147,7 @@ def resolve(server_args, previous) -> None:
 
         graphs = resolving_view(server_args).cuda_graph_config
         # SpeCache's lanes hook SGLang's eager decode forward (patches/eager_decode.py): its decode runs eagerly.
-        eager_decode = backend == "kvq_torch" or cfg.format.strategy.eager_decode
+        eager_decode = backend == "kvq_torch" or strategy_of(cfg).eager_decode
         for phase in (Phase.DECODE, Phase.PREFILL) if eager_decode else (Phase.PREFILL,):
             graphs = with_phase(graphs, phase, backend=Backend.DISABLED)
         declare_resolution(server_args, _SOURCE, cuda_graph_config=graphs)

@@ -10,7 +10,8 @@ import logging
 from sgl_kvq import env
 from sgl_kvq.capacity import BudgetSplit, split_budget
 from sgl_kvq.config import KVQConfigError, is_kvq_dtype, parse_kv_cache_dtype
-from sgl_kvq.layout import PoolShape
+from sgl_kvq.pool_shape import PoolShape
+from sgl_kvq.strategies import strategy_of
 
 logger = logging.getLogger("sgl_kvq")
 
@@ -67,7 +68,7 @@ def profile_available_bytes(orig, self, *args, **kwargs):
     shape = kvq_pool_shape(self)
     if shape is not None:
         host_is_device = str(self.device).startswith("cpu")
-        host_budget = shape.cfg.format.strategy.host_budget_bytes(shape.cfg, host_is_device)
+        host_budget = strategy_of(shape.cfg).host_budget_bytes(shape.cfg, host_is_device)
         split = split_budget(budget, shape, self.model_dtype, host_is_device=host_is_device,
                              frames_pooled=frames_pooled(shape, self.model_dtype),
                              requested=requested_max_running_requests(self),

@@ -48,8 +48,8 @@ def run_one(dtype: str, backend: str) -> list[list[int]]:
     """-> token ids of both turns' outputs, first turn then second (in this process's engine)."""
     import sglang
 
-    from sgl_kvq.tools.launch import engine_kwargs
-    from sgl_kvq.tools.models import tiny_llama
+    from bench.launch import engine_kwargs
+    from bench.models import tiny_llama
 
     os.environ.update(env_for(dtype, backend))
     llm = sglang.Engine(**engine_kwargs(tiny_llama(), dtype, dtype="float32", mem_fraction_static=0.3,

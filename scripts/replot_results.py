@@ -20,8 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sgl_kvq.tools.commands import bench_capacity, bench_decision, bench_decode, bench_soak, serving_stats  # noqa: E402
-from sgl_kvq.tools.decision import plot as decision_plot  # noqa: E402
+from bench.commands import bench_capacity, bench_decision, bench_decode, bench_soak, serving_stats  # noqa: E402
+from bench.decision import plot as decision_plot  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 
@@ -69,7 +69,7 @@ def serving_budgets(*names: str) -> callable:
 
 def decision(model: str):
     """`model`'s decision figure from every committed result file, as `sgl-kvq bench decision` draws it."""
-    from sgl_kvq.tools.decision.models import MODELS
+    from bench.decision.models import MODELS
 
     return lambda path: decision_plot.plot(bench_decision.build(bench_decision.input_paths(None), MODELS[model]),
                                            path)

@@ -2,7 +2,7 @@
 changed, leaving the other rows as they were measured.
 
 Each row's metrics depend only on its own format and the fp16 reference on the same captured Q/K/V
-(sgl_kvq/tools/eval/attention.py: evaluate_layer), so evaluating a subset with the JSON's own settings gives the numbers
+(bench/eval/attention.py: evaluate_layer), so evaluating a subset with the JSON's own settings gives the numbers
 the full command would; the markdown table is regenerated from the merged JSON (attention.markdown).
 
     python scripts/rerun_attention_rows.py logquant-2 logquant-2-w21
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from sgl_kvq.tools.commands.eval_attention import _text, parse_layers
-from sgl_kvq.tools.eval import attention
+from bench.commands.eval_attention import _text, parse_layers
+from bench.eval import attention
 
 ROOT = Path(__file__).resolve().parents[1]
 JSON = ROOT / "bench/results/attention_fidelity.json"

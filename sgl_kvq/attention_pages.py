@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl_kvq.attention_batched import Workspace, _rows, frame_rows, unpacked_codes
 from sgl_kvq.attention_ref import visible_from
 from sgl_kvq.formats.registry import of_extras
+from sgl_kvq.padded import Workspace, frame_rows, gather_rows, unpacked_codes
 from sgl_kvq.plan import LayerKV, PagedPlan
 
 
@@ -60,7 +60,7 @@ class PageIndex:
     tail: torch.Tensor
     base_tail: torch.Tensor
     ov_tail: torch.Tensor  # ... in overlay frames (f * G + t, f counted from the first frame)
-    slot_rows: torch.Tensor  # [H * NP * G] int64 head-major rows (attention_batched.BatchedContext) of base slots
+    slot_rows: torch.Tensor  # [H * NP * G] int64 head-major rows (padded.BatchedContext) of base slots
     page_rows: torch.Tensor  # [H * NP] int64 ... of base pages
     frame_rows: torch.Tensor  # [H * NF * G] int64 ... of overlay rows (frame * G + offset)
 
@@ -114,8 +114,8 @@ def decode(q: torch.Tensor, kv: LayerKV, idx: PageIndex, sm_scale: float, ws: Wo
     # Scores [H, unit, g, G]: base pages with the key scale folded into the query, then the overlay frames as stored.
     qu = qg[:, idx.unit_req]  # [H, NU, g, D]: each unit's request's queries
     qp = qu[:, :NP]
-    ks = _rows(kv.k_scale, idx.page_rows, H).float()[:, :, None]  # [H, NP, 1, D]
-    kz = _rows(kv.k_zero, idx.page_rows, H).float()[:, :, None]
+    ks = gather_rows(kv.k_scale, idx.page_rows, H).float()[:, :, None]  # [H, NP, 1, D]
+    kz = gather_rows(kv.k_zero, idx.page_rows, H).float()[:, :, None]
     s_base = torch.matmul(qp * ks, fp32(kv.k_codes, "k").transpose(-1, -2))  # [H, NP, g, G]
     s_base += (qp * kz).sum(-1, keepdim=True)
     ov_k = frame_rows(kv.ov_k, idx.frame_rows).view(H, NF, G, D).float()
@@ -133,7 +133,7 @@ def decode(q: torch.Tensor, kv: LayerKV, idx: PageIndex, sm_scale: float, ws: Wo
     # Values: per-token scale and zero folded into the weights, group by group (D // VG groups).
     e_base = e[:, :NP]
     groups = kv.v_scale.shape[-1]
-    vs, vz = (_rows(x, idx.slot_rows, H).float().index_fill_(1, idx.base_tail, 0).view(H, NP, G, groups)
+    vs, vz = (gather_rows(x, idx.slot_rows, H).float().index_fill_(1, idx.base_tail, 0).view(H, NP, G, groups)
               for x in (kv.v_scale, kv.v_zero))
     vf = fp32(kv.v_codes, "v")
     if groups == 1:

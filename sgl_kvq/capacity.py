@@ -37,7 +37,9 @@ from dataclasses import dataclass
 import torch
 
 from sgl_kvq.config import KVQConfig, KVQConfigError
-from sgl_kvq.layout import PoolShape
+from sgl_kvq.frames import pooled_frames
+from sgl_kvq.pool_shape import PoolShape
+from sgl_kvq.strategies import strategy_of
 
 
 def dense_bytes_per_token(shape: PoolShape, model_dtype: torch.dtype) -> int:
@@ -51,7 +53,7 @@ def per_token_bytes(shape: PoolShape, model_dtype: torch.dtype, host_is_device: 
     plus (pooled frames) each token's share of the per-frame tags (and zipcache2's saliency accumulator)."""
     cell = math.ceil(shape.base_bytes_per_token())
     if host_is_device:
-        cell += shape.cfg.format.strategy.host_bytes_per_token(shape, model_dtype)
+        cell += strategy_of(shape.cfg).host_bytes_per_token(shape, model_dtype)
     if frames_pooled:
         frame_extra = shape.overlay_bytes_per_frame(model_dtype) - 2 * _frame_kv_bytes(shape, model_dtype)
         cell += math.ceil(frame_extra / (shape.pages_per_frame(model_dtype) * shape.G))
@@ -60,8 +62,6 @@ def per_token_bytes(shape: PoolShape, model_dtype: torch.dtype, host_is_device: 
 
 def config_pools(shape: PoolShape, model_dtype: torch.dtype) -> bool:
     """Whether a server without prefill/decode disaggregation pools this config's frames (KVQ_FRAMES)."""
-    from sgl_kvq.frames import pooled_frames
-
     return pooled_frames(shape, model_dtype, "null")
 
 
@@ -71,7 +71,7 @@ def _frame_kv_bytes(shape: PoolShape, model_dtype: torch.dtype) -> int:
 
 def frames_per_request(shape: PoolShape, model_dtype: torch.dtype) -> int:
     """Pooled frames one running request takes: its ring, and its decode strategy's state (SpeCache's top-k rows)."""
-    return shape.cfg.ring_pages + shape.cfg.format.strategy.request_frames(shape.cfg, shape, model_dtype)
+    return shape.cfg.ring_pages + strategy_of(shape.cfg).request_frames(shape.cfg, shape, model_dtype)
 
 
 def frame_tokens(shape: PoolShape, model_dtype: torch.dtype) -> int:
@@ -83,7 +83,7 @@ def per_request_bytes(shape: PoolShape, model_dtype: torch.dtype, *, frames_pool
     """Bytes one request slot owns for the server's life: its fp16 overlay frames where they are static, and
     SpeCache's top-k rows where they are not pooled."""
     total = 0 if frames_pooled else shape.cfg.ring_pages * shape.overlay_bytes_per_frame(model_dtype)
-    return total + shape.cfg.format.strategy.request_bytes(shape.cfg, shape, model_dtype, frames_pooled=frames_pooled)
+    return total + strategy_of(shape.cfg).request_bytes(shape.cfg, shape, model_dtype, frames_pooled=frames_pooled)
 
 
 @dataclass(frozen=True)
@@ -187,7 +187,7 @@ def split_budget(budget_bytes: int, shape: PoolShape, model_dtype: torch.dtype, 
     frame_toks = frame_tokens(shape, model_dtype) if frames_pooled else 0
 
     host_cap = None
-    host_per_token = cfg.format.strategy.host_bytes_per_token(shape, model_dtype)
+    host_per_token = strategy_of(cfg).host_bytes_per_token(shape, model_dtype)
     if host_per_token and not host_is_device and host_budget_bytes is not None:
         # The host tier also holds page 0's rows (SGLang's dummy page).
         rows = host_budget_bytes // host_per_token

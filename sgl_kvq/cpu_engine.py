@@ -2,7 +2,7 @@
 environment").
 
     os.environ.update(cpu_engine_env())          # before sglang is imported (children inherit it)
-    engine = sglang.Engine(**engine_kwargs(sgl_kvq.tools.models.smollm2(), kv_cache_dtype="kivi2"))
+    engine = sglang.Engine(**engine_kwargs(bench.models.smollm2(), kv_cache_dtype="kivi2"))
 
 Without SGLANG_USE_CPU_ENGINE=1 the scheduler dies importing vllm (rotary fallback); HF_HUB_OFFLINE=1 keeps
 transformers from reaching for a hub these machines cannot reach. The CPU venv's import shims (sgl_kvq/cpu_shims)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from sgl_kvq import attention_batched, attention_pages
+from sgl_kvq import attention_batched, attention_pages, padded
 from sgl_kvq.kernels import cpu_decode_attention
 from sgl_kvq.plan import LayerKV, PagedPlan
 
@@ -48,11 +48,11 @@ def prepare(path: str, plan: PagedPlan, G: int, H: int):
         return None
     if path == PAGES:
         return attention_pages.index(plan, G, H)
-    return attention_batched.prepare(plan, G, H)
+    return padded.prepare(plan, G, H)
 
 
 def decode(path: str, q: torch.Tensor, kv: LayerKV, plan: PagedPlan, prepared, sm_scale: float,
-           ws: attention_batched.Workspace | None = None, window: int = -1, check: bool = True) -> torch.Tensor:
+           ws: padded.Workspace | None = None, window: int = -1, check: bool = True) -> torch.Tensor:
     """q [B, Hq, D], one query per request, over its context in kv through `path` -> [B, Hq, D] in q's dtype.
     prepared: prepare(path, plan, ...); check=False: the C kernel skips the layout check of a view it has seen."""
     if path == CPU_KERNEL:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from sgl_kvq.errors import KVQConfigError
+
 # variable -> (KVQConfig field, parser), for the knobs of every format
 CORE_KNOBS = {
     "KVQ_GROUP_SIZE": ("group_size", int),
@@ -55,8 +57,6 @@ def knobs(table: dict) -> dict:
         try:
             out[field] = parse(raw)
         except ValueError:
-            from sgl_kvq.config import KVQConfigError
-
             raise KVQConfigError(f"sgl_kvq: {var}={raw!r} is not a {'number' if parse is float else 'integer'}") \
                 from None
     return out
@@ -71,8 +71,6 @@ def kv_cache_budget_bytes() -> int | None:
     except ValueError:
         gb = -1.0
     if gb <= 0:
-        from sgl_kvq.config import KVQConfigError
-
         raise KVQConfigError(f"sgl_kvq: KVQ_KV_CACHE_GB={raw!r} must be a positive number of GiB")
     return int(gb * 2**30)
 

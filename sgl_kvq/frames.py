@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import torch
 
-from sgl_kvq.layout import PoolShape, frame_of
+from sgl_kvq.layout import frame_of
+
+from sgl_kvq.pool_shape import PoolShape
 
 
 def can_pool(shape: PoolShape, model_dtype: torch.dtype) -> bool:

@@ -23,10 +23,10 @@ from __future__ import annotations
 import torch
 
 from sgl_kvq.config import KVQConfig
-from sgl_kvq.frames import FrameTable, frame_view
-from sgl_kvq.layout import PoolShape
 from sgl_kvq.formats.base import PageWrite
+from sgl_kvq.frames import FrameTable, frame_view
 from sgl_kvq.plan import BatchWrite, DecodeWrite, LayerKV
+from sgl_kvq.pool_shape import PoolShape
 
 
 class QuantizedKVStore:
@@ -106,7 +106,7 @@ class QuantizedKVStore:
             vp = self.ov_v[layer, bw.done_frames]
             kp[bw.done_tok_page, bw.done_tok_off] = k[bw.done_tok_rows].to(kp.dtype)
             vp[bw.done_tok_page, bw.done_tok_off] = v[bw.done_tok_rows].to(vp.dtype)
-            if kernels:
+            if kernels:  # imported where a kernel runs: a kvq_torch process never imports Triton
                 from sgl_kvq.kernels.quantize_pages import quantize_pages
 
                 quantize_pages(kp, vp, bw.done_pages.to(torch.int32), self.layer_view(layer),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from sgl_kvq.config import KVQConfig, KVQConfigError
+from sgl_kvq.strategies import strategy_of
 
 # Attention shapes the pool does not model: latent (MLA) KV, linear/state-space layers.
 _MLA_KEYS = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim")
@@ -38,7 +39,7 @@ def check_hf_config(hf_config, cfg: KVQConfig, hybrid_swa: bool = False) -> None
             raise KVQConfigError(f"sgl_kvq: SGLang would give {arch}'s sliding-window layers a KV pool of their own "
                                  f"(hybrid SWA memory), which {cfg.name} does not build; pass "
                                  "--disable-hybrid-swa-memory to keep every layer's tokens in one pool")
-        refusal = cfg.format.strategy.refusal("sliding_window", cfg.name)
+        refusal = strategy_of(cfg).refusal("sliding_window", cfg.name)
         if refusal:
             raise KVQConfigError(f"sgl_kvq: {arch} has sliding-window layers: {refusal}")
     heads = getattr(text, "num_attention_heads", None)

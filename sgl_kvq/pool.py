@@ -16,7 +16,10 @@ import torch
 from sglang.srt.mem_cache.memory_pool import KVCache
 
 from sgl_kvq.kv_store import QuantizedKVStore
-from sgl_kvq.layout import PoolShape, counts_as_value
+from sgl_kvq.layout import counts_as_value
+from sgl_kvq.pd_transfer import base_buf_infos, request_state_buf_infos
+from sgl_kvq.pool_shape import PoolShape
+from sgl_kvq.strategies import strategy_of
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +58,7 @@ class KVQTokenToKVPool(KVCache):
         self.cfg = cfg
         self.head_num, self.head_dim, self.v_head_dim = shape.heads, shape.head_dim, shape.head_dim
         self.shape = shape
-        self.strategy = cfg.format.strategy
+        self.strategy = strategy_of(cfg)
         # pooled: a running request's frames hold its decode strategy's state too (SpeCache's top-k rows)
         extra = self.strategy.request_frames(cfg, shape, model_dtype) if frames_pooled else 0
         self.store = QuantizedKVStore(cfg, self.shape, num_req_slots, model_dtype, device,
@@ -140,14 +143,10 @@ class KVQTokenToKVPool(KVCache):
     # ---- prefill/decode KV transfer (sgl_kvq/pd_transfer.py) ----
     def get_contiguous_buf_infos(self):
         """Every packed base buffer per layer, page-indexed: what SGLang's transfer backends register and send."""
-        from sgl_kvq.pd_transfer import base_buf_infos
-
         return base_buf_infos(self.store)
 
     def get_request_state_buf_infos(self):
         """The overlay frames (open page and fp16 window) per layer, indexed by request slot."""
-        from sgl_kvq.pd_transfer import request_state_buf_infos
-
         return request_state_buf_infos(self.store)
 
     # ---- stock accessors: refused, they would expose or accept unquantized rows ----

@@ -66,7 +66,7 @@ def conformance_server(request, tmp_path_factory):
     """(dtype, server): SmolLM2 served in a kvq dtype (indirect parameter) at the conformance budget, one server per
     dtype for the session, shared by the kit and client conformance tests (a SmolLM2 start takes 45-60 s on CI)."""
     from conformance import pinned_server
-    from sgl_kvq.tools.models import smollm2
+    from bench.models import smollm2
 
     dtype = request.param
     with pinned_server(smollm2(), dtype, tmp_path_factory.mktemp(f"conformance-{dtype}") / "server.log") as server:

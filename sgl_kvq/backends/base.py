@@ -9,6 +9,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sgl_kvq import attention_rotation
 from sgl_kvq.metadata.forward import build_forward_plan
 from sgl_kvq.plan import ForwardPlan
+from sgl_kvq.pool import KVQTokenToKVPool
 
 
 def query_heads_on_this_rank(model_runner) -> int:
@@ -44,8 +45,6 @@ class KVQAttentionBackendBase(AttentionBackend):
 
     def __init__(self, model_runner):
         super().__init__()
-        from sgl_kvq.pool import KVQTokenToKVPool
-
         pool = model_runner.token_to_kv_pool
         if not isinstance(pool, KVQTokenToKVPool):
             raise ValueError(f"sgl_kvq: the {self.name} attention backend needs a quantized KV cache "

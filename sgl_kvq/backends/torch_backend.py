@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from sgl_kvq import attention_batched, attention_extend, decode_paths
+from sgl_kvq import attention_extend, decode_paths, padded
 from sgl_kvq.attention_ref import frame_rows
 from sgl_kvq.backends.base import KVQAttentionBackendBase
 from sgl_kvq.kernels import cpu_decode_attention
@@ -45,7 +45,7 @@ class KVQTorchBackend(KVQAttentionBackendBase):
         super().__init__(model_runner)
         # The current decode batch's plan and what its first layer derived from it for the others to reuse
         self._plan_derived: tuple[object, dict] = (None, {})
-        self._workspace = attention_batched.Workspace()  # the K/V buffers every layer and step reuses
+        self._workspace = padded.Workspace()  # the K/V buffers every layer and step reuses
         self._cpu_kernel = self._use_cpu_kernel()
         self._checked_layers: set[int] = set()  # layer views the C kernel's layout check has passed
 
@@ -80,9 +80,9 @@ class KVQTorchBackend(KVQAttentionBackendBase):
             derived[name] = build()
         return derived[name]
 
-    def batched_context(self, plan) -> attention_batched.BatchedContext:
+    def batched_context(self, plan) -> padded.BatchedContext:
         """The padded layout of a decode plan, prepared by its first layer and reused by the others."""
-        return self._derived(plan, "padded", lambda: attention_batched.prepare(plan, self.store.G,
+        return self._derived(plan, "padded", lambda: padded.prepare(plan, self.store.G,
                                                                                self.store.shape.heads))
 
     def decode_path(self, plan, kv) -> tuple[str, object]:

@@ -9,16 +9,37 @@ holds one module per family and registry.py maps each --kv-cache-dtype name to i
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Protocol
 
 import torch
 
-from sgl_kvq.formats.strategy import POOL_ONLY, DecodeStrategy
+from sgl_kvq.formats.rotation import VALUES_ROTATED
 from sgl_kvq.layout import PageGeometry, Shapes, kivi_shapes
+from sgl_kvq.padded import kivi_padded
 from sgl_kvq.quant import kivi_page
 
-if TYPE_CHECKING:
-    from sgl_kvq.config import KVQConfig
+
+class ServedConfig(Protocol):
+    """The served config as a format reads it: sgl_kvq.config.KVQConfig, which sits above the formats (it parses a
+    dtype name through their registry), so they name what they read here instead of importing it."""
+    method: str
+    bits: int
+    group_size: int
+    value_group: int
+    residual: int
+    prefill: str
+    rotate: str
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def ring_pages(self) -> int: ...
+
+    def value_group_for(self, head_dim: int) -> int: ...
+
+    def __getattr__(self, knob: str) -> Any:
+        """A family's own knobs (Format.knobs' fields: gear_rank, top_k, ...)."""
 
 
 class PageWrite(NamedTuple):
@@ -46,8 +67,9 @@ class Format:
     # Whether kvq_torch's decode may read its pages with the C kernel or the page-by-page torch path, which know
     # KIVI's codes, scales and zeros only.
     plain_pages: bool = True
-    # How decode reads the KV (formats/strategy.py): the pool alone, or SpeCache's host tier and lanes.
-    strategy: DecodeStrategy = POOL_ONLY
+    # How decode reads the KV, by name (sgl_kvq/strategies.py): "pool" reads the pool alone; "specache" adds
+    # SpeCache's host tier and lanes.
+    strategy: str = "pool"
     # This family's KVQ_* variables: variable -> (KVQConfig field, parser). The config reads them beside the knobs
     # every format shares (sgl_kvq/env.py CORE_KNOBS); check_knobs refuses their bad values.
     knobs: dict[str, tuple[str, Callable]] = {}
@@ -56,8 +78,6 @@ class Format:
     def values_rotated(self) -> tuple[int, ...]:
         """The widths whose values are stored in the Hadamard basis unless KVQ_ROTATE says otherwise
         (KVQ_ROTATE=values), as sgl_kvq/formats/rotation.py chose them."""
-        from sgl_kvq.formats.rotation import VALUES_ROTATED
-
         return VALUES_ROTATED.get(self.family, ())
 
     # ---- names and knobs ----
@@ -72,21 +92,14 @@ class Format:
         """Knob values this dtype defaults to where no KVQ_* variable sets them."""
         return {"rotate": "values"} if bits in self.values_rotated else {}
 
-    def defaults_changed(self, bits: int) -> str | None:
-        """When (ISO 8601) this dtype's defaults last changed what an engine run of it computes, if they did: a
-        result measured before then ran it otherwise (the decision table does not read its engine columns)."""
-        from sgl_kvq.formats.rotation import VALUES_ROTATED_SINCE
-
-        return VALUES_ROTATED_SINCE if bits in self.values_rotated else None
-
-    def check_knobs(self, cfg: KVQConfig) -> None:
+    def check_knobs(self, cfg: ServedConfig) -> None:
         """Refuse bad values of this family's KVQ_* knobs. Run for every dtype: the environment is shared by every
         process a server spawns, so a bad value fails at once whatever is served."""
 
-    def check(self, cfg: KVQConfig) -> None:
+    def check(self, cfg: ServedConfig) -> None:
         """Refuse a config this format cannot serve (run when it is the one served)."""
 
-    def check_head_dim(self, cfg: KVQConfig, head_dim: int) -> None:
+    def check_head_dim(self, cfg: ServedConfig, head_dim: int) -> None:
         """Refuse a head_dim this format cannot store (beside KVQConfig.check_head_dim's packing rules)."""
 
     # ---- what a page and a frame hold ----
@@ -103,7 +116,7 @@ class Format:
         in read_pages / read_padded (LayerKV's KIVI scales and zeros are then None)."""
         return kivi_shapes(g, self.code_bits(bits))
 
-    def sizes(self, cfg: KVQConfig, g: PageGeometry) -> dict[str, int]:
+    def sizes(self, cfg: ServedConfig, g: PageGeometry) -> dict[str, int]:
         """page_shapes' keyword sizes from the config."""
         return {}
 
@@ -122,16 +135,16 @@ class Format:
         with the keys, sent with the frames under prefill/decode disaggregation)."""
         return {}
 
-    def tables(self, cfg: KVQConfig, g: PageGeometry, device: torch.device) -> dict[str, torch.Tensor]:
+    def tables(self, cfg: ServedConfig, g: PageGeometry, device: torch.device) -> dict[str, torch.Tensor]:
         """Constant lookup tables the store's writes read (not pool bytes: a function of the config alone)."""
         return {}
 
-    def stats(self, cfg: KVQConfig, sizes: dict[str, int]) -> dict:
+    def stats(self, cfg: ServedConfig, sizes: dict[str, int]) -> dict:
         """The format's entries in the pool's stats["config"]."""
         return {}
 
     # ---- writes ----
-    def pack(self, cfg: KVQConfig, value_group: int, k: torch.Tensor, v: torch.Tensor, w: PageWrite,
+    def pack(self, cfg: ServedConfig, value_group: int, k: torch.Tensor, v: torch.Tensor, w: PageWrite,
              tables: dict) -> tuple[kivi_page.PackedPages, tuple | None]:
         """Complete pages k, v [N, G, H, D] -> (the packed base, the extras in the pages' form or None). The base is
         a NamedTuple whose fields are base_shapes' names (KIVI's PackedPages), each [N, ...] per page or
@@ -174,10 +187,8 @@ class Format:
 
     def read_padded(self, kv, ctx, ws) -> tuple[torch.Tensor, torch.Tensor]:
         """kvq_torch's batched decode read: the batch's base pages in the padded layout k, v [H, B * U * G, D]
-        fp32 (attention_batched.BatchedContext ctx; zeros outside base positions; in ws's buffers when given):
+        fp32 (padded.BatchedContext ctx; zeros outside base positions; in ws's buffers when given):
         KIVI's base dequantized, then the format's correction."""
-        from sgl_kvq.attention_batched import kivi_padded  # attention_batched asks the registry: import at use
-
         k, v = kivi_padded(kv, ctx, ws)
         B, U = ctx.pages.shape
         H, D = k.shape[0], k.shape[-1]
@@ -198,4 +209,4 @@ class Format:
 
     def correct_padded(self, k: torch.Tensor, v: torch.Tensor, extras: tuple | None, ctx) -> None:
         """kvq_torch's batched decode: the same correction on the padded layout k, v [H, B, U, G, D] fp32 in place
-        (ctx: attention_batched.BatchedContext; positions outside base pages must stay finite)."""
+        (ctx: padded.BatchedContext; positions outside base pages must stay finite)."""

@@ -13,7 +13,6 @@ from sgl_kvq.formats.base import Format
 # defaults to"; bench/results/quality/ppl-prefill-smollm2.json,
 # bench/results/conformance-kl-prefill-paged-smollm2.json).
 PAGED_PREFILL_BITS = (3, 4)
-PAGED_PREFILL_SINCE = "2026-11-29T14:39:00+00:00"
 
 
 class Kivi(Format):
@@ -23,11 +22,6 @@ class Kivi(Format):
     def default_knobs(self, bits: int) -> dict:
         paged = {"prefill": "paged"} if bits in PAGED_PREFILL_BITS else {}
         return {**super().default_knobs(bits), **paged}
-
-    def defaults_changed(self, bits: int) -> str | None:
-        changed = [t for t in (super().defaults_changed(bits), PAGED_PREFILL_SINCE if bits in PAGED_PREFILL_BITS
-                               else None) if t is not None]
-        return max(changed) if changed else None
 
 
 FORMAT = Kivi()

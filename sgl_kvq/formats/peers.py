@@ -27,6 +27,7 @@ import torch
 from sgl_kvq.errors import KVQConfigError
 from sgl_kvq.formats.base import Format, PageWrite
 from sgl_kvq.layout import PageGeometry, Shapes
+from sgl_kvq.padded import gather_rows
 from sgl_kvq.quant import peer_codecs as codecs
 
 
@@ -97,14 +98,13 @@ class PeerFormat(Format):
         return k.view(-1, G, H, D), v.view(-1, G, H, D)
 
     def read_padded(self, kv, ctx, ws):
-        from sgl_kvq.attention_batched import _rows  # attention_batched asks the registry: import at use
-
         H = kv.ov_k.shape[2]
         ks, vs = self._split(kv.extras)
         off = ~ctx.is_base_tok[None, :, None]
         out = []
         for codec, codes, rest in ((self.k, kv.k_codes, ks), (self.v, kv.v_codes, vs)):
-            x = codec.dequantize(_rows(codes, ctx.slot_rows, H), *(_rows(t, ctx.slot_rows, H) for t in rest))
+            x = codec.dequantize(gather_rows(codes, ctx.slot_rows, H),
+                                 *(gather_rows(t, ctx.slot_rows, H) for t in rest))
             out.append(x.masked_fill_(off, 0))  # [H, B * U * G, D]; padding and overlay positions 0
         return out[0], out[1]
 

@@ -19,6 +19,3 @@ from __future__ import annotations
 
 # family -> the widths whose values are rotated by default (Format.values_rotated)
 VALUES_ROTATED: dict[str, tuple[int, ...]] = {"kivi": (1, 2, 4), "gear": (2,), "logquant": (2,), "specache": (1, 2)}
-# when those defaults changed what an engine run of them computes (Format.defaults_changed): results measured before
-# ran these dtypes unrotated
-VALUES_ROTATED_SINCE = "2026-12-02T06:15:00+00:00"

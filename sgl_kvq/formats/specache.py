@@ -1,12 +1,11 @@
 """SpeCache (specache1, specache2): KIVI's low-bit base on the device plus every token's 16-bit K/V in host RAM,
 and a speculative decode lane whose top-k picks the host rows each step reads in 16 bits (sgl_kvq/specache/). The
-pages are KIVI's; what differs is the decode strategy (sgl_kvq/specache/strategy.py) and its host tier."""
+pages are KIVI's; what differs is the decode strategy (sgl_kvq/specache/strategy.py, by name) and its host tier."""
 
 from __future__ import annotations
 
 from sgl_kvq.errors import KVQConfigError
 from sgl_kvq.formats.base import Format
-from sgl_kvq.specache.strategy import STRATEGY
 
 # The default top-k per code width: the smallest k at which specache1 answers every needle bf16 answers on SmolLM2
 # (3 KV heads of 64 channels: a 1-bit key ranks a position more noisily than at the paper's 8 x 128), with
@@ -18,7 +17,7 @@ PREFIX_SOURCES = ("host", "device")
 class SpeCache(Format):
     family = "specache"
     bits = (1, 2)
-    strategy = STRATEGY
+    strategy = "specache"
     knobs = {"KVQ_TOPK": ("top_k", int), "KVQ_SPECACHE_FOLLOW": ("specache_follow", int),
              "KVQ_SPECACHE_PREFIX": ("specache_prefix", str), "KVQ_HOST_MEM_FRACTION": ("host_mem_fraction", float),
              "KVQ_SPECACHE_RECALL": ("specache_recall", int)}

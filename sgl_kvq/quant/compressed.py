@@ -2,7 +2,7 @@
 
 `stored` holds every tensor the format keeps, exactly as it would sit in memory (packed uint8 codes, fp16
 scales/zeros, fp16 tokens, fp16 low-rank factors, fp16 sparse values with int32 indices ...). Names start with
-"k." for what belongs to the keys and "v." for the values; sgl_kvq.quant.accounting counts bytes from these tensors
+"k." for what belongs to the keys and "v." for the values; bench.quant.accounting counts bytes from these tensors
 only, never from a formula, and k_hat/v_hat are rebuilt from them, so the two cannot drift apart.
 """
 

@@ -1,7 +1,7 @@
 """Pure-torch references of the KV formats the engines ship, for the offline attention-fidelity eval.
 
 Every function takes k, v [T, H, D] (post-RoPE, fp32) and returns a CompressedKV whose `stored` holds the tensors at
-the engine's real layout (names "k.*" / "v.*", counted by sgl_kvq.quant.accounting) and whose k_hat / v_hat are
+the engine's real layout (names "k.*" / "v.*", counted by bench.quant.accounting) and whose k_hat / v_hat are
 rebuilt from them. None of these formats keeps an fp16 window: every token is quantized, so `kept` is all False and
 bytes per token do not depend on T. Bits per element below are at D = 64 (SmolLM2); per token, multiply the K+V bits
 by 2 * H * D * layers / 8 (SmolLM2: 3 KV heads x 64 x 30 layers, so bytes/token = 1440 x bits).

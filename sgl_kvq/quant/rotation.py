@@ -6,7 +6,7 @@ unchanged ((q R)(k R)^T = q k^T), and attention over rotated values is the rotat
 this to 1e-5 in fp32). A format that quantizes in the rotated basis therefore changes attention only through its
 quantization error, and the attention it gives equals plain attention over its reconstructions rotated back:
 (q R)(K_hat_rot)^T = q (K_hat_rot R^T)^T and P V_hat_rot R^T = P (V_hat_rot R^T). `rotated` returns exactly those
-reconstructions, so the offline eval (sgl_kvq.tools.eval.attention) scores a rotated format without a second attention
+reconstructions, so the offline eval (bench.eval.attention) scores a rotated format without a second attention
 path.
 
 The rotation is one fixed matrix per head_dim shared by every layer, head and token (a constant of the format, like

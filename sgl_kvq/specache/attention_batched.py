@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 
 from sgl_kvq import attention_batched
-from sgl_kvq.attention_batched import BatchedContext, Workspace
 from sgl_kvq.attention_ref import visible_from
+from sgl_kvq.padded import BatchedContext, Workspace
 from sgl_kvq.plan import LayerKV
 
 

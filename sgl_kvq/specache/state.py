@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from sgl_kvq.config import KVQConfig
-from sgl_kvq.layout import PoolShape
+from sgl_kvq.pool_shape import PoolShape
 from sgl_kvq.specache.host_tier import HostTier, check_host_budget, host_bytes_per_token
 from sgl_kvq.specache.topk_rows import TopKRows
 

@@ -1,4 +1,4 @@
-"""SpeCache's decode strategy (formats/strategy.py's interface): every pool token's 16-bit K/V in a host tier,
+"""SpeCache's decode strategy (sgl_kvq/decode_strategy.py's interface): every pool token's 16-bit K/V in a host tier,
 per running request the prefetched top-k rows (pool frames it takes with its overlay frames where those are pooled:
 specache/topk_rows.py), and a two-lane decode in SGLang's eager forward (patches/eager_decode.py)."""
 
@@ -8,7 +8,11 @@ import logging
 
 import torch
 
-from sgl_kvq.formats.strategy import DecodeStrategy
+from sgl_kvq.decode_strategy import DecodeStrategy
+from sgl_kvq.specache.host_tier import available_host_bytes, host_bytes_per_token
+from sgl_kvq.specache.lanes import run_lanes
+from sgl_kvq.specache.state import SpeCacheState, topk_bytes_per_request
+from sgl_kvq.specache.topk_rows import pooled_frames
 
 logger = logging.getLogger("sgl_kvq.pool")
 
@@ -29,25 +33,17 @@ class SpeCacheStrategy(DecodeStrategy):
     eager_decode = True
 
     def host_bytes_per_token(self, shape, model_dtype: torch.dtype) -> int:
-        from sgl_kvq.specache.host_tier import host_bytes_per_token
-
         return host_bytes_per_token(shape.layers, shape.heads, shape.head_dim, model_dtype)
 
     def host_budget_bytes(self, cfg, host_is_device: bool) -> int | None:
         if host_is_device:
             return None
-        from sgl_kvq.specache.host_tier import available_host_bytes
-
         return int(available_host_bytes() * cfg.host_mem_fraction)
 
     def request_frames(self, cfg, shape, model_dtype: torch.dtype) -> int:
-        from sgl_kvq.specache.topk_rows import pooled_frames
-
         return pooled_frames(cfg.top_k, shape, model_dtype)
 
     def request_bytes(self, cfg, shape, model_dtype: torch.dtype, *, frames_pooled: bool) -> int:
-        from sgl_kvq.specache.state import topk_bytes_per_request
-
         pooled = frames_pooled and self.request_frames(cfg, shape, model_dtype) > 0
         # pooled, what stays per slot is O(1) (its table row, speculative token and guess: 32 bytes at top-64):
         # bookkeeping beside SGLang's own req_to_token rows, outside the KV budget as those are
@@ -58,8 +54,6 @@ class SpeCacheStrategy(DecodeStrategy):
         return None if reason is None else reason.format(name=name)
 
     def state(self, cfg, shape, num_req_slots: int, model_dtype: torch.dtype, device, store=None):
-        from sgl_kvq.specache.state import SpeCacheState
-
         state = SpeCacheState(cfg, shape, num_req_slots, model_dtype, device, store=store)
         where = (f"{store.frames.extra} pool frames per running request" if state.topk.pooled else
                  f"{state.device_bytes() / 2**20:.1f} MB for {num_req_slots} request slots")
@@ -68,8 +62,6 @@ class SpeCacheStrategy(DecodeStrategy):
         return state
 
     def eager_decode_step(self, forward, forward_batch, state):
-        from sgl_kvq.specache.lanes import run_lanes
-
         return run_lanes(forward, forward_batch, state)
 
     def device_bytes(self, state) -> int:
@@ -81,15 +73,6 @@ class SpeCacheStrategy(DecodeStrategy):
     def stats(self, state, capacity_tokens: int) -> dict:
         host = self.host_bytes(state)
         return {"specache": state.stats(), "host_bytes": host, "host_bytes_per_token": host / max(capacity_tokens, 1)}
-
-    def backend(self, name: str):
-        if name == "kvq_torch":
-            from sgl_kvq.backends.specache_backend import KVQSpeCacheBackend
-
-            return KVQSpeCacheBackend
-        from sgl_kvq.backends.specache_triton_backend import KVQSpeCacheTritonBackend
-
-        return KVQSpeCacheTritonBackend
 
 
 STRATEGY = SpeCacheStrategy()

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from sgl_kvq.layout import PoolShape
+from sgl_kvq.pool_shape import PoolShape
 from sgl_kvq.quant.uniform import SCALE_DTYPE
 
 POSITION_DTYPE = torch.int64

@@ -1,7 +1,7 @@
 """Real clients against SmolLM2 served in bf16 and in kvq dtypes (tests/helpers/conformance.py: which dtypes, one server
 each at the same pinned KV budget): the `openai` Python client on /v1/chat/completions and /v1/completions, streaming
 and not, and the frontend-language programs of sglang/test/test_programs.py through a RuntimeEndpoint, unmodified, each
-passing on a kvq dtype exactly where it passes on bf16 (sgl_kvq/tools/commands/conformance_clients.py: the checks, the
+passing on a kvq dtype exactly where it passes on bf16 (bench/commands/conformance_clients.py: the checks, the
 programs and why the others are left out; `sgl-kvq bench conformance` runs the same over the matrix)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import os
 import pytest
 
 from conformance import CI_CLIENT_DTYPES, LazyBaseline, against_baseline, dtypes, pinned_server, record
-from sgl_kvq.tools.commands import conformance_clients as cc
+from bench.commands import conformance_clients as cc
 from slices import ci_slice
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
@@ -28,7 +28,7 @@ RUN_PROGRAMS = list(cc.PROGRAMS) if os.environ.get("KVQ_TEST_CONFORMANCE_PROGRAM
 @pytest.fixture(scope="module")
 def bf16_program_rows(tmp_path_factory):
     """bf16's program rows, its server started at the first program a kvq dtype misses."""
-    from sgl_kvq.tools.models import smollm2
+    from bench.models import smollm2
 
     def start():
         return pinned_server(smollm2(), "bf16", tmp_path_factory.mktemp("clients-bf16") / "server.log")

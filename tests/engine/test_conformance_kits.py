@@ -1,4 +1,4 @@
-"""SGLang's own server test kits (sglang/test/kits/, unmodified; sgl_kvq/tools/commands/bench_conformance.py says which,
+"""SGLang's own server test kits (sglang/test/kits/, unmodified; bench/commands/bench_conformance.py says which,
 with what sizes and offline data) against SmolLM2 served in bf16 and in kvq dtypes, each server at the same pinned
 KV budget: a kvq dtype passes every kit test bf16 passes (tests/helpers/conformance.py: the dtypes and the rule). A kit
 test bf16 fails (SmolLM2-135M is small: it does not answer 17 x 23) is an expected failure for every dtype.
@@ -11,7 +11,7 @@ import contextlib
 import pytest
 
 from conformance import LazyBaseline, against_baseline, dtypes, kit_tests, pinned_server, record
-from sgl_kvq.tools.commands import bench_conformance as bc
+from bench.commands import bench_conformance as bc
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 @pytest.fixture(scope="session")
 def smollm2_model():
-    from sgl_kvq.tools.models import smollm2
+    from bench.models import smollm2
 
     return smollm2()
 

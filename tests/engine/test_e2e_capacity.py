@@ -10,11 +10,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from sgl_kvq.tools import data
-from sgl_kvq.tools.commands.serving_stats import scheduler_log_stats
-from sgl_kvq.tools.commands.serving_workloads import ModelShape
-from sgl_kvq.tools.launch import ServerProcess, baseline_page_size
-from sgl_kvq.tools.models import smollm2, tiny_llama
+from bench import data
+from bench.commands.serving_stats import scheduler_log_stats
+from bench.commands.serving_workloads import ModelShape
+from bench.launch import ServerProcess, baseline_page_size
+from bench.models import smollm2, tiny_llama
 from slices import ci_slice, matrix_only
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]

@@ -11,8 +11,8 @@ import random
 
 import pytest
 
-from sgl_kvq.tools.launch import engine_kwargs
-from sgl_kvq.tools.models import tiny_llama
+from bench.launch import engine_kwargs
+from bench.models import tiny_llama
 from engine_runs import pool_stats
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]

@@ -1,6 +1,6 @@
 """Killed servers, and HiCache under load (tiny fp32 Llama, kivi2, SGLang's CPU engine).
 
-PD (a prefill and a decode server, mooncake over TCP on loopback, SGLang's PD router in front: sgl_kvq/tools/
+PD (a prefill and a decode server, mooncake over TCP on loopback, SGLang's PD router in front: bench/
 pd_launch.py): one server's process group is sent SIGKILL while a long prompt is being prefilled in chunks of 64
 tokens and its pages sent chunk by chunk (the prefill server has placed the first chunk). The client's stream
 through the router ends in an error within a bounded time, not with an answer and not in a hang; the survivor stays
@@ -34,10 +34,10 @@ import time
 import pytest
 import requests
 
-from sgl_kvq.tools.launch import ServerProcess, engine_kwargs
-from sgl_kvq.tools.models import tiny_llama
-from sgl_kvq.tools.pd_launch import PDPair, Router, mooncake_available, pd_argv, router_available
-from sgl_kvq.tools.soak import flush_when_idle, live
+from bench.launch import ServerProcess, engine_kwargs
+from bench.models import tiny_llama
+from bench.pd_launch import PDPair, Router, mooncake_available, pd_argv, router_available
+from bench.soak import flush_when_idle, live
 from engine_runs import pool_stats
 from slices import matrix_only
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from sgl_kvq.tools.models import tiny_llama
+from bench.models import tiny_llama
 from multiturn import radix_hits_over_http
 from slices import ci_slice, matrix_only
 from contended import contended_agreement_in_the_deterministic_mode, contended_prompts

@@ -17,8 +17,8 @@ import random
 import pytest
 
 from sgl_kvq.config import DTYPE_NAMES
-from sgl_kvq.tools.launch import ServerProcess
-from sgl_kvq.tools.models import tiny_llama
+from bench.launch import ServerProcess
+from bench.models import tiny_llama
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -46,7 +46,7 @@ def rank_shape(model, dtype, kv_heads):
     from transformers import AutoConfig
 
     from sgl_kvq.config import parse_kv_cache_dtype
-    from sgl_kvq.layout import PoolShape
+    from sgl_kvq.pool_shape import PoolShape
 
     hf = AutoConfig.from_pretrained(model)
     return PoolShape(layers=hf.num_hidden_layers, heads=kv_heads, head_dim=hf.head_dim, num_pages=0,

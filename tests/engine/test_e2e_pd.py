@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation on SGLang's CPU engine: a prefill server sends each request's packed pages and its
 fp16 frames (open page, window) to a decode server through mooncake's transfer engine over TCP on loopback
-(sgl_kvq/tools/pd_launch.py routes like SGLang's PD router), and the decode server continues exactly as one server with
+(bench/pd_launch.py routes like SGLang's PD router), and the decode server continues exactly as one server with
 the same dtype does: same greedy tokens and logprobs (tiny fp32 Llama). The second request reuses the first one's 4
 complete pages from the prefill server's radix tree, so its window page is a radix hit the decode side must read
 from the base; both go again through SGLang's PD router (sglang-router, which make setup installs). The bytes
@@ -17,10 +17,10 @@ import threading
 import pytest
 
 from sgl_kvq.config import is_kvq_dtype, parse_kv_cache_dtype
-from sgl_kvq.tools.launch import ServerProcess, baseline_page_size
-from sgl_kvq.layout import PoolShape
-from sgl_kvq.tools.models import tiny_llama
-from sgl_kvq.tools.pd_launch import PDPair, Router, mooncake_available, router_available
+from bench.launch import ServerProcess, baseline_page_size
+from sgl_kvq.pool_shape import PoolShape
+from bench.models import tiny_llama
+from bench.pd_launch import PDPair, Router, mooncake_available, router_available
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -124,7 +124,7 @@ def test_pd_continues_exactly_as_one_server(dtype, tmp_path, monkeypatch):
                 with Router(pd, tmp_path / "router.log") as router:
                     got += answers(measured(lambda p: router.post("/generate", p)))
             else:
-                print("sglang-router is not installed: the second pass is routed by sgl_kvq.tools.pd_launch too")
+                print("sglang-router is not installed: the second pass is routed by bench.pd_launch too")
                 got += answers(measured(pd.generate))
             if is_kvq_dtype(dtype):
                 assert_prefill_metrics_follow_its_pool_stats(pd.prefill, requests=len(got))

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from sgl_kvq.tools.models import tiny_llama
+from bench.models import tiny_llama
 from engine_runs import pool_stats
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
@@ -25,7 +25,7 @@ def tiny():
 def test_peer_int4_serves_two_turns_with_a_radix_hit(tiny):
     import sglang
 
-    from sgl_kvq.tools.launch import engine_kwargs
+    from bench.launch import engine_kwargs
 
     rng = random.Random(30)
     words = "def class return import from self lambda yield while for if else try except".split()

@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from sgl_kvq.tools.models import tiny_llama
+from bench.models import tiny_llama
 from slices import matrix_only
 from engine_runs import engine_in_env, pool_stats
 

@@ -13,9 +13,9 @@ import urllib.request
 import pytest
 
 from engine_runs import agreement, run_engine
-from sgl_kvq.tools.launch import ServerProcess
+from bench.launch import ServerProcess
 from multiturn import multiturn_cached_tokens
-from sgl_kvq.tools.models import tiny_llama
+from bench.models import tiny_llama
 from slices import ci_slice, full_matrix, matrix_only
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
@@ -188,7 +188,7 @@ def test_mla_and_unpackable_head_dim_are_refused(tiny, tmp_path):
 
 
 def test_launch_server_cli_refuses_unknown_dtype_and_lists_choices(tiny):
-    proc = subprocess.run([sys.executable, "-m", "sgl_kvq.cli", "serve", "--model-path", str(tiny),
+    proc = subprocess.run([sys.executable, "-m", "bench.cli", "serve", "--model-path", str(tiny),
                            "--kv-cache-dtype", "kivi5"], capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "invalid choice: 'kivi5'" in proc.stderr and "kivi2" in proc.stderr and "specache2" in proc.stderr

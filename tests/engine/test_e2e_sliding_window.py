@@ -12,7 +12,7 @@ import pytest
 
 from engine_runs import engine_in_env, pool_stats
 from slices import matrix_only
-from sgl_kvq.tools.models import tiny_gemma3
+from bench.models import tiny_gemma3
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -104,7 +104,7 @@ def test_launch_server_and_a_frontend_program_slide_the_window_on_kivi2(tmp_path
     1,000, wider than the context, the first two prompts' tokens differ from the first: tried.)"""
     import sglang as sgl
 
-    from sgl_kvq.tools.launch import ServerProcess, server_argv
+    from bench.launch import ServerProcess, server_argv
 
     class LaunchServer(ServerProcess):
         command = [sys.executable, "-m", "sglang.launch_server"]
@@ -186,8 +186,8 @@ def test_gemma3_270m_serves_every_layer_from_packed_pages():
     packed layout's bytes per token and head: K and V codes (kivi4 2 x 128, kivi2 2 x 64), the key scale and zero per
     page and channel (2 x 256 x 2 B / 64 tokens) and the value scale and zero per token and group of 64 channels
     (4 x 2 x 2 B)."""
-    from sgl_kvq.tools.data import essay_text
-    from sgl_kvq.tools.models import gemma3
+    from bench.data import essay_text
+    from bench.models import gemma3
 
     text = essay_text(min_chars=9000)[:6000]
     greedy = {"temperature": 0, "max_new_tokens": 8}

@@ -15,8 +15,8 @@ import torch
 from slices import ci_slice, full_matrix, matrix_only
 from engine_runs import pool_stats
 from sgl_kvq.formats.specache import SPECACHE_TOP_K
-from sgl_kvq.tools.launch import engine_kwargs
-from sgl_kvq.tools.models import tiny_llama
+from bench.launch import engine_kwargs
+from bench.models import tiny_llama
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -102,7 +102,7 @@ def test_long_contended_run_completes_and_the_host_tier_does_not_grow(tiny, capf
 def test_http_server_and_frontend_language_on_specache2(tiny, tmp_path, frontend_fork):
     """`sgl-kvq serve --kv-cache-dtype specache2` (SGLang's launch_server with the plugin): /generate with a shared
     prefix hits the radix cache, the frontend language forks on it, and the lanes ran in the server's scheduler."""
-    from sgl_kvq.tools.launch import ServerProcess
+    from bench.launch import ServerProcess
 
     # 16,384 tokens: a running request's frames (ring and top-k rows) take 3,072 of the tiny model's pool tokens,
     # and the fork runs two branches beside the prefix's request
@@ -128,10 +128,10 @@ def test_specache2_at_default_flags_runs_what_memory_holds_and_gives_every_frame
     fp16 window (nothing per request slot), so max_running_requests is SGLang's default, not the KVQ_OVERLAY_SHARE
     rule's; 10 requests sent at once all run at once, each gets the tokens it gets alone (top-64 covers every base
     position of these contexts, so no near-tie pick depends on the batch), and every frame comes back."""
-    from sgl_kvq.tools.commands.serving_stats import scheduler_log_stats
+    from bench.commands.serving_stats import scheduler_log_stats
     from sgl_kvq.config import parse_kv_cache_dtype
-    from sgl_kvq.tools.launch import ServerProcess
-    from sgl_kvq.layout import PoolShape
+    from bench.launch import ServerProcess
+    from sgl_kvq.pool_shape import PoolShape
     from sgl_kvq.specache.state import topk_bytes_per_request
 
     budget_gib = 0.025  # ~47k tokens: 10 requests' 3 frames of 1,024 tokens' pages and their own pages fit
@@ -264,8 +264,8 @@ def test_smollm2_two_turn_chat_on_specache1(monkeypatch):
     cache, answers with text, and measures the speculative lane's recall on real attention."""
     from transformers import AutoTokenizer
 
-    from sgl_kvq.tools import data
-    from sgl_kvq.tools.models import smollm2
+    from bench import data
+    from bench.models import smollm2
 
     monkeypatch.setenv("KVQ_SPECACHE_RECALL", "1")
     path = smollm2()

@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from sgl_kvq.tools import data
+from bench import data
 from sgl_kvq.cpu_engine import cpu_engine_env, engine_kwargs
-from sgl_kvq.tools.models import smollm2
+from bench.models import smollm2
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 

@@ -13,9 +13,9 @@ from collections import Counter
 
 import pytest
 
-from sgl_kvq.tools.commands import eval_agree, eval_niah
-from sgl_kvq.tools.eval import engine_eval as ee
-from sgl_kvq.tools.eval import needles
+from bench.commands import eval_agree, eval_niah
+from bench.eval import engine_eval as ee
+from bench.eval import needles
 from slices import matrix_only
 
 TINY = ["--model", "tiny", "--max-total-tokens", "4096", "--max-running-requests", "4"]
@@ -23,7 +23,7 @@ TINY = ["--model", "tiny", "--max-total-tokens", "4096", "--max-running-requests
 
 def _eval(tmp_path, what: str, *args) -> tuple[dict, subprocess.CompletedProcess]:
     out = tmp_path / f"{what}.json"
-    proc = subprocess.run([sys.executable, "-m", "sgl_kvq.cli", "eval", what, *TINY, *args, "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "bench.cli", "eval", what, *TINY, *args, "--json", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert out.exists(), f"sgl-kvq eval {what} wrote no JSON (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
     return json.loads(out.read_text()), proc
@@ -95,7 +95,7 @@ def test_flush_tail_covers_the_overlay_ring():
 
 
 def _tiny_niah_prompts(length: int):
-    from sgl_kvq.tools import models
+    from bench import models
 
     tok = ee.tokenizer(models.tiny_llama())
     return tok, eval_niah.Prompts(tok, length)

@@ -15,8 +15,8 @@ def test_sgl_runtime_serves_a_kvq_dtype_once_plugins_are_loaded():
     import sglang as sgl
     from sglang.srt.plugins import load_plugins
 
-    from sgl_kvq.tools.launch import engine_kwargs
-    from sgl_kvq.tools.models import tiny_llama
+    from bench.launch import engine_kwargs
+    from bench.models import tiny_llama
 
     @sgl.function
     def two_turns(s):

@@ -1,4 +1,4 @@
-"""A short soak (sgl_kvq/tools/soak.py, `sgl-kvq bench soak` at full length): kivi2 on the tiny fp32 Llama (exact
+"""A short soak (bench/soak.py, `sgl-kvq bench soak` at full length): kivi2 on the tiny fp32 Llama (exact
 tokens) in the deterministic mode, 4 concurrent multi-turn clients for 75 s on a 2,048-token budget (running
 requests' fp16 frames come out of it: pooled frames) with SGLang's retraction test mode on, with mid-answer disconnects,
 /abort_request and every malformed request mixed in. The server must answer each malformed request with a 4xx and log
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from sgl_kvq.tools.commands.bench_soak import soak_one, verdict
-from sgl_kvq.tools.models import tiny_llama
-from sgl_kvq.tools.soak import malformed_requests
+from bench.commands.bench_soak import soak_one, verdict
+from bench.models import tiny_llama
+from bench.soak import malformed_requests
 from slices import matrix_only
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from sgl_kvq.tools.commands import bench_conformance as bc
+from bench.commands import bench_conformance as bc
 from sgl_kvq.config import DTYPE_NAMES
 
 # The documented expected failures, measured in the committed matrix (the file says how; `sgl-kvq bench conformance
@@ -104,7 +104,7 @@ class LazyBaseline:
 @contextlib.contextmanager
 def pinned_server(model, dtype: str, log_path):
     """`sgl-kvq serve` for one dtype with KVQ_KV_CACHE_GB pinned (bench_conformance.KV_CACHE_GB for every dtype)."""
-    from sgl_kvq.tools.launch import ServerProcess
+    from bench.launch import ServerProcess
 
     saved = os.environ.get("KVQ_KV_CACHE_GB")
     os.environ["KVQ_KV_CACHE_GB"] = str(bc.KV_CACHE_GB)

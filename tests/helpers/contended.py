@@ -15,7 +15,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from sgl_kvq.tools.models import tiny_llama
+from bench.models import tiny_llama
 from engine_runs import GREEDY, agreement, run_engine
 
 # Every token's KV a function of the tokens alone: the mode in which a contended run must agree with its

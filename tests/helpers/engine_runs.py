@@ -9,8 +9,8 @@ from contextlib import contextmanager
 
 import pytest
 
-from sgl_kvq.tools.launch import engine_kwargs
-from sgl_kvq.tools.workload import common_prefix_share
+from bench.launch import engine_kwargs
+from bench.workload import common_prefix_share
 
 GREEDY = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
 

@@ -21,7 +21,7 @@ def radix_hits_over_http(model, kv_cache_dtype: str, log_path, frontend_fork) ->
     """An HTTP server for `kv_cache_dtype` on the float32 `model`: a 3-turn chat's later turns and a forked
     frontend-language program's shared prefix are served from the radix cache in whole 64-token pages -> the pool's
     stats from /get_server_info."""
-    from sgl_kvq.tools.launch import ServerProcess
+    from bench.launch import ServerProcess
 
     args = ["--model-path", str(model), "--kv-cache-dtype", kv_cache_dtype, "--dtype", "float32",
             "--max-total-tokens", "4096", "--mem-fraction-static", "0.3"]

@@ -12,12 +12,12 @@ import torch
 
 from sgl_kvq.config import parse_kv_cache_dtype
 from sgl_kvq.errors import LayoutError
+from sgl_kvq.formats.registry import EXTRA_SHAPES
 from sgl_kvq.kernels.checks import layer_geometry
 from sgl_kvq.kernels.format_extras import format_extras
 from sgl_kvq.kv_store import QuantizedKVStore
-from sgl_kvq.formats.registry import EXTRA_SHAPES
-from sgl_kvq.layout import PoolShape
 from sgl_kvq.plan import LayerKV
+from sgl_kvq.pool_shape import PoolShape
 from sgl_kvq.quant.gear_page import PageCorrection
 from sgl_kvq.quant.logquant_page import PageRows
 from sgl_kvq.quant.zipcache_page import SalientPlane

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 
 PURELIB = sysconfig.get_paths()["purelib"]
-_SOURCES = ["pyproject.toml", "README.md", "sgl_kvq", "kernels", "patches"]
+_SOURCES = ["pyproject.toml", "README.md", "sgl_kvq", "kernels", "patches", "bench"]
 
 _IMPORT_CHECK = r"""
 import sys, importlib, importlib.metadata as md
 target = sys.argv[1]
-for name in ("sgl_kvq", "sgl_kvq.kernels", "sgl_kvq.patches", "sgl_kvq.cli", *sys.argv[2:]):
+for name in ("sgl_kvq", "sgl_kvq.kernels", "sgl_kvq.patches", "bench.cli", *sys.argv[2:]):
     m = importlib.import_module(name)
     assert m.__file__.startswith(target), (name, m.__file__)
 dist = next(md.distributions(name="sgl-kvq", path=[target]))
@@ -49,7 +49,7 @@ def _copy_sources(root: Path, dst: Path) -> Path:
         s = root / name
         if s.is_dir():
             shutil.copytree(s, dst / name, symlinks=True,
-                            ignore=shutil.ignore_patterns("__pycache__", "*.egg-info", ".hypothesis"))
+                            ignore=shutil.ignore_patterns("__pycache__", "*.egg-info", ".hypothesis", "results"))
         else:
             shutil.copy2(s, dst / name)
     return dst
@@ -70,7 +70,7 @@ def wheel_problems(wheel: Path, root: Path, target: Path) -> list[str]:
     eps.read_string(zipfile.ZipFile(wheel).read(ep_txt).decode())
     if eps.get("sglang.srt.plugins", "sgl_kvq", fallback=None) != "sgl_kvq.patches:load":
         problems.append("entry point sglang.srt.plugins: sgl_kvq = sgl_kvq.patches:load not declared")
-    if eps.get("console_scripts", "sgl-kvq", fallback=None) != "sgl_kvq.cli:main":
+    if eps.get("console_scripts", "sgl-kvq", fallback=None) != "bench.cli:main":
         problems.append("console script sgl-kvq not declared")
 
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from sgl_kvq.tools.commands import bench, bench_decode
+from bench.commands import bench, bench_decode
 
 GEO = {"layers": 30, "kv_heads": 3, "head_dim": 64, "max_positions": 8192, "vocab": 49152}  # SmolLM2
 

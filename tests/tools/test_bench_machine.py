@@ -1,8 +1,8 @@
-"""The machine record every benchmark JSON carries (sgl_kvq/tools/commands/machine.py)."""
+"""The machine record every benchmark JSON carries (bench/commands/machine.py)."""
 
 import json
 
-from sgl_kvq.tools.commands.machine import describe
+from bench.commands.machine import describe
 
 
 def test_describe_names_this_machine_and_its_load(monkeypatch):

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from sgl_kvq.cli import COMMANDS, main
-from sgl_kvq.tools.commands import _subcommands, bench, bench_kernels, eval as eval_cmd
+from bench.cli import COMMANDS, main
+from bench.commands import _subcommands, bench, bench_kernels, eval as eval_cmd
 
 
 def _sgl_kvq(venv_bin, *args):

@@ -7,15 +7,15 @@ import json
 from pathlib import Path
 
 import conformance
-from sgl_kvq.tools.commands import bench_conformance as bc
-from sgl_kvq.tools.commands import conformance_clients as cc
-from sgl_kvq.tools.commands import conformance_table
+from bench.commands import bench_conformance as bc
+from bench.commands import conformance_clients as cc
+from bench.commands import conformance_table
 
 
 def test_kl_kit_reads_the_essay_prompts_offline(tmp_path, monkeypatch):
     from sglang.test import kl_test_utils
 
-    from sgl_kvq.tools.models import smollm2
+    from bench.models import smollm2
 
     model = smollm2()
     files = bc.prepare_offline_data(model, tmp_path)

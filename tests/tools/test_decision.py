@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from sgl_kvq.tools.commands import bench_decision
-from sgl_kvq.tools.decision import render, sources
-from sgl_kvq.tools.decision.cells import BF16, MISSING, OLD_NEEDLES, OTHER_LAYERS, OVER_KIT, collect
-from sgl_kvq.tools.decision.front import fronts, pareto_front
-from sgl_kvq.tools.decision.missing import command, missing
-from sgl_kvq.tools.decision.models import GEMMA3, MODELS, SMOLLM2
+from bench.commands import bench_decision
+from bench.decision import render, sources
+from bench.decision.cells import BF16, MISSING, OLD_NEEDLES, OTHER_LAYERS, OVER_KIT, collect
+from bench.decision.front import fronts, pareto_front
+from bench.decision.missing import command, missing
+from bench.decision.models import GEMMA3, MODELS, SMOLLM2
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,7 +47,7 @@ def niah(trials: dict[str, list[tuple[str | None, bool]]]) -> dict:
 
 def attention(layers: list[int], errs: dict[str, list[float]]) -> dict:
     """errs: a served dtype (or fp16, the reference) -> its per-layer errors, under the dtype's method name."""
-    from sgl_kvq.tools.eval.attention import DTYPE_METHODS
+    from bench.eval.attention import DTYPE_METHODS
 
     return {"methods": {DTYPE_METHODS.get(d, d): {"attn_err": sum(e) / len(e), "per_layer": {"attn_err": e}}
                         for d, e in errs.items()},
@@ -152,7 +152,7 @@ def test_engine_results_from_before_a_dtypes_defaults_changed_are_not_read_for_i
     the layout's capacity and the offline attention error do not depend on them and stay read."""
     from datetime import datetime
 
-    from sgl_kvq.tools.decision import cells
+    from bench.decision import cells
 
     changed = datetime.fromisoformat("2030-01-29T00:00:00+00:00").timestamp()
     monkeypatch.setattr(cells, "defaults_changed", lambda dtype: changed if dtype == "kivi4" else None)
@@ -173,14 +173,14 @@ def test_engine_results_from_before_a_dtypes_defaults_changed_are_not_read_for_i
 
 def test_a_dtypes_defaults_changed_when_its_newest_default_did():
     """kivi4's prefill became paged (formats/kivi.py) and then its values rotated (formats/rotation.py): the table
-    reads its engine runs from the later; zipcache2's defaults never changed."""
-    from sgl_kvq.formats.kivi import PAGED_PREFILL_SINCE
-    from sgl_kvq.formats.rotation import VALUES_ROTATED_SINCE
-    from sgl_kvq.tools.decision.cells import defaults_changed
+    reads its engine runs from the later; kivi3's prefill only; zipcache2's defaults never changed."""
+    from bench.decision.defaults_history import CHANGES, defaults_changed
 
-    assert PAGED_PREFILL_SINCE < VALUES_ROTATED_SINCE
-    assert defaults_changed("kivi4") == datetime_of(VALUES_ROTATED_SINCE)
-    assert defaults_changed("kivi2") == datetime_of(VALUES_ROTATED_SINCE)
+    (paged, *_), (rotated, *_) = CHANGES
+    assert paged < rotated
+    assert defaults_changed("kivi4") == datetime_of(rotated)
+    assert defaults_changed("kivi2") == datetime_of(rotated)
+    assert defaults_changed("kivi3") == datetime_of(paged)
     assert defaults_changed("zipcache2") is None and defaults_changed(BF16) is None
 
 
@@ -263,13 +263,13 @@ def test_bytes_per_token_are_the_layouts_at_the_defaults(monkeypatch):
 
 
 def test_attention_methods_store_the_served_layouts_bytes():
-    """Each served dtype's method in sgl_kvq.tools.eval.attention stores what the pool does per token (the peers' and
+    """Each served dtype's method in bench.eval.attention stores what the pool does per token (the peers' and
     KIVI's, without KIVI's fp16 window), so the attention column measures the dtype it names."""
     import torch
 
-    from sgl_kvq.tools.decision.cells import bytes_cell
-    from sgl_kvq.tools.eval.attention import DTYPE_METHODS, methods
-    from sgl_kvq.quant.accounting import bits_per_element
+    from bench.decision.cells import bytes_cell
+    from bench.eval.attention import DTYPE_METHODS, methods
+    from bench.quant.accounting import bits_per_element
 
     table = methods(residual=0)
     torch.manual_seed(0)
@@ -290,7 +290,7 @@ def test_run_measures_only_the_missing_evals_of_the_requested_dtypes(tmp_path, m
     kinds = {argv[2]: argv for argv in runs}
     assert set(kinds) == {"attention", "niah", "agree", "ppl"}
     assert kinds["ppl"][kinds["ppl"].index("--kv-cache-dtype") + 1] == "auto,kivi3"  # bf16 in the same file
-    from sgl_kvq.tools.eval.attention import DTYPE_METHODS
+    from bench.eval.attention import DTYPE_METHODS
 
     want = ",".join(DTYPE_METHODS[d] for d in ("kivi1", "kivi2", "kivi3"))
     assert kinds["attention"][kinds["attention"].index("--methods") + 1] == want
@@ -366,7 +366,7 @@ def test_readme_block_is_what_the_committed_results_give(model):
 
 def test_a_file_without_a_model_field_is_read_by_its_commands_model():
     """bench conformance wrote no "model" before; its --model must still keep another model's rows out of the table."""
-    from sgl_kvq.tools.decision.sources import other_model
+    from bench.decision.sources import other_model
 
     assert other_model({"command": "sgl-kvq bench conformance --model gemma3 --dtypes kivi4"}, SMOLLM2) == "gemma3"
     assert other_model({"command": "sgl-kvq bench conformance --model smollm2 --dtypes kivi4"}, SMOLLM2) is None
@@ -376,7 +376,7 @@ def test_a_file_without_a_model_field_is_read_by_its_commands_model():
 
 
 def test_a_recorded_model_folder_names_its_model():
-    from sgl_kvq.tools.decision.sources import other_model
+    from bench.decision.sources import other_model
 
     assert other_model({"model": "/root/.cache/sgl_kvq/models/gemma-3-270m"}, GEMMA3) is None
     assert other_model({"model": "/root/.cache/sgl_kvq/models/gemma-3-270m"}, SMOLLM2) is not None

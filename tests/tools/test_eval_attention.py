@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from sgl_kvq.tools.commands import eval_attention
-from sgl_kvq.tools.eval import attention
+from bench.commands import eval_attention
+from bench.eval import attention
 from slices import matrix_only
 
 EXPECTED = {"fp16", "per-token-2", "kivi4", "kivi2", "kivi1", "kivi1-plain", "gear-l-2", "gear-2", "zipcache",
@@ -60,7 +60,7 @@ def test_sliding_window_attention_matches_sdpa_with_a_band_mask(window):
 
 def test_gemma3_capture_applies_the_head_norms_and_each_layers_window():
     # a tiny random Gemma 3: layer 0 slides over 24 tokens, layer 1 attends to all; q_norm/k_norm precede RoPE
-    from sgl_kvq.tools.models import tiny_gemma3
+    from bench.models import tiny_gemma3
 
     model, tok, _ = attention.load_model(str(tiny_gemma3(24, ("sliding_attention", "full_attention"))))
     ids = tok("the quick brown fox jumps over the lazy dog " * 8, return_tensors="pt").input_ids[:, :80]

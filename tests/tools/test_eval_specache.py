@@ -1,4 +1,4 @@
-"""SpeCache's read as `sgl-kvq eval attention` models it (sgl_kvq/tools/eval/specache.py): its ranking is the served
+"""SpeCache's read as `sgl-kvq eval attention` models it (bench/eval/specache.py): its ranking is the served
 decode's (specache/attention.py top_positions), and its two limits are the low-bit copy and the 16-bit cache."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import torch
 from sgl_kvq.attention_ref import attention_probs
 from sgl_kvq.quant.compressed import fp16
 from sgl_kvq.specache.attention import top_positions
-from sgl_kvq.tools.eval.attention import causal_attention
-from sgl_kvq.tools.eval.specache import specache
+from bench.eval.attention import causal_attention
+from bench.eval.specache import specache
 
 T, HQ, H, D, R = 200, 6, 2, 16, 32  # a window of 32 after 5 pages of 32 (and a partial one)
 KIVI = dict(group_size=32, value_group=16, residual=R)
@@ -81,7 +81,7 @@ def test_values_in_the_hadamard_basis_change_only_what_the_low_bit_copy_reads():
     """values_basis R (KVQ_ROTATE=values): read wholly in 16 bits it is still the 16-bit cache (the rotated rows'
     rounding aside); its rankings are the unrotated read's (the keys are not rotated); its low-bit read is KIVI's over
     the rotated values, rotated back."""
-    from sgl_kvq.quant.kivi import kivi
+    from bench.quant.kivi import kivi
     from sgl_kvq.quant.rotation import block_hadamard
 
     q, k, v = _qkv(6)

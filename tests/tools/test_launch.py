@@ -1,4 +1,4 @@
-"""sgl_kvq/tools/launch.py's process groups: a server started through start_process_group does not outlive the process
+"""bench/launch.py's process groups: a server started through start_process_group does not outlive the process
 that started it, whether that process exits or is sent SIGTERM (a killed benchmark or test run)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 # or waits to be killed.
 PARENT = """
 import sys, time
-from sgl_kvq.tools.launch import start_process_group
+from bench.launch import start_process_group
 child = start_process_group([sys.executable, "-c", "import time; time.sleep(300)"])
 print(child.pid, flush=True)
 if sys.argv[1] == "exit":
@@ -90,7 +90,7 @@ def test_server_process_does_not_take_another_servers_answer_for_its_own(tmp_pat
     import http.server
     import threading
 
-    from sgl_kvq.tools.launch import ServerProcess, free_port, group_listens_on
+    from bench.launch import ServerProcess, free_port, group_listens_on
 
     class Stranger(http.server.BaseHTTPRequestHandler):
         def do_GET(self):

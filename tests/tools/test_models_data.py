@@ -1,4 +1,4 @@
-"""Embedded models (sgl_kvq.tools.models) and data (sgl_kvq.tools.data): built offline from installed packages, sane
+"""Embedded models (bench.models) and data (bench.data): built offline from installed packages, sane
 content."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sgl_kvq import env
-from sgl_kvq.tools import data
+from bench import data
 
 
 def _slow_unless_built(name: str):
@@ -41,7 +41,7 @@ def test_smollm2_folder_is_bf16_llama_with_gqa():
     from safetensors import safe_open
     from transformers import AutoTokenizer
 
-    from sgl_kvq.tools.models import smollm2
+    from bench.models import smollm2
 
     folder = smollm2()
     cfg = json.loads((folder / "config.json").read_text())
@@ -81,7 +81,7 @@ def test_held_out_essays_are_past_what_the_default_ppl_text_reads():
     held = data.held_out_essay_text()
     joined = data.essay_text()
     # the default run reads the first 4,609 tokens of essay_text(min_chars=8 * 4,609): far fewer characters
-    from sgl_kvq.tools.commands.eval_ppl import TURN_TOKENS, TURNS
+    from bench.commands.eval_ppl import TURN_TOKENS, TURNS
 
     n = TURNS * TURN_TOKENS + 1
     assert len(held) > 50_000 and joined.endswith(held)

@@ -15,10 +15,10 @@ import pytest
 
 matplotlib.use("Agg")
 
-from sgl_kvq.tools import plots  # noqa: E402
-from sgl_kvq.tools.commands import bench_capacity, bench_decode, bench_soak, serving_stats  # noqa: E402
-from sgl_kvq.tools.decision import cells as decision_cells  # noqa: E402
-from sgl_kvq.tools.decision import plot as decision_plot  # noqa: E402
+from bench import plots  # noqa: E402
+from bench.commands import bench_capacity, bench_decode, bench_soak, serving_stats  # noqa: E402
+from bench.decision import cells as decision_cells  # noqa: E402
+from bench.decision import plot as decision_plot  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 UNIT = re.compile(r"\(.+\)")  # "context (tokens)", "decode step (ms)", "tokens per GiB of budget (x bf16's)"

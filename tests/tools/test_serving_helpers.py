@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from sgl_kvq.tools.commands import serving_stats as stats
-from sgl_kvq.tools.commands import serving_workloads as wl
+from bench.commands import serving_stats as stats
+from bench.commands import serving_workloads as wl
 
 LOG = """\
 [2026-11-23 17:00:01] Prefill batch, #new-seq: 2, #new-token: 640, #cached-token: 0, token usage: 0.10, #running-req: 0, #queue-req: 3, #pending-token: 0, 

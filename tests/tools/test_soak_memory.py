@@ -1,11 +1,11 @@
-"""The soak's resident-memory summary (sgl_kvq/tools/soak.py rss_growth): warm-up excluded, growth and the slope over
+"""The soak's resident-memory summary (bench/soak.py rss_growth): warm-up excluded, growth and the slope over
 the rest of the run, on synthetic curves whose answer is known."""
 
 from __future__ import annotations
 
 import pytest
 
-from sgl_kvq.tools.soak import rss_growth
+from bench.soak import rss_growth
 
 MIB = 2 ** 20
 
@@ -34,7 +34,7 @@ def test_too_short_a_curve_reports_nothing():
 
 
 def test_each_server_process_is_named_by_its_role():
-    from sgl_kvq.tools.soak import process_role
+    from bench.soak import process_role
 
     assert process_role(["sglang::scheduler_TP0"]) == "scheduler_TP0"
     assert process_role(["sglang::detokenizer"]) == "detokenizer"
@@ -46,7 +46,7 @@ def test_each_server_process_is_named_by_its_role():
 def test_the_server_total_is_the_sum_of_its_processes():
     import os
 
-    from sgl_kvq.tools.soak import rss_by_process, rss_bytes
+    from bench.soak import rss_by_process, rss_bytes
 
     roles = rss_by_process(os.getpid())  # this pytest process stands for the launcher
     assert roles["tokenizer_manager"] > 0

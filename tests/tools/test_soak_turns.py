@@ -1,4 +1,4 @@
-"""The soak's turns (sgl_kvq/tools/soak.py Client.turn) against a fake /generate: what a turn sends and which answers it
+"""The soak's turns (bench/soak.py Client.turn) against a fake /generate: what a turn sends and which answers it
 counts as the server's error, with and without ignore_eos (`sgl-kvq bench soak --stop-at-eos`), and the
 --new-tokens range the command parses."""
 
@@ -8,8 +8,8 @@ import types
 
 import pytest
 
-from sgl_kvq.tools import soak
-from sgl_kvq.tools.commands.bench_soak import new_tokens_range
+from bench import soak
+from bench.commands.bench_soak import new_tokens_range
 
 
 def answer(reason: str, n: int):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from paged_pool import SHAPES, make_pool, poison_unused, random_requests
-from sgl_kvq import attention_batched
+from sgl_kvq import attention_batched, padded
 from sgl_kvq.attention_ref import ref_decode
 
 
@@ -24,7 +24,7 @@ def test_batched_decode_matches_reference(B, group, bits):
     kv, plan = make_pool(G, H, D, VG, bits, reqs, torch.float32, seed=B + 7 * bits)
     q = torch.randn(B, H * group, D, generator=torch.Generator().manual_seed(group))
     ref = ref_decode(q, kv, plan, D ** -0.5)
-    out = attention_batched.decode(q, kv, attention_batched.prepare(plan, G, H), D ** -0.5)
+    out = attention_batched.decode(q, kv, padded.prepare(plan, G, H), D ** -0.5)
     assert not out.isnan().any(), "a position past a context's end (NaN in the pool) reached the output"
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -37,7 +37,7 @@ def test_frames_apart_as_pooled_kivi3(B):
     kv, plan = make_pool(G, H, D, VG, 3, reqs, torch.bfloat16, seed=B, frame_gap=3 * D)
     assert not kv.ov_k.is_contiguous()
     q = torch.randn(B, H * 3, D, generator=torch.Generator().manual_seed(B))
-    out = attention_batched.decode(q, kv, attention_batched.prepare(plan, G, H), D ** -0.5)
+    out = attention_batched.decode(q, kv, padded.prepare(plan, G, H), D ** -0.5)
     torch.testing.assert_close(out, ref_decode(q, kv, plan, D ** -0.5), rtol=1e-5, atol=1e-5)
 
 
@@ -49,7 +49,7 @@ def test_reads_only_the_batch_pages():
     kv, plan = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=3)
     poison_unused(kv, plan, G)
     q = torch.randn(len(reqs), H * 2, D)
-    out = attention_batched.decode(q, kv, attention_batched.prepare(plan, G, H), D ** -0.5)
+    out = attention_batched.decode(q, kv, padded.prepare(plan, G, H), D ** -0.5)
     torch.testing.assert_close(out, ref_decode(q, kv, plan, D ** -0.5), rtol=1e-5, atol=1e-5)
 
 
@@ -60,7 +60,7 @@ def test_batched_decode_model_dtypes(dtype):
     reqs = [(2 * G, G + 3), (G - 1, 0), (0, 40)]
     kv, plan = make_pool(G, H, D, VG, 4, reqs, dtype, seed=11)
     q = torch.randn(len(reqs), H * 3, D).to(dtype)
-    out = attention_batched.decode(q, kv, attention_batched.prepare(plan, G, H), D ** -0.5)
+    out = attention_batched.decode(q, kv, padded.prepare(plan, G, H), D ** -0.5)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), ref_decode(q, kv, plan, D ** -0.5).float(), rtol=1e-2, atol=1e-2)
 
@@ -74,7 +74,7 @@ def test_batched_decode_with_gear_correction_matches_reference(B, gear):
         kv, plan = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=B, gear=gear)
         q = torch.randn(B, H * 2, D, generator=torch.Generator().manual_seed(B))
         ref = ref_decode(q, kv, plan, D ** -0.5)
-        out = attention_batched.decode(q, kv, attention_batched.prepare(plan, G, H), D ** -0.5)
+        out = attention_batched.decode(q, kv, padded.prepare(plan, G, H), D ** -0.5)
         assert not out.isnan().any()
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -90,7 +90,7 @@ def test_batched_decode_with_zipcache_salient_rows_matches_reference(B, group, n
         kv.extras.v_chan[0] = float("nan")  # dummy page 0 (padding reads it) may hold anything
         q = torch.randn(B, H * group, D, generator=torch.Generator().manual_seed(B))
         ref = ref_decode(q, kv, plan, D ** -0.5)
-        out = attention_batched.decode(q, kv, attention_batched.prepare(plan, G, H), D ** -0.5)
+        out = attention_batched.decode(q, kv, padded.prepare(plan, G, H), D ** -0.5)
         assert not out.isnan().any()
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -104,7 +104,7 @@ def test_batched_decode_with_logquant_rows_matches_reference(B, M):
         kv, plan = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=B + M, rows=M)
         q = torch.randn(B, H * 2, D, generator=torch.Generator().manual_seed(B))
         ref = ref_decode(q, kv, plan, D ** -0.5)
-        out = attention_batched.decode(q, kv, attention_batched.prepare(plan, G, H), D ** -0.5)
+        out = attention_batched.decode(q, kv, padded.prepare(plan, G, H), D ** -0.5)
         assert not out.isnan().any()
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
         kv.extras = None  # the rows change what is read
@@ -124,7 +124,7 @@ def test_batched_decode_of_peer_formats_matches_reference(B, peer):
         kv, plan = make_pool(G, H, D, VG, 4, reqs, torch.float32, seed=B, peer=peer)
         q = torch.randn(B, H * 2, D, generator=torch.Generator().manual_seed(B))
         ref = ref_decode(q, kv, plan, D ** -0.5)
-        out = attention_batched.decode(q, kv, attention_batched.prepare(plan, G, H), D ** -0.5)
+        out = attention_batched.decode(q, kv, padded.prepare(plan, G, H), D ** -0.5)
         assert not out.isnan().any()
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -132,13 +132,13 @@ def test_batched_decode_of_peer_formats_matches_reference(B, peer):
 def test_workspace_reuse_across_batches():
     """One Workspace through batches that grow and shrink (the backend keeps one for its life): every output equals
     the one computed with fresh buffers, and a layer's K/V never leak into the next batch's padding."""
-    ws = attention_batched.Workspace()
+    ws = padded.Workspace()
     rng = random.Random(11)
     for i, B in enumerate([3, 8, 1, 5, 8]):
         G, H, D, VG = SHAPES[i % len(SHAPES)]
         kv, plan = make_pool(G, H, D, VG, 2, random_requests(rng, B, G), torch.float32, seed=i)
         q = torch.randn(B, H * 2, D, generator=torch.Generator().manual_seed(i))
-        ctx = attention_batched.prepare(plan, G, H)
+        ctx = padded.prepare(plan, G, H)
         fresh = attention_batched.decode(q, kv, ctx, D ** -0.5)
         torch.testing.assert_close(attention_batched.decode(q, kv, ctx, D ** -0.5, ws), fresh, rtol=0, atol=0)
         torch.testing.assert_close(fresh, ref_decode(q, kv, plan, D ** -0.5), rtol=1e-5, atol=1e-5)

@@ -12,7 +12,7 @@ import torch
 
 from paged_pool import (EDGE_BATCHES, EDGE_IDS, SHAPES, check_edge_batch, check_reads_only_the_batch_pages,
                         check_scales_are_read, make_pool, random_requests)
-from sgl_kvq import attention_batched, attention_pages
+from sgl_kvq import attention_batched, attention_pages, padded
 from sgl_kvq.attention_ref import ref_decode
 
 
@@ -33,8 +33,8 @@ def test_page_decode_matches_reference(B, group, bits):
     out = decode(q, kv, plan, G, H)
     assert not out.isnan().any(), "a position past a context's end (NaN in the pool) reached the output"
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    padded = attention_batched.decode(q, kv, attention_batched.prepare(plan, G, H), D ** -0.5)
-    torch.testing.assert_close(out, padded, rtol=1e-5, atol=1e-5)
+    batched = attention_batched.decode(q, kv, padded.prepare(plan, G, H), D ** -0.5)
+    torch.testing.assert_close(out, batched, rtol=1e-5, atol=1e-5)
 
 
 def test_frames_apart_as_pooled_kivi3():
@@ -80,14 +80,14 @@ def test_page_decode_model_dtypes(dtype):
 def test_workspace_reuse_across_batches():
     """One Workspace (shared with the padded path, as in the backend) through batches that grow and shrink: every
     output equals the one computed with fresh buffers."""
-    ws = attention_batched.Workspace()
+    ws = padded.Workspace()
     rng = random.Random(12)
     for i, B in enumerate([3, 8, 1, 5, 8]):
         G, H, D, VG = SHAPES[i % len(SHAPES)]
         kv, plan = make_pool(G, H, D, VG, 2, random_requests(rng, B, G), torch.float32, seed=i)
         q = torch.randn(B, H * 2, D, generator=torch.Generator().manual_seed(i))
         fresh = decode(q, kv, plan, G, H)
-        attention_batched.decode(q, kv, attention_batched.prepare(plan, G, H), D ** -0.5, ws)
+        attention_batched.decode(q, kv, padded.prepare(plan, G, H), D ** -0.5, ws)
         torch.testing.assert_close(decode(q, kv, plan, G, H, ws), fresh, rtol=0, atol=0)
 
 

@@ -24,8 +24,8 @@ from sgl_kvq.attention_rotation import HeadRotation, basis  # noqa: E402
 from sgl_kvq.backends.torch_backend import KVQTorchBackend  # noqa: E402
 from sgl_kvq.config import KVQConfig, KVQConfigError, parse_kv_cache_dtype  # noqa: E402
 from sgl_kvq.kernels import cpu_decode_attention  # noqa: E402
-from sgl_kvq.layout import PoolShape  # noqa: E402
 from sgl_kvq.pool import KVQTokenToKVPool  # noqa: E402
+from sgl_kvq.pool_shape import PoolShape  # noqa: E402
 from sgl_kvq.quant.rotation import is_orthogonal  # noqa: E402
 
 G, H, HQ, D, L = 8, 2, 4, 16, 2

@@ -52,14 +52,15 @@ def test_knob(monkeypatch):
 def test_kvq_torch_decode_runs_under_the_limit(two_threads, monkeypatch, path):
     from types import SimpleNamespace
 
-    from sgl_kvq import attention_batched, attention_pages
+    from sgl_kvq import attention_batched, attention_pages, padded
     from sgl_kvq.backends.torch_backend import KVQTorchBackend
 
     seen = []
-    module, build = (attention_batched, "prepare") if path == "padded" else (attention_pages, "index")
+    (builder, build), module = ((padded, "prepare"), attention_batched) if path == "padded" else \
+        ((attention_pages, "index"), attention_pages)
     monkeypatch.setattr(attention_pages, "pays_off", lambda plan, G: path == "pages")
     built = attention_pages.PageIndex.__new__(attention_pages.PageIndex) if path == "pages" else object()
-    monkeypatch.setattr(module, build, lambda plan, G, H: seen.append((build, torch.get_num_threads())) or built)
+    monkeypatch.setattr(builder, build, lambda plan, G, H: seen.append((build, torch.get_num_threads())) or built)
     monkeypatch.setattr(module, "decode",
                         lambda q, kv, idx, sm, ws, window: seen.append(("decode", torch.get_num_threads())) or q)
     backend = KVQTorchBackend.__new__(KVQTorchBackend)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from paged_pool import SHAPES, make_pool, random_requests
-from sgl_kvq import attention_batched, attention_extend, attention_pages
+from sgl_kvq import attention_batched, attention_extend, attention_pages, padded
 from sgl_kvq.attention_ref import gather_context, ref_decode, ref_extend, window_mask
 from sgl_kvq.kernels import cpu_decode_attention
 
@@ -72,7 +72,7 @@ def test_decode_paths_match_the_reference_under_windows(fmt, B):
         reqs = random_requests(rng, B, G)
         kv, plan = make_pool(G, H, D, VG, reqs=reqs, dtype=torch.float32, seed=B + shape_i, **FORMATS[fmt])
         q = torch.randn(B, H * 2, D, generator=torch.Generator().manual_seed(B))
-        ctx = attention_batched.prepare(plan, G, H)
+        ctx = padded.prepare(plan, G, H)
         idx = attention_pages.index(plan, G, H) if attention_pages.supports(kv) else None
         for window in windows_for(reqs, G):
             ref = ref_decode(q, kv, plan, D ** -0.5, window=window)

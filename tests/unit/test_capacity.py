@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from sgl_kvq.capacity import frames_per_request, per_request_bytes, per_token_bytes, split_budget
-from sgl_kvq.frames import can_pool
 from sgl_kvq.config import DTYPE_NAMES, KVQConfig, KVQConfigError, parse_kv_cache_dtype
+from sgl_kvq.frames import can_pool
 from sgl_kvq.kv_store import QuantizedKVStore
-from sgl_kvq.layout import PoolShape
+from sgl_kvq.pool_shape import PoolShape
+from sgl_kvq.strategies import strategy_of
 
 # (layers, KV heads, head_dim, model dtype) as the HF configs give them; no weights needed.
 MODELS = {
@@ -172,7 +173,7 @@ def test_the_charge_is_what_the_pool_allocates(name, pooled):
     slots = 5
     if pooled and not can_pool(shape, torch.float16):
         pytest.skip(f"{name}'s frames cannot be pooled at head_dim 32: static frames")
-    extra = cfg.format.strategy.request_frames(cfg, shape, torch.float16) if pooled else 0
+    extra = strategy_of(cfg).request_frames(cfg, shape, torch.float16) if pooled else 0
     store = QuantizedKVStore(cfg, shape, slots, torch.float16, "cpu", frames_pooled=pooled, extra_frames=extra)
     per_slot = 0 if pooled else store.overlay_bytes()
     if cfg.method == "specache":
@@ -244,7 +245,7 @@ def test_the_host_tiers_budget_is_the_configs_share_of_host_ram(monkeypatch):
     """KVQ_HOST_MEM_FRACTION reaches the sizing through the config (SpeCache's format knob), on a GPU server; a CPU
     server's host tier is device memory, budgeted with the pool."""
     from sgl_kvq.config import KVQConfig
-    from sgl_kvq.formats.strategy import POOL_ONLY
+    from sgl_kvq.decode_strategy import POOL_ONLY
     from sgl_kvq.specache import host_tier
     from sgl_kvq.specache.strategy import STRATEGY
 

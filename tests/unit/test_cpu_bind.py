@@ -71,7 +71,7 @@ def test_a_users_binding_wins_and_an_automatic_one_follows_the_rank_count(clean_
 
 
 def test_engine_kwargs_and_server_argv_bind_on_the_cpu_engine(clean_env, monkeypatch):
-    from sgl_kvq.tools import launch
+    from bench import launch
 
     monkeypatch.setattr(launch, "has_gpu", lambda: False)
     monkeypatch.setattr(cpu_engine, "cpus_by_node", lambda: [[0, 1]])
@@ -87,7 +87,7 @@ def test_engine_kwargs_and_server_argv_bind_on_the_cpu_engine(clean_env, monkeyp
 def test_sgl_kvq_serve_refuses_a_bad_binding_before_launching():
     env = {**os.environ, THREADS_BIND_ENV: "0"}
     env.pop(AUTO_BIND_ENV, None)
-    proc = subprocess.run([sys.executable, "-m", "sgl_kvq.cli", "serve", "--model-path", "/nonexistent",
+    proc = subprocess.run([sys.executable, "-m", "bench.cli", "serve", "--model-path", "/nonexistent",
                            "--tp-size", "2"], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 2, proc.stderr
     assert f"sgl-kvq serve: {THREADS_BIND_ENV}='0' has 1 entries, but 2 rank(s)" in proc.stderr

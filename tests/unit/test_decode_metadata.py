@@ -22,10 +22,11 @@ from sgl_kvq import attention_ref
 from sgl_kvq.config import KVQConfig
 from sgl_kvq.kernels import decode_attention as dec
 from sgl_kvq.kv_store import QuantizedKVStore
-from sgl_kvq.layout import PoolShape, frame_of
+from sgl_kvq.layout import frame_of
 from sgl_kvq.metadata.device import DecodeBuffers, build_decode
 from sgl_kvq.metadata.forward import build_forward_plan
 from sgl_kvq.plan import PagedPlan
+from sgl_kvq.pool_shape import PoolShape
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H, HQ, D = 2, 4, 16

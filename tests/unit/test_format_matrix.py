@@ -30,10 +30,10 @@ from sgl_kvq import attention_extend  # noqa: E402
 from sgl_kvq.attention_ref import frame_rows, gather_context, ref_decode  # noqa: E402
 from sgl_kvq.config import parse_kv_cache_dtype  # noqa: E402
 from sgl_kvq.formats.registry import DTYPE_NAMES  # noqa: E402
-from sgl_kvq.layout import PoolShape  # noqa: E402
 from sgl_kvq.metadata.forward import build_forward_plan  # noqa: E402
 from sgl_kvq.metadata.host import plan_contexts  # noqa: E402
 from sgl_kvq.pool import KVQTokenToKVPool  # noqa: E402
+from sgl_kvq.pool_shape import PoolShape  # noqa: E402
 from kernel_checks import DEVICE, to_device  # noqa: E402
 from pool_writes import HQ, L, SM, H, D, kv_of, write  # noqa: E402
 

@@ -15,8 +15,8 @@ import torch
 from sgl_kvq.config import KVQConfigError, parse_kv_cache_dtype
 from sgl_kvq.formats import peers as peer_formats
 from sgl_kvq.kv_store import QuantizedKVStore
-from sgl_kvq.layout import PoolShape
 from sgl_kvq.patches.resolution import check_backend_reads, kvq_backend_for
+from sgl_kvq.pool_shape import PoolShape
 from sgl_kvq.quant import peers as ref
 
 PEERS = {  # dtype name -> the reference it serves

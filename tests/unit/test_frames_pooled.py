@@ -20,10 +20,10 @@ from sgl_kvq import attention_ref
 from sgl_kvq.config import KVQConfig
 from sgl_kvq.frames import FrameTable, can_pool
 from sgl_kvq.kv_store import QuantizedKVStore
-from sgl_kvq.layout import PoolShape
 from sgl_kvq.metadata.device import DecodeBuffers, build_decode
 from sgl_kvq.metadata.forward import build_forward_plan
 from sgl_kvq.patches.frames import FramePageAllocator
+from sgl_kvq.pool_shape import PoolShape
 from slices import ci_slice
 
 H, HQ, D, SCALE = 2, 4, 32, 0.2

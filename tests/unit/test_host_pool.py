@@ -17,8 +17,8 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E40
 
 from sgl_kvq.config import parse_kv_cache_dtype  # noqa: E402
 from sgl_kvq.host_pool import KVQTokenToKVPoolHost  # noqa: E402
-from sgl_kvq.layout import PoolShape  # noqa: E402
 from sgl_kvq.pool import KVQTokenToKVPool  # noqa: E402
+from sgl_kvq.pool_shape import PoolShape  # noqa: E402
 from pool_writes import D, H, L, read, write  # noqa: E402
 
 

@@ -12,8 +12,8 @@ import torch
 from sgl_kvq.config import DTYPE_NAMES, KVQConfig, parse_kv_cache_dtype
 from sgl_kvq.formats import registry
 from sgl_kvq.kv_store import QuantizedKVStore
-from sgl_kvq.layout import PoolShape
 from sgl_kvq.metadata.forward import build_forward_plan
+from sgl_kvq.pool_shape import PoolShape
 from sgl_kvq.quant import kivi_page
 
 L, H, D, PAGES = 2, 2, 32, 6

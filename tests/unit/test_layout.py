@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from sgl_kvq.config import DTYPE_NAMES, parse_kv_cache_dtype
-from sgl_kvq.layout import PoolShape, counts_as_value, frame_of, kivi_shapes
+from sgl_kvq.layout import counts_as_value, frame_of, kivi_shapes
+from sgl_kvq.pool_shape import PoolShape
 
 L, H, D, PAGES = 2, 2, 32, 6
 

@@ -18,10 +18,10 @@ from fake_scheduler import fake_scheduler  # noqa: E402
 from scrape import by_label, kvq_families, only, scrape_when, sglang_values  # noqa: E402
 
 from sgl_kvq.config import KVQConfig  # noqa: E402
-from sgl_kvq.layout import PoolShape  # noqa: E402
 from sgl_kvq.metrics import METRICS  # noqa: E402
 from sgl_kvq.patches import metrics as metrics_hook  # noqa: E402
 from sgl_kvq.pool import KVQTokenToKVPool  # noqa: E402
+from sgl_kvq.pool_shape import PoolShape  # noqa: E402
 
 SGLANG_LABELS = {"model_name": "tiny", "engine_type": "unified", "tp_rank": 0, "pp_rank": 0, "moe_ep_rank": 0}
 
@@ -114,8 +114,8 @@ def test_every_metric_is_named_in_sglang_style_and_documented(repo_root: Path):
 def test_a_kivi2_server_exports_its_pool_stats_on_metrics(tmp_path):
     """One kivi2 server with --enable-metrics: two requests, then /metrics against /get_server_info's kv_pool.
     --decode-log-interval 1: SGLang publishes its scheduler metrics (and kvq's) after every decode batch."""
-    from sgl_kvq.tools.launch import ServerProcess
-    from sgl_kvq.tools.models import tiny_llama
+    from bench.launch import ServerProcess
+    from bench.models import tiny_llama
 
     args = ["--model-path", str(tiny_llama()), "--kv-cache-dtype", "kivi2", "--dtype", "float32",
             "--max-total-tokens", "4096", "--mem-fraction-static", "0.3", "--enable-metrics",

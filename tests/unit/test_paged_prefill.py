@@ -12,8 +12,8 @@ import torch
 from sgl_kvq import attention_extend, attention_ref
 from sgl_kvq.config import KVQConfig
 from sgl_kvq.kv_store import QuantizedKVStore
-from sgl_kvq.layout import PoolShape
 from sgl_kvq.metadata.forward import build_forward_plan
+from sgl_kvq.pool_shape import PoolShape
 
 H, HQ, D = 2, 4, 16
 SCALE = 0.25

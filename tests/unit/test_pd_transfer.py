@@ -23,9 +23,9 @@ from sglang.srt.disaggregation.common.utils import group_concurrent_contiguous  
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 
 from sgl_kvq.config import parse_kv_cache_dtype  # noqa: E402
-from sgl_kvq.layout import PoolShape  # noqa: E402
 from sgl_kvq.pd_transfer import adopt_frames, base_entries, mark_window, request_state_layer_ids  # noqa: E402
 from sgl_kvq.pool import KVQTokenToKVPool  # noqa: E402
+from sgl_kvq.pool_shape import PoolShape  # noqa: E402
 from pool_writes import D, H, HQ, L, read, write  # noqa: E402
 
 DTYPES = ["kivi2", "kivi4", "kivi1", "kivi3", "gear2", "gearl2", "logquant2", "zipcache2"]

@@ -29,11 +29,11 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey  # noqa: E402
 from sgl_kvq.attention_ref import gather_context  # noqa: E402
 from sgl_kvq.config import KVQConfig  # noqa: E402
 from sgl_kvq.formats import logquant, zipcache  # noqa: E402
-from sgl_kvq.layout import PoolShape  # noqa: E402
 from sgl_kvq.metadata.host import begin_batch, plan_contexts  # noqa: E402
 from sgl_kvq.pool import KVQTokenToKVPool  # noqa: E402
+from sgl_kvq.pool_shape import PoolShape  # noqa: E402
 from sgl_kvq.quant import gear_page, kivi_page, logquant_page, zipcache_page  # noqa: E402
-from sgl_kvq.quant.zipcache import page_scores  # noqa: E402
+from bench.quant.zipcache import page_scores  # noqa: E402
 from slices import full_matrix
 
 H, D, L = 2, 16, 2

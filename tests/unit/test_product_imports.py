@@ -1,8 +1,9 @@
 """A server process imports only the product: what SGLang's plugin entry point (pyproject's `sglang.srt.plugins`
 entry, `sgl_kvq.patches:load`), the pool and the attention backends import never reaches the tooling
-(sgl_kvq/tools/: the commands, evaluations, benchmarks, soak, launchers, embedded models and data) nor sgl_kvq/cli.py,
-the `sgl-kvq` command line that dispatches to it. Held twice: statically, over every product module's imports, and in
-a fresh interpreter that loads the plugin as SGLang does."""
+(the top-level `bench` package: the `sgl-kvq` command line, evaluations, benchmarks, soak, launchers, embedded models
+and data). Held three times: by the layer contract (pyproject.toml's [tool.importlinter], `make check`), here over
+every product module's imports and the strings it may import by name, and in a fresh interpreter that loads the
+plugin as SGLang does."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 from plugin_process import ROOT, SERVER_MODULES, loaded_plugin
 
 PACKAGE = ROOT / "sgl_kvq"
-TOOLING = ("sgl_kvq.tools", "sgl_kvq.cli")
+TOOLING = ("bench",)
 
 
 def is_tooling(name: str) -> bool:
@@ -38,7 +39,7 @@ def product_modules() -> dict[str, Path]:
 def imported_names(source: str, module: str, is_package: bool = False) -> set[str]:
     """The modules `source` (module `module`) imports: import statements anywhere (function bodies included, so
     lazy imports count), relative ones resolved, `from X import y` as X and X.y, and any string constant naming an
-    sgl_kvq module (importlib.import_module targets, f-string prefixes)."""
+    sgl_kvq or bench module (importlib.import_module targets, f-string prefixes)."""
     package = module if is_package else module.rpartition(".")[0]
     names = set()
     for node in ast.walk(ast.parse(source)):
@@ -51,7 +52,8 @@ def imported_names(source: str, module: str, is_package: bool = False) -> set[st
                 base = ".".join(anchor + ([node.module] if node.module else []))
             names.add(base)
             names.update(f"{base}.{a.name}" for a in node.names)
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("sgl_kvq."):
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and node.value.startswith(("sgl_kvq.", "bench.")):
             names.add(node.value.split(":")[0].rstrip("."))
     return names
 
@@ -59,21 +61,21 @@ def imported_names(source: str, module: str, is_package: bool = False) -> set[st
 def test_the_import_walk_sees_absolute_relative_lazy_and_string_imports():
     """The walk below can fail: each way a module can reach the tooling is found."""
     source = '''
-import sgl_kvq.tools.launch
-from sgl_kvq import tools
-from ..tools import soak
+import bench.launch
+import bench as tools
+from bench import soak
 
 
 def lazy():
-    from sgl_kvq.cli import main
-    importlib.import_module("sgl_kvq.tools.commands.serve")
+    from bench.cli import main
+    importlib.import_module("bench.commands.serve")
 '''
     names = imported_names(source, "sgl_kvq.backends.base")
-    assert {"sgl_kvq.tools.launch", "sgl_kvq.tools", "sgl_kvq.tools.soak", "sgl_kvq.cli.main",
-            "sgl_kvq.tools.commands.serve"} <= names
+    assert {"bench.launch", "bench", "bench.soak", "bench.cli.main",
+            "bench.commands.serve"} <= names
     assert sorted(n for n in names if is_tooling(n)) == sorted(
-        ["sgl_kvq.tools.launch", "sgl_kvq.tools", "sgl_kvq.tools.soak", "sgl_kvq.cli", "sgl_kvq.cli.main",
-         "sgl_kvq.tools.commands.serve"])
+        ["bench.launch", "bench", "bench.soak", "bench.cli", "bench.cli.main",
+         "bench.commands.serve"])
 
 
 def test_no_product_module_imports_the_tooling():
@@ -87,7 +89,7 @@ def test_no_product_module_imports_the_tooling():
     for name, path in sorted(modules.items()):
         reached = imported_names(path.read_text(), name, path.name == "__init__.py")
         bad += [f"{path.relative_to(ROOT)}: {n}" for n in sorted(reached) if is_tooling(n)]
-    assert bad == [], "product modules import the tooling (sgl_kvq/tools/, sgl_kvq/cli.py):\n" + "\n".join(bad)
+    assert bad == [], "product modules import the tooling (bench/):\n" + "\n".join(bad)
 
 
 def test_a_server_process_loading_the_plugin_imports_no_tooling():

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sgl_kvq.quant.accounting import bits_per_element, breakdown, kivi_page_bits
+from bench.quant.accounting import bits_per_element, breakdown, kivi_page_bits
 from sgl_kvq.quant.compressed import CompressedKV
-from sgl_kvq.quant.gear import gear, gear_l
-from sgl_kvq.quant.kivi import fp16_baseline, kivi
-from sgl_kvq.quant.logquant import logquant
-from sgl_kvq.quant.per_token import per_token
-from sgl_kvq.quant.zipcache import zipcache
+from bench.quant.gear import gear, gear_l
+from bench.quant.kivi import fp16_baseline, kivi
+from bench.quant.logquant import logquant
+from bench.quant.per_token import per_token
+from bench.quant.zipcache import zipcache
 
 T, H, D = 150, 2, 16
 _g = torch.Generator().manual_seed(0)

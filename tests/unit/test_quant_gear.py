@@ -9,12 +9,12 @@ import torch
 from sgl_kvq.attention_ref import gather_context
 from sgl_kvq.config import parse_kv_cache_dtype
 from sgl_kvq.kv_store import QuantizedKVStore
-from sgl_kvq.layout import PoolShape
 from sgl_kvq.plan import PagedPlan
-from sgl_kvq.quant.accounting import bits_per_element, stored_bytes
-from sgl_kvq.quant.gear import gear, gear_l
+from sgl_kvq.pool_shape import PoolShape
+from bench.quant.accounting import bits_per_element, stored_bytes
+from bench.quant.gear import gear, gear_l
 from sgl_kvq.quant.gear_page import low_rank, outliers_per_row
-from sgl_kvq.quant.kivi import kivi
+from bench.quant.kivi import kivi
 
 
 def _kv(T=256, H=2, D=32, seed=0, low_rank_scale=0.0):

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from sgl_kvq.quant import kivi_page
-from sgl_kvq.quant.accounting import bits_per_element, kivi_expected_bits, kivi_page_bits, stored_bytes
-from sgl_kvq.quant.kivi import fp16_baseline, kivi, quantized_len
-from sgl_kvq.quant.per_token import per_token
+from bench.quant.accounting import bits_per_element, kivi_expected_bits, kivi_page_bits, stored_bytes
+from bench.quant.kivi import fp16_baseline, kivi, quantized_len
+from bench.quant.per_token import per_token
 
 
 def _kv(T, H=2, D=16, seed=0):

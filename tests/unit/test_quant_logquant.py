@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sgl_kvq.quant.accounting import stored_bytes
-from sgl_kvq.quant.logquant import log_positions, logquant
+from bench.quant.accounting import stored_bytes
+from bench.quant.logquant import log_positions, logquant
 from sgl_kvq.quant.logquant_page import max_rows, simulate_rows
 
 

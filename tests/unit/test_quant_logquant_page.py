@@ -11,10 +11,10 @@ import torch
 from sgl_kvq.attention_ref import gather_context
 from sgl_kvq.config import KVQConfigError, parse_kv_cache_dtype
 from sgl_kvq.kv_store import QuantizedKVStore
-from sgl_kvq.layout import PoolShape
 from sgl_kvq.plan import PagedPlan
+from sgl_kvq.pool_shape import PoolShape
 from sgl_kvq.quant import kivi_page, logquant_page
-from sgl_kvq.quant.logquant import log_positions, logquant
+from bench.quant.logquant import log_positions, logquant
 from sgl_kvq.quant.logquant_page import EMPTY, RuleState, max_rows, offsets_table, simulate_rows
 from slices import ci_slice
 

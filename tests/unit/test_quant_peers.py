@@ -11,13 +11,13 @@ import types
 import pytest
 import torch
 
-from sgl_kvq.tools.eval import attention
+from bench.eval import attention
 from sgl_kvq.quant import pack, peers
-from sgl_kvq.quant.accounting import bits_per_element, kivi_expected_bits, stored_bytes
+from bench.quant.accounting import bits_per_element, kivi_expected_bits, stored_bytes
 from sgl_kvq.quant.bitpack import pack_bits, unpack_bits
 from sgl_kvq.quant.compressed import CompressedKV
-from sgl_kvq.quant.kivi import kivi, quantized_len
-from sgl_kvq.quant.kivi_bits import kivi_bits
+from bench.quant.kivi import kivi, quantized_len
+from bench.quant.kivi_bits import kivi_bits
 from sgl_kvq.quant.rotation import hadamard, is_orthogonal, random_orthogonal, rotated, sylvester_hadamard
 
 T, H, D = 512, 2, 64

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sgl_kvq.quant import pack
-from sgl_kvq.quant.kivi import kivi, quantized_len
+from bench.quant.kivi import kivi, quantized_len
 
 FAST = settings(max_examples=40, deadline=None)
 

@@ -11,12 +11,12 @@ from sgl_kvq.attention_ref import gather_context
 from sgl_kvq.config import KVQConfig, KVQConfigError, parse_kv_cache_dtype
 from sgl_kvq.formats.zipcache import salient_per_page
 from sgl_kvq.kv_store import QuantizedKVStore
-from sgl_kvq.layout import PoolShape
 from sgl_kvq.metadata import host
 from sgl_kvq.plan import PagedPlan
-from sgl_kvq.quant.accounting import stored_bytes
-from sgl_kvq.quant.kivi import kivi
-from sgl_kvq.quant.zipcache import page_scores, zipcache
+from sgl_kvq.pool_shape import PoolShape
+from bench.quant.accounting import stored_bytes
+from bench.quant.kivi import kivi
+from bench.quant.zipcache import page_scores, zipcache
 from sgl_kvq.quant.zipcache_page import (apply_salient, normalize, pack_zipcache_pages, received_attention,
                                          salient_count, select_salient)
 from sgl_kvq.quant import kivi_page

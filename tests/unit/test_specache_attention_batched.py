@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from paged_pool import SHAPES, make_pool, random_requests
-from sgl_kvq import attention_batched
+from sgl_kvq import padded
 from sgl_kvq.attention_ref import attention_probs, gather_context
 from sgl_kvq.specache import attention as oracle
 from sgl_kvq.specache import attention_batched as lanes
@@ -82,7 +82,7 @@ def test_lanes_match_the_oracle(B, bits):
     kv, plan, G, H, D, n_base, q, k_own, v_own, top_k, (tk, tv, tpos) = case(B, group, bits, 100 * B + 10 * group
                                                                              + bits)
     sm_scale = D ** -0.5
-    ctx = attention_batched.prepare(plan, G, H)
+    ctx = padded.prepare(plan, G, H)
     assert ctx.base_len.tolist() == n_base
     stored = [gather_context(kv, plan, b) for b in range(B)]
 
@@ -101,7 +101,7 @@ def test_lanes_match_the_oracle(B, bits):
         spec, want_pos = oracle.speculative_rows(q[B:], k_own, v_own, contexts, n_base, sm_scale, top_k,
                                                  follow_probs)
         out, pos = lanes.two_lane(q, k_own, v_own, kv, ctx, sm_scale, top_k, tk, tv, tpos, follow,
-                                  attention_batched.Workspace())
+                                  padded.Workspace())
         assert not out.isnan().any()
         torch.testing.assert_close(out, torch.cat([real, spec]), **TOL)
         assert_same_top_k(pos, want_pos, q[B:], k_own, contexts, n_base, H, sm_scale, follow_probs)
@@ -110,7 +110,7 @@ def test_lanes_match_the_oracle(B, bits):
 def test_model_dtypes():
     """The engine's dtypes: q, own K/V, prefetched rows and overlay in bf16; outputs in q's dtype."""
     kv, plan, G, H, D, n_base, q, k_own, v_own, top_k, (tk, tv, tpos) = case(5, 3, 2, 7)
-    ctx = attention_batched.prepare(plan, G, H)
+    ctx = padded.prepare(plan, G, H)
     bf = [x.bfloat16() for x in (q, k_own, v_own, tk, tv)]
     out, _ = lanes.two_lane(*bf[:3], kv, ctx, D ** -0.5, top_k, *bf[3:], tpos, True)
     assert out.dtype == torch.bfloat16
@@ -125,7 +125,7 @@ def test_prefetched_rows_are_read_inside_the_base_only():
     positions past the base changes nothing."""
     B = 4
     kv, plan, G, H, D, n_base, q, k_own, v_own, top_k, (tk, tv, tpos) = case(B, 2, 1, 3)
-    ctx = attention_batched.prepare(plan, G, H)
+    ctx = padded.prepare(plan, G, H)
     run = lambda k, v: lanes.two_lane(q, k_own, v_own, kv, ctx, D ** -0.5, top_k, k, v, tpos, True)[0]  # noqa: E731
     base = run(tk, tv)
     inside = (tpos >= 0) & (tpos < torch.tensor(n_base)[:, None, None])
@@ -143,7 +143,7 @@ def test_workspace_is_rebuilt_for_the_predecode():
     """The top-k rows are written into the workspace's padded copy: the next call on the same workspace (a
     pre-decode, or the next layer) rebuilds it and never sees them."""
     kv, plan, G, H, D, n_base, q, k_own, v_own, top_k, (tk, tv, tpos) = case(6, 3, 2, 5)
-    ctx, ws = attention_batched.prepare(plan, G, H), attention_batched.Workspace()
+    ctx, ws = padded.prepare(plan, G, H), padded.Workspace()
     fresh = lanes.predecode(q[:6], k_own, v_own, kv, ctx, D ** -0.5, top_k)
     lanes.two_lane(q, k_own, v_own, kv, ctx, D ** -0.5, top_k, tk, tv, tpos, False, ws)
     again = lanes.predecode(q[:6], k_own, v_own, kv, ctx, D ** -0.5, top_k, ws)

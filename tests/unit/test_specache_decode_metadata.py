@@ -17,9 +17,9 @@ from sgl_kvq.attention_ref import gather_context
 from sgl_kvq.config import KVQConfig
 from sgl_kvq.kernels import specache_decode as sd
 from sgl_kvq.kv_store import QuantizedKVStore
-from sgl_kvq.layout import PoolShape
 from sgl_kvq.metadata.device import DecodeBuffers, build_decode
 from sgl_kvq.metadata.forward import build_forward_plan
+from sgl_kvq.pool_shape import PoolShape
 from sgl_kvq.specache.attention import output_rows, speculative_rows, with_topk
 from test_decode_metadata import DEVICE, MAX_CTX, NUM_PAGES, SLOTS, Life, assert_same_pool, per_request
 from slices import ci_slice

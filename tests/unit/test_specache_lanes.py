@@ -27,8 +27,8 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E4
 from sgl_kvq.attention_ref import _attend, gather_context  # noqa: E402
 from sgl_kvq.backends.specache_backend import KVQSpeCacheBackend  # noqa: E402
 from sgl_kvq.config import KVQConfig  # noqa: E402
-from sgl_kvq.layout import PoolShape
 from sgl_kvq.pool import KVQTokenToKVPool  # noqa: E402
+from sgl_kvq.pool_shape import PoolShape
 from sgl_kvq.specache.attention import top_positions  # noqa: E402
 from sgl_kvq.specache.lanes import run_lanes  # noqa: E402
 from sgl_kvq.specache.state import Lanes  # noqa: E402

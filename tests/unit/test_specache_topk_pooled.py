@@ -21,9 +21,9 @@ pytest.importorskip("sglang")
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
 from sgl_kvq.config import KVQConfig  # noqa: E402
-from sgl_kvq.layout import PoolShape  # noqa: E402
 from sgl_kvq.patches import frames as frame_hooks  # noqa: E402
 from sgl_kvq.pool import KVQTokenToKVPool  # noqa: E402
+from sgl_kvq.pool_shape import PoolShape  # noqa: E402
 from sgl_kvq.specache.state import Lanes  # noqa: E402
 
 # fp32 model: a frame of k = 16 (2 bit) or 32 (1 bit) pages of G = 32 tokens, whose key scales hold the 32 rows'

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from paged_pool import SHAPES, make_pool
-from sgl_kvq import attention_batched, attention_extend
+from sgl_kvq import attention_extend, padded
 from sgl_kvq.attention_ref import _attend, attention_probs, gather_context, ref_extend, visible_from, window_mask
 from sgl_kvq.specache import attention as oracle
 from sgl_kvq.specache import attention_batched as lanes
@@ -145,7 +145,7 @@ def test_window_zero_reads_the_rows_own_key_only():
     G, H, D, VG = SHAPES[0]
     kv, plan, n_base, q, k_own, v_own, (tk, tv, tpos) = case(G, H, D, VG, 1, 1, 4, seed=9)
     B = len(n_base)
-    ctx = attention_batched.prepare(plan, G, H)
+    ctx = padded.prepare(plan, G, H)
     out, pos = lanes.two_lane(q, k_own, v_own, kv, ctx, D ** -0.5, 4, tk, tv, tpos, True, window=0)
     contexts = oracle.with_topk([gather_context(kv, plan, b) for b in range(B)], n_base, tk, tv, tpos)
     for b in range(B):
@@ -161,7 +161,7 @@ def test_batched_lanes_match_the_oracle_under_windows(shape, bits):
     group, top_k = 1 + (shape + bits) % 3, [3, 9, 2 * G + 1][shape]
     kv, plan, n_base, q, k_own, v_own, (tk, tv, tpos) = case(G, H, D, VG, bits, group, top_k, seed=10 * shape + bits)
     B, sm_scale = len(n_base), D ** -0.5
-    ctx = attention_batched.prepare(plan, G, H)
+    ctx = padded.prepare(plan, G, H)
     stored = [gather_context(kv, plan, b) for b in range(B)]
     contexts = oracle.with_topk(stored, n_base, tk, tv, tpos)
     for window in windows(G):
@@ -176,7 +176,7 @@ def test_batched_lanes_match_the_oracle_under_windows(shape, bits):
             spec, _ = oracle.speculative_rows(q[B:], k_own, v_own, contexts, n_base, sm_scale, top_k,
                                               probs if follow else None, window=window)
             out, pos = lanes.two_lane(q, k_own, v_own, kv, ctx, sm_scale, top_k, tk, tv, tpos, follow,
-                                      attention_batched.Workspace(), window=window)
+                                      padded.Workspace(), window=window)
             assert not out.isnan().any()
             torch.testing.assert_close(out, torch.cat([real, spec]), **TOL, msg=lambda m: f"W={window}: {m}")
             _, _, ranks = visible_lanes(q[:B], q[B:], k_own, v_own, contexts, n_base, sm_scale, top_k, window,
@@ -187,7 +187,7 @@ def test_batched_lanes_match_the_oracle_under_windows(shape, bits):
 def test_a_window_wider_than_every_context_is_no_window_to_the_bit():
     G, H, D, VG = SHAPES[1]
     kv, plan, n_base, q, k_own, v_own, (tk, tv, tpos) = case(G, H, D, VG, 2, 3, 7, seed=4)
-    ctx = attention_batched.prepare(plan, G, H)
+    ctx = padded.prepare(plan, G, H)
     for follow in (False, True):
         full = lanes.two_lane(q, k_own, v_own, kv, ctx, D ** -0.5, 7, tk, tv, tpos, follow)
         wide = lanes.two_lane(q, k_own, v_own, kv, ctx, D ** -0.5, 7, tk, tv, tpos, follow, window=10 * G)
