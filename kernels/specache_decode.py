@@ -151,7 +151,7 @@ def specache_decode(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, k
     extras, extras_consts = format_extras(kv, layer_geometry(kv))
     # the kernel applies extras as decode does, but no format with extras serves SpeCache: its reference
     # (sgl_kvq/specache/attention.py) reads plain KIVI pages
-    require(extras_consts["FORMAT"] == "", "SpeCache pages are plain KIVI pages")
+    require(kv.extras is None, "SpeCache pages are plain KIVI pages")
     n, L = p.batch_size, p.n_lanes
     require(q.dim() == 3 and tuple(q.shape) == (L * n, p.num_qo_heads, D),
             f"q must be [{L} x {n}, Hq={p.num_qo_heads}, D={D}], got {tuple(q.shape)}")

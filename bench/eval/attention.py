@@ -21,10 +21,10 @@ Metrics per method, averaged over layers (per-layer values are in the JSON):
     kept_share    share of (token, head) pairs held above base precision
 
 Methods: ours (KIVI at 1-4 bits, kivi3 through kivi_bits, GEAR, ZipCache, LogQuant; the KIVI-style ones keep the
-fp16 window; SpeCache's read of its low-bit copy with each query's top-k rows in 16 bits, tools/eval/specache.py),
+fp16 window; SpeCache's read of its low-bit copy with each query's top-k rows in 16 bits, bench/eval/specache.py),
 KIVI 2/3 in a Hadamard basis (sgl_kvq.quant.rotation.rotated: q/k/v rotated alike, output rotated back), and the
-formats the engines ship (sgl_kvq.quant.peers: SGLang fp8_e4m3 / fp4_mx_block16 / nvfp4, vLLM int4_per_token_head
-and TurboQuant), which quantize every token and keep no window.
+formats the engines ship (sgl_kvq.formats.peers.reference: SGLang fp8_e4m3 / fp4_mx_block16 / nvfp4, vLLM
+int4_per_token_head and TurboQuant), which quantize every token and keep no window.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ from bench.quant.gear import gear, gear_l
 from bench.quant.kivi import fp16_baseline, kivi
 from bench.quant.logquant import logquant
 from bench.quant.kivi_bits import kivi_bits
-from sgl_kvq.quant.peers import fp4_mx_block16, fp8_e4m3, int4_per_token_head, nvfp4, turboquant, turboquant_preset
+from sgl_kvq.formats.peers.reference import fp4_mx_block16, fp8_e4m3, int4_per_token_head, nvfp4, turboquant, \
+    turboquant_preset
 from bench.quant.per_token import per_token
 from sgl_kvq.quant.rotation import block_hadamard, hadamard, rotated
 from bench.quant.zipcache import zipcache
@@ -87,7 +88,7 @@ def methods(group_size: int = 64, value_group: int = 64, residual: int = 64, win
         "kivi3-had": rotated(lambda k, v, q, s: kivi_bits(k, v, bits=3, **kv), hadamard),
         "kivi4-had": rotated(lambda k, v, q, s: kivi(k, v, bits=4, **kv), hadamard),
         # SpeCache's read: the low-bit copy with each query's top-k base rows per KV head in 16 bits, at the served
-        # top-k and ranking (tools/eval/specache.py: the speculative lane's guess modelled as right)
+        # top-k and ranking (bench/eval/specache.py: the speculative lane's guess modelled as right)
         **{f"specache{b}": (lambda k, v, q, s, b=b: specache(k, v, bits=b, top_k=SPECACHE_TOP_K[b], **kv))
            for b in SPECACHE_TOP_K},
     }
@@ -103,7 +104,7 @@ def methods(group_size: int = 64, value_group: int = 64, residual: int = 64, win
     return {
         **ours,
         **values_rotated,
-        # what the engines ship (sgl_kvq.quant.peers): every token quantized, no fp16 window
+        # what the engines ship (sgl_kvq.formats.peers.reference): every token quantized, no fp16 window
         "fp8_e4m3": lambda k, v, q, s: fp8_e4m3(k, v),  # SGLang fp8_e4m3, scale 1
         "fp4_mx_block16": lambda k, v, q, s: fp4_mx_block16(k, v),  # SGLang fp4_mx_block16
         "nvfp4": lambda k, v, q, s: nvfp4(k, v),  # SGLang nvfp4, global scale amax / (6 * 448) per layer

@@ -1,4 +1,4 @@
-"""Which keys each query sees in the offline attention evaluations (tools/eval/attention.py, tools/eval/specache.py),
+"""Which keys each query sees in the offline attention evaluations (bench/eval/attention.py, bench/eval/specache.py),
 with HF's sliding-window convention: a sliding layer's query i sees keys i - window + 1 .. i, which is SGLang's
 sliding_window_size = window - 1 (the convention of attention_ref.visible_from, which every served path uses)."""
 

@@ -8,7 +8,7 @@ speculative row is modelled by the real query of the step (a next-token guess th
 every needle step: sgl_kvq/config.py), attending over the low-bit copy alone (served, its keys also hold the
 previous step's 16-bit rows). A wrong guess ranks by another token's query: this is the read when the lane guessed
 right. Every query of the sequence is modelled as a decode step over the cache as it stands at length T, as the
-other methods are (tools/eval/attention.py).
+other methods are (bench/eval/attention.py).
 """
 
 from __future__ import annotations

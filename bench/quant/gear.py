@@ -1,5 +1,5 @@
 """GEAR and GEAR-L over a whole [T, H, D] sequence, as the pool stores it: the served page format
-(sgl_kvq/quant/gear_page.py) on every complete page outside the fp16 window, KIVI's fp16 window and open page after.
+(sgl_kvq/formats/gear/codec.py) on every complete page outside the fp16 window, KIVI's fp16 window and open page after.
 
     X ~= D + L (+ S) per page of G tokens and KV head
 D is KIVI's page of the outlier-filled page, L a rank-r approximation of its residual, S (GEAR only) each row's
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from sgl_kvq.quant.compressed import CompressedKV, check_kv
-from sgl_kvq.quant.gear_page import dequantize_gear_pages, outliers_per_row, pack_gear_pages
+from sgl_kvq.formats.gear.codec import dequantize_gear_pages, outliers_per_row, pack_gear_pages
 from bench.quant.kivi import quantized_len
 
 

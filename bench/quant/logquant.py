@@ -10,7 +10,7 @@ been through more passes, each halving their density, so the gaps between kept p
 time (roughly doubling per W kept: log-spaced; tests/unit/test_quant_logquant.py checks it); position 0 is never thinned
 (kept[0] leads every slice), which keeps the attention sink in fp16.
 
-Storage: the served logquant2 page format (sgl_kvq/quant/logquant_page.py) applied to a sequence, as the pool holds
+Storage: the served logquant2 page format (sgl_kvq/formats/logquant/codec.py) applied to a sequence, as the pool holds
 it at length T: every complete page outside KIVI's fp16 window (the open page + R/G complete pages) is a 2-bit KIVI
 page plus the fp16 rows the rule keeps in it at the moment it left that window (T_exit(n) = (n + ring) * G + 1 for
 page n); the window and the open page are fp16. The rule is monotone (a position dropped at T is never kept later),
@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from sgl_kvq.quant import kivi_page, logquant_page
+from sgl_kvq.formats.logquant import codec as logquant_page
+from sgl_kvq.quant import kivi_page
 from sgl_kvq.quant.compressed import CompressedKV, check_kv
 from bench.quant.kivi import quantized_len
 

@@ -1,5 +1,5 @@
 """ZipCache over a whole [T, H, D] sequence, as the pool stores it: the served zipcache2 page format
-(sgl_kvq/quant/zipcache_page.py) on every complete page outside the fp16 window, KIVI's fp16 window and open page
+(sgl_kvq/formats/zipcache/codec.py) on every complete page outside the fp16 window, KIVI's fp16 window and open page
 after.
 
 Per page of G tokens and KV head: the NS = round(ratio * G) tokens with the highest normalized attention score from
@@ -21,7 +21,7 @@ import torch
 
 from sgl_kvq.quant.compressed import CompressedKV, check_kv
 from bench.quant.kivi import quantized_len
-from sgl_kvq.quant.zipcache_page import (dequantize_zipcache_pages, normalize, pack_zipcache_pages,
+from sgl_kvq.formats.zipcache.codec import (dequantize_zipcache_pages, normalize, pack_zipcache_pages,
                                          received_attention, salient_count, select_salient)
 
 

@@ -56,8 +56,8 @@ class Format:
     # The NamedTuple of one layer's page tensors beside KIVI's (LayerKV.extras), its fields in page_shapes' order;
     # None: the pages carry nothing else.
     extras: type | None = None
-    # The kernels' specialization: the FORMAT constexpr (kernels/format_extras.py FORMATS, "" for KIVI's pages
-    # alone). None: no Triton kernel reads this format, and kvq_triton refuses it before the model loads.
+    # The name of the format's Triton correction (its kernel_corrections), "" for KIVI's pages alone. None: no
+    # Triton kernel reads this format, and kvq_triton refuses it before the model loads.
     kernel: str | None = ""
     # Whether the Triton quantize kernel writes its pages' codes (bit-exact with pack); False: torch compresses
     # them on both backends.
@@ -79,6 +79,14 @@ class Format:
         """The widths whose values are stored in the Hadamard basis unless KVQ_ROTATE says otherwise
         (KVQ_ROTATE=values), as sgl_kvq/formats/rotation.py chose them."""
         return VALUES_ROTATED.get(self.family, ())
+
+    def kernel_corrections(self) -> tuple:
+        """The jitted functions the attention kernels apply in registers to a dequantized base page, K^T [D, G] then
+        V [G, D] (passed as constexprs: sgl_kvq/kernels/paged_kv_kernel.py); imported here, not with the
+        declaration, so that only a process that runs a kernel imports Triton. Default: the pages as stored."""
+        from sgl_kvq.formats.plain_kernel import _plain_kt, _plain_v
+
+        return _plain_kt, _plain_v
 
     # ---- names and knobs ----
     def dtype_name(self, bits: int) -> str:

@@ -28,7 +28,7 @@ def _knobs() -> dict[str, tuple]:
 
 # Every family's KVQ_* variables (Format.knobs), each naming one KVQConfig field.
 KNOBS = _knobs()
-# The kernels' extras tensors per FORMAT constexpr (kernels/format_extras.py checks a layer view against them).
+# The extras tensors of each format with a Triton correction, by Format.kernel (tests/kernels/ check them).
 EXTRA_SHAPES = {f.kernel: f.page_shapes for f in FORMATS if f.kernel}
 
 

@@ -1,4 +1,4 @@
-"""A peer format (sgl_kvq/formats/peers.py) through the real SGLang engine on CPU with the tiny random Llama: one
+"""A peer format (sgl_kvq/formats/peers/) through the real SGLang engine on CPU with the tiny random Llama: one
 engine serves peer_int4 through kvq_torch, a second turn hits the radix cache (its prefix read from the peer's
 packed pages), and kvq_triton is refused before any model loads. The other peers' engine runs are in
 tests/data/greedy_tokens.json (KVQ_TEST_MATRIX=all tests/engine/test_e2e_greedy_tokens.py)."""

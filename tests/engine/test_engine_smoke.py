@@ -10,6 +10,7 @@ import pytest
 from bench import data
 from sgl_kvq.cpu_engine import cpu_engine_env, engine_kwargs
 from bench.models import smollm2
+from slices import matrix_only
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -49,6 +50,8 @@ def test_capital_of_france(engine, tokenizer):
     assert out["meta_info"]["completion_tokens"] > 0
 
 
+@matrix_only("bf16's radix cache is SGLang's own; kvq pages' radix hits are served end to end by "
+             "tests/engine/test_e2e_serving.py and the greedy record's second turn (71 s of a CI worker)")
 def test_shared_prefix_is_served_from_the_radix_cache(engine, tokenizer):
     prefix = data.essay_text(min_chars=3000)[:3000]  # ~600 tokens
     n_prefix = len(tokenizer(prefix).input_ids)

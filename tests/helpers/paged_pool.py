@@ -11,7 +11,10 @@ import torch
 
 from sgl_kvq.config import parse_kv_cache_dtype
 from sgl_kvq.plan import LayerKV, PagedPlan
-from sgl_kvq.quant import gear_page, kivi_page, logquant_page, zipcache_page
+from sgl_kvq.formats.gear import codec as gear_page
+from sgl_kvq.formats.logquant import codec as logquant_page
+from sgl_kvq.formats.zipcache import codec as zipcache_page
+from sgl_kvq.quant import kivi_page
 
 
 def random_requests(rng: random.Random, B: int, G: int) -> list[tuple[int, int]]:
@@ -50,11 +53,11 @@ def frames_apart(x: torch.Tensor, gap: int) -> torch.Tensor:
 
 def make_pool(G, H, D, VG, bits, reqs, dtype, seed, gear=None, salient=0, rows=None, frame_gap=0, peer=None):
     """A layer whose pages hold quantized random K/V, and a PagedPlan giving each request shuffled pages/frames.
-    gear=(rank, NK, NV): the pages are GEAR pages (sgl_kvq/quant/gear_page.py) carrying their correction.
-    salient=NS > 0: zipcache2 pages (sgl_kvq/quant/zipcache_page.py) with NS random salient rows per page-head.
-    rows=M: LogQuant pages (sgl_kvq/quant/logquant_page.py) with M row slots at random distinct offsets, about a
+    gear=(rank, NK, NV): the pages are GEAR pages (sgl_kvq/formats/gear/codec.py) carrying their correction.
+    salient=NS > 0: zipcache2 pages (sgl_kvq/formats/zipcache/codec.py) with NS random salient rows per page-head.
+    rows=M: LogQuant pages (sgl_kvq/formats/logquant/codec.py) with M row slots at random distinct offsets, about a
     quarter of them empty (255). frame_gap: the overlay frames lie that many elements apart (frames_apart).
-    peer=a dtype name of sgl_kvq/formats/peers.py: its own base and per-slot extras (no KIVI scales)."""
+    peer=a dtype name of sgl_kvq/formats/peers/: its own base and per-slot extras (no KIVI scales)."""
     gen = torch.Generator().manual_seed(seed)
     n_base = [math.ceil(b / G) for b, _ in reqs]
     n_ov = [math.ceil(o / G) for _, o in reqs]

@@ -35,9 +35,9 @@ SCRIPT = textwrap.dedent('''
         return ASTSource(fn=fn, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()})
 
     from sgl_kvq.kernels.arg_groups import PageLists, PoolArgs, SplitParts
-    from sgl_kvq.quant.gear_page import PageCorrection
-    from sgl_kvq.quant.logquant_page import PageRows
-    from sgl_kvq.quant.zipcache_page import SalientPlane
+    from sgl_kvq.formats.gear.codec import PageCorrection
+    from sgl_kvq.formats.logquant.codec import PageRows
+    from sgl_kvq.formats.zipcache.codec import SalientPlane
 
     # tuple arguments are typed by a tuple of the same kind
     groups = dict(POOL=PoolArgs("*u8", "*fp16", "*fp16", "*u8", "*fp16", "*fp16", "*bf16", "*bf16", *["i32"] * 9),
@@ -47,8 +47,11 @@ SCRIPT = textwrap.dedent('''
               "logquant": PageRows("*fp16", "*fp16", "*u8"),
               "zipcache": SalientPlane(*"*fp16 *u8 *u8 *fp16 *fp16 *u8 *fp16 *fp16".split())}
 
-    def fmt(name, sizes=()):
-        return dict(EXTRAS=extras[name]), dict(FORMAT=name, SIZES=sizes)
+    from sgl_kvq.formats import registry
+
+    def fmt(name, sizes=()):  # the format's corrections, as the launchers pass them (kernels/format_extras.py)
+        correct_k, correct_v = registry.BY_FAMILY[name or "kivi"].kernel_corrections()
+        return dict(EXTRAS=extras[name]), dict(CORRECT_K=correct_k, CORRECT_V=correct_v, SIZES=sizes)
 
     plan = {n: "*i32" for n in ("num_splits", "qo_indptr")}
     target = GPUTarget("cuda", 90, 32)

@@ -18,9 +18,9 @@ from sgl_kvq.kernels.format_extras import format_extras
 from sgl_kvq.kv_store import QuantizedKVStore
 from sgl_kvq.plan import LayerKV
 from sgl_kvq.pool_shape import PoolShape
-from sgl_kvq.quant.gear_page import PageCorrection
-from sgl_kvq.quant.logquant_page import PageRows
-from sgl_kvq.quant.zipcache_page import SalientPlane
+from sgl_kvq.formats.gear.codec import PageCorrection
+from sgl_kvq.formats.logquant.codec import PageRows
+from sgl_kvq.formats.zipcache.codec import SalientPlane
 
 H, D, PAGES = 2, 32, 5
 
@@ -44,7 +44,9 @@ def test_sizes_read_off_the_view_are_the_configs(dtype_name):
     kv, shape = layer_view(dtype_name)
     extras, consts = format_extras(kv, layer_geometry(kv))
     kind, sizes = shape.format_sizes()
-    assert consts == dict(FORMAT=kind, SIZES=tuple(sizes.values()))
+    correct_k, correct_v = shape.cfg.format.kernel_corrections()
+    assert consts == dict(CORRECT_K=correct_k, CORRECT_V=correct_v, SIZES=tuple(sizes.values()))
+    assert correct_k.__name__ == f"_{kind}_kt" and correct_v.__name__ == f"_{kind}_v"
     assert type(extras).__name__ in ("PageCorrection", "PageRows", "SalientPlane")
     assert all(t.numel() > 0 for t in extras)  # gearl2's empty outlier tensors are passed as a stand-in
 
@@ -73,7 +75,9 @@ def test_zipcache_salient_width_is_the_configs():
 @pytest.mark.parametrize("dtype_name", ["kivi1", "kivi2", "kivi4", "specache2"])
 def test_plain_kivi_pages_have_no_extras(dtype_name):
     kv, _ = layer_view(dtype_name)
-    assert format_extras(kv, layer_geometry(kv)) == ((), dict(FORMAT="", SIZES=()))
+    from sgl_kvq.formats.plain_kernel import _plain_kt, _plain_v
+
+    assert format_extras(kv, layer_geometry(kv)) == ((), dict(CORRECT_K=_plain_kt, CORRECT_V=_plain_v, SIZES=()))
 
 
 def test_one_format_per_view():

@@ -33,7 +33,7 @@ def test_the_scan_finds_the_attention_kernels():
     found = jit_functions()
     for name in ("decode_attention_kernel._decode_attention_kernel", "extend_attention_kernel._extend_attention_kernel",
                  "specache_decode_kernel._specache_decode_kernel", "paged_kv_kernel._base_page_step",
-                 "format_extras_kernel._apply_extras_k"):
+                 "paged_kv_kernel._page_kt"):
         assert name in found, sorted(found)
 
 

@@ -15,7 +15,7 @@ from slices import matrix_only
 EXPECTED = {"fp16", "per-token-2", "kivi4", "kivi2", "kivi1", "kivi1-plain", "gear-l-2", "gear-2", "zipcache",
             "zipcache-0.6", "logquant-2", "logquant-2-w21",
             "kivi3", "kivi2-had", "kivi3-had", "kivi4-had",  # KIVI at 3 bits, KIVI in a Hadamard basis
-            "fp8_e4m3", "fp4_mx_block16", "nvfp4", "nvfp4-gs1",  # SGLang's KV formats (sgl_kvq.quant.peers)
+            "fp8_e4m3", "fp4_mx_block16", "nvfp4", "nvfp4-gs1",  # SGLang's KV formats (sgl_kvq.formats.peers.reference)
             "int4-pth-asym", "int4-pth-sym", "tq3", "tq4", "tq-3bit-nc", "tq-4bit-nc", "tq-k8v4",  # vLLM's
             "specache1", "specache2"}  # SpeCache's read at its served top-k (tools/eval/specache.py)
 # ... and each of ours (but the per-token baseline) with its values in the Hadamard basis (KVQ_ROTATE=values)

@@ -117,7 +117,7 @@ PEERS = ["peer_fp8_e4m3", "peer_fp4_mx_block16", "peer_nvfp4", "peer_int4", "pee
 @pytest.mark.parametrize("B", [1, 4, 9])
 @pytest.mark.parametrize("peer", PEERS)
 def test_batched_decode_of_peer_formats_matches_reference(B, peer):
-    """A base that is not KIVI's (sgl_kvq/formats/peers.py), and overlay tokens read through the format's quantizer."""
+    """A base that is not KIVI's (sgl_kvq/formats/peers/), and overlay tokens read through the format's quantizer."""
     rng = random.Random(B * 17 + len(peer))
     for G, H, D, VG in SHAPES:
         reqs = random_requests(rng, B, G)

@@ -1,6 +1,6 @@
-"""The peers' KV formats as served formats (sgl_kvq/formats/peers.py), no Engine: pages written through the store
-read back what the references (sgl_kvq/quant/peers.py) store and rebuild, bit for bit, on odd shapes; the open
-page reads as the packed page will; bytes per token are the peers' layouts; kvq_triton refuses them; their config
+"""The peers' KV formats as served formats (sgl_kvq/formats/peers/), no Engine: pages written through the store
+read back what the references (sgl_kvq/formats/peers/reference.py) store and rebuild, bit for bit, on odd shapes; the
+open page reads as the packed page will; bytes per token are the peers' layouts; kvq_triton refuses them; their config
 is validated; the served fp4_mx_block16 equals SGLang's own quantizer."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from sgl_kvq.formats import peers as peer_formats
 from sgl_kvq.kv_store import QuantizedKVStore
 from sgl_kvq.patches.resolution import check_backend_reads, kvq_backend_for
 from sgl_kvq.pool_shape import PoolShape
-from sgl_kvq.quant import peers as ref
+from sgl_kvq.formats.peers import reference as ref
 
 PEERS = {  # dtype name -> the reference it serves
     "peer_fp8_e4m3": ref.fp8_e4m3,

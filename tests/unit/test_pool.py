@@ -32,7 +32,10 @@ from sgl_kvq.formats import logquant, zipcache  # noqa: E402
 from sgl_kvq.metadata.host import begin_batch, plan_contexts  # noqa: E402
 from sgl_kvq.pool import KVQTokenToKVPool  # noqa: E402
 from sgl_kvq.pool_shape import PoolShape  # noqa: E402
-from sgl_kvq.quant import gear_page, kivi_page, logquant_page, zipcache_page  # noqa: E402
+from sgl_kvq.formats.gear import codec as gear_page  # noqa: E402
+from sgl_kvq.formats.logquant import codec as logquant_page  # noqa: E402
+from sgl_kvq.formats.zipcache import codec as zipcache_page  # noqa: E402
+from sgl_kvq.quant import kivi_page  # noqa: E402
 from bench.quant.zipcache import page_scores  # noqa: E402
 from slices import full_matrix
 

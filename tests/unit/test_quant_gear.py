@@ -1,4 +1,4 @@
-"""GEAR / GEAR-L pages (sgl_kvq/quant/gear_page.py): low-rank residual, sparse outliers, their bytes, and the
+"""GEAR / GEAR-L pages (sgl_kvq/formats/gear/codec.py): low-rank residual, sparse outliers, their bytes, and the
 served pool reading exactly what the sequence-level reference (the eval's rows) reconstructs."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from sgl_kvq.plan import PagedPlan
 from sgl_kvq.pool_shape import PoolShape
 from bench.quant.accounting import bits_per_element, stored_bytes
 from bench.quant.gear import gear, gear_l
-from sgl_kvq.quant.gear_page import low_rank, outliers_per_row
+from sgl_kvq.formats.gear.codec import low_rank, outliers_per_row
 from bench.quant.kivi import kivi
 
 

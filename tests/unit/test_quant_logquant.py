@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from bench.quant.accounting import stored_bytes
 from bench.quant.logquant import log_positions, logquant
-from sgl_kvq.quant.logquant_page import max_rows, simulate_rows
+from sgl_kvq.formats.logquant.codec import max_rows, simulate_rows
 
 
 @settings(max_examples=60, deadline=None)

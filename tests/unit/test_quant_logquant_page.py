@@ -1,4 +1,4 @@
-"""LogQuant's served page format (sgl_kvq/quant/logquant_page.py): the incremental rule, M, the offsets table,
+"""LogQuant's served page format (sgl_kvq/formats/logquant/codec.py): the incremental rule, M, the offsets table,
 the page round trip, and one implementation with the eval's sequence-level logquant()."""
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from sgl_kvq.config import KVQConfigError, parse_kv_cache_dtype
 from sgl_kvq.kv_store import QuantizedKVStore
 from sgl_kvq.plan import PagedPlan
 from sgl_kvq.pool_shape import PoolShape
-from sgl_kvq.quant import kivi_page, logquant_page
+from sgl_kvq.formats.logquant import codec as logquant_page
+from sgl_kvq.quant import kivi_page
 from bench.quant.logquant import log_positions, logquant
-from sgl_kvq.quant.logquant_page import EMPTY, RuleState, max_rows, offsets_table, simulate_rows
+from sgl_kvq.formats.logquant.codec import EMPTY, RuleState, max_rows, offsets_table, simulate_rows
 from slices import ci_slice
 
 

@@ -1,4 +1,5 @@
-"""The engines' KV formats (sgl_kvq.quant.peers), KIVI at 3 bits (kivi_bits), bit-stream packing and rotations.
+"""The engines' KV formats (sgl_kvq.formats.peers.reference), KIVI at 3 bits (kivi_bits), bit-stream packing and
+rotations.
 
 Round-trip error bounds on random Gaussian K/V, bytes per token at each engine's real layout, SGLang's fp4_mx_block16
 quantizer bit for bit, its NVFP4 dequantization, and the rotation algebra the Hadamard KIVI rows rely on.
@@ -12,7 +13,8 @@ import pytest
 import torch
 
 from bench.eval import attention
-from sgl_kvq.quant import pack, peers
+from sgl_kvq.formats.peers import reference as peers
+from sgl_kvq.quant import pack
 from bench.quant.accounting import bits_per_element, kivi_expected_bits, stored_bytes
 from sgl_kvq.quant.bitpack import pack_bits, unpack_bits
 from sgl_kvq.quant.compressed import CompressedKV

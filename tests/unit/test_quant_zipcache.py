@@ -1,4 +1,4 @@
-"""ZipCache pages (sgl_kvq/quant/zipcache_page.py): the normalized saliency from a page's own queries, the page
+"""ZipCache pages (sgl_kvq/formats/zipcache/codec.py): the normalized saliency from a page's own queries, the page
 format's round trip, channel-separable values, the store's saliency accumulator (token by token == all at once),
 and the served pool reading exactly what the sequence-level reference (the eval's row) reconstructs."""
 
@@ -17,7 +17,7 @@ from sgl_kvq.pool_shape import PoolShape
 from bench.quant.accounting import stored_bytes
 from bench.quant.kivi import kivi
 from bench.quant.zipcache import page_scores, zipcache
-from sgl_kvq.quant.zipcache_page import (apply_salient, normalize, pack_zipcache_pages, received_attention,
+from sgl_kvq.formats.zipcache.codec import (apply_salient, normalize, pack_zipcache_pages, received_attention,
                                          salient_count, select_salient)
 from sgl_kvq.quant import kivi_page
 

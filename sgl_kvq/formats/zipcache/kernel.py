@@ -1,6 +1,6 @@
-"""Jitted ZipCache salient plane (zipcache2), in sgl_kvq.quant.zipcache_page.apply_salient's order: each of the
+"""Jitted ZipCache salient plane (zipcache2), in sgl_kvq.formats.zipcache.codec.apply_salient's order: each of the
 page's NS salient rows, at SBITS bits, replaces its token's row of K^T and of V, then V (stored as V / c) is
-multiplied by the page's channel scale c. X is a SalientPlane of contiguous tensors (formats/zipcache.py
+multiplied by the page's channel scale c. X is a SalientPlane of contiguous tensors (formats/zipcache/
 zipcache_shapes): v_chan, s_k_scale, s_k_zero [P, H, D]; s_idx [P, H, NS]; s_k_codes, s_v_codes
 [P, H, NS, D * SBITS // 8]; s_v_scale, s_v_zero [P, H, NS, D // VG]. SIZES = (NS, SBITS)."""
 

@@ -1,6 +1,6 @@
 """ZipCache on one page of G tokens: the exact format of a zipcache2 base page (see sgl_kvq/layout.py).
 
-Per page and KV head, with NS = salient tokens per page (sgl_kvq/formats/zipcache.py salient_per_page) picked by
+Per page and KV head, with NS = salient tokens per page (sgl_kvq/formats/zipcache/ salient_per_page) picked by
 saliency (below):
     c   sqrt(max_t |V[t, d]|) per channel over the page's G tokens, fp16 (ZipCache's channel-separable token-wise
         value quantization: V / c is quantized per token, read back times c; floored at 1e-3 so a zero channel

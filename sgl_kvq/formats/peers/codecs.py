@@ -1,7 +1,7 @@
-"""The peers' KV formats as per-vector codecs, for serving them (sgl_kvq/formats/peers.py): each quantizes one
+"""The peers' KV formats as per-vector codecs, for serving them (sgl_kvq/formats/peers/): each quantizes one
 (token, KV head) row x [..., D] into the tensors the engine stores for it and reads them back in fp32.
 
-The arithmetic is sgl_kvq/quant/peers.py's (the references, checked against the engines' sources), with the
+The arithmetic is sgl_kvq/formats/peers/reference.py's (the references, checked against the engines' sources), with the
 constant tables on x's device; tests/unit/test_formats_peers.py compares the two bit for bit. Every one of these formats
 is per token and head (blocks of 16 channels lie inside one head's row), so a row's codes never depend on other
 tokens: a page is simply its tokens' rows.
@@ -13,7 +13,8 @@ from functools import lru_cache
 
 import torch
 
-from sgl_kvq.quant import pack, peers
+from sgl_kvq.formats.peers import reference as peers
+from sgl_kvq.quant import pack
 from sgl_kvq.quant.bitpack import pack_bits, unpack_bits
 from sgl_kvq.quant.rotation import random_orthogonal, rht_signs, sylvester_hadamard
 

@@ -1,7 +1,7 @@
 """The KV formats the engines ship, served to compare with ours (issue 30): SGLang's fp8_e4m3, fp4_mx_block16 and
 nvfp4, vLLM's int4 per token and head and TurboQuant-style 3 / 4-bit codes, named peer_* so no one takes them for
 SGLang's or vLLM's own kernels. Served through kvq_torch only (kernel None: kvq_triton refuses them before the
-model loads); their arithmetic is sgl_kvq/quant/peer_codecs.py, the references' (sgl_kvq/quant/peers.py).
+model loads); their arithmetic is sgl_kvq/formats/peers/codecs.py, the references' (sgl_kvq/formats/peers/reference.py).
 
 The pool stores each format at the peer's real layout, per token slot: k_codes / v_codes [S, H, Dp] (the base,
 whose bytes pooled frames reuse) and the rest, scales or norms, as the format's extras [S, H, ...]. Bytes per token
@@ -28,7 +28,7 @@ from sgl_kvq.errors import KVQConfigError
 from sgl_kvq.formats.base import Format, PageWrite
 from sgl_kvq.layout import PageGeometry, Shapes
 from sgl_kvq.padded import gather_rows
-from sgl_kvq.quant import peer_codecs as codecs
+from sgl_kvq.formats.peers import codecs
 
 
 class PeerBase(NamedTuple):

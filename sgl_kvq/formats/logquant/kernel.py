@@ -1,5 +1,5 @@
 """Jitted LogQuant rows (logquant2): a page's stored fp16 rows replace the dequantized ones, as
-sgl_kvq.quant.logquant_page.apply_rows does. X is a PageRows of contiguous tensors (formats/logquant.py
+sgl_kvq.formats.logquant.codec.apply_rows does. X is a PageRows of contiguous tensors (formats/logquant/
 logquant_shapes): k_rows, v_rows [P, M, H, D] and row_off [P, M] (255: an empty slot, which matches no offset).
 SIZES = (M,)."""
 

@@ -1,6 +1,6 @@
-"""Jitted GEAR correction (gear2, gearl2), in sgl_kvq.quant.gear_page.correct_keys / correct_values' order: the
+"""Jitted GEAR correction (gear2, gearl2), in sgl_kvq.formats.gear.codec.correct_keys / correct_values' order: the
 rank-r term u^T w, then each row's outliers replace their entries. X is a PageCorrection of contiguous tensors
-(formats/gear.py gear_shapes): k_u, v_u [P, H, r, G]; k_w, v_w [P, H, r, D]; k_out_* [P, H, NK, D]; v_out_* [S, H, NV].
+(formats/gear/ gear_shapes): k_u, v_u [P, H, r, G]; k_w, v_w [P, H, r, D]; k_out_* [P, H, NK, D]; v_out_* [S, H, NV].
 SIZES = (r, NK, NV)."""
 
 import triton

@@ -1,6 +1,6 @@
 """GEAR (gear2) and GEAR-L (gearl2): KIVI's 2-bit page of the page with its outliers removed, plus per KV head a
 rank-r approximation of the quantization residual and (gear2) each row's largest deviations as fp16 outliers
-(sgl_kvq/quant/gear_page.py, the one implementation; kernels/gear_extras_kernel.py adds it in registers)."""
+(sgl_kvq/formats/gear/codec.py, the one implementation; sgl_kvq/formats/gear/kernel.py adds it in registers)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from sgl_kvq.errors import KVQConfigError, LayoutError
 from sgl_kvq.formats.base import Format, PageWrite
 from sgl_kvq.layout import PageGeometry, Shapes
-from sgl_kvq.quant.gear_page import PageCorrection, add_low_rank, correct_keys, correct_values, outliers_per_row, \
+from sgl_kvq.formats.gear.codec import PageCorrection, add_low_rank, correct_keys, correct_values, outliers_per_row, \
     pack_gear_pages, select_pages
 from sgl_kvq.quant.uniform import SCALE_DTYPE
 
@@ -35,6 +35,11 @@ class Gear(Format):
     plain_pages = False
     knobs = {"KVQ_GEAR_RANK": ("gear_rank", int), "KVQ_GEAR_ITERS": ("gear_iters", int),
              "KVQ_GEAR_OUTLIERS": ("gear_outliers", float)}
+
+    def kernel_corrections(self) -> tuple:
+        from sgl_kvq.formats.gear.kernel import _gear_kt, _gear_v
+
+        return _gear_kt, _gear_v
 
     def __init__(self, family: str, outliers: bool):
         self.family, self.outliers = family, outliers

@@ -1,6 +1,6 @@
 """LogQuant (logquant2): KIVI's 2-bit page plus M fp16 row slots holding the positions LogQuant's rule keeps when
-the page leaves the fp16 window, read instead of their codes (sgl_kvq/quant/logquant_page.py, the one
-implementation; kernels/logquant_extras_kernel.py replaces them in registers). Which rows a page keeps depends on
+the page leaves the fp16 window, read instead of their codes (sgl_kvq/formats/logquant/codec.py, the one
+implementation; sgl_kvq/formats/logquant/kernel.py replaces them in registers). Which rows a page keeps depends on
 its logical page index alone, so its write needs each completing page's index (PageWrite.lpages)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from sgl_kvq.errors import KVQConfigError, LayoutError
 from sgl_kvq.formats.base import Format, PageWrite
 from sgl_kvq.layout import PageGeometry, Shapes
 from sgl_kvq.quant import kivi_page
-from sgl_kvq.quant.logquant_page import EMPTY, PageRows, apply_rows, gather_rows, max_rows, offsets_table, \
+from sgl_kvq.formats.logquant.codec import EMPTY, PageRows, apply_rows, gather_rows, max_rows, offsets_table, \
     select_pages
 from sgl_kvq.quant.uniform import SCALE_DTYPE
 
@@ -36,6 +36,11 @@ class LogQuant(Format):
     kernel = "logquant"
     plain_pages = False
     knobs = {"KVQ_LOGQUANT_WINDOW": ("logquant_window", int)}
+
+    def kernel_corrections(self) -> tuple:
+        from sgl_kvq.formats.logquant.kernel import _logquant_kt, _logquant_v
+
+        return _logquant_kt, _logquant_v
 
     def check_knobs(self, cfg) -> None:
         if cfg.logquant_window < 1:

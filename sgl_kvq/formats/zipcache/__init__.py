@@ -1,6 +1,6 @@
 """ZipCache (zipcache2): KIVI's 2-bit page of (K with its salient rows replaced by channel medians, V / c) plus per
-KV head its most salient tokens at 4 bit (sgl_kvq/quant/zipcache_page.py, the one implementation;
-kernels/zipcache_extras_kernel.py replaces them in registers, then V times c).
+KV head its most salient tokens at 4 bit (sgl_kvq/formats/zipcache/codec.py, the one implementation;
+sgl_kvq/formats/zipcache/kernel.py replaces them in registers, then V times c).
 
 Saliency is the attention a page's own queries paid its tokens, so the write needs the batch's queries. Queries of
 earlier batches are gone when a page completes, so what they paid is accumulated per overlay frame (ov_score, the
@@ -14,10 +14,10 @@ import torch
 from sgl_kvq.errors import KVQConfigError, LayoutError
 from sgl_kvq.formats.base import Format, PageWrite
 from sgl_kvq.layout import PageGeometry, Shapes
-from sgl_kvq.quant import zipcache_page
+from sgl_kvq.formats.zipcache import codec as zipcache_page
 from sgl_kvq.quant.pack import packed_dim
 from sgl_kvq.quant.uniform import SCALE_DTYPE
-from sgl_kvq.quant.zipcache_page import SALIENT_BITS, SalientPlane, salient_count, salient_rows
+from sgl_kvq.formats.zipcache.codec import SALIENT_BITS, SalientPlane, salient_count, salient_rows
 
 
 def zipcache_shapes(g: PageGeometry, salient: int, salient_bits: int) -> Shapes:
@@ -65,6 +65,11 @@ class ZipCache(Format):
     needs_queries = True
     plain_pages = False
     knobs = {"KVQ_ZIPCACHE_SALIENT": ("zipcache_salient", float)}
+
+    def kernel_corrections(self) -> tuple:
+        from sgl_kvq.formats.zipcache.kernel import _zipcache_kt, _zipcache_v
+
+        return _zipcache_kt, _zipcache_v
 
     def check_knobs(self, cfg) -> None:
         g = cfg.group_size
