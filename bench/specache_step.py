@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))  # a checkout works without installing the package
 import triton  # noqa: E402
 
 from sgl_kvq.config import KVQConfig  # noqa: E402
+from sgl_kvq.formats.specache import SpeCacheParams  # noqa: E402
 from sgl_kvq.kernels import decode_attention as dec  # noqa: E402
 from sgl_kvq.kernels import specache_decode as sd  # noqa: E402
 from sgl_kvq.pool_shape import PoolShape  # noqa: E402
@@ -67,7 +68,7 @@ def bench_config(model, Hq, Hkv, D, B, ctx, bits, layers, top_k, dtype, device):
     gen = torch.Generator(device=device).manual_seed(0)
     kv, paged, _ = bench_kernels.build(B, ctx, Hq, Hkv, D, bits, dtype, device, gen)
     sm_scale = D ** -0.5
-    cfg = KVQConfig("specache", bits, top_k=top_k)
+    cfg = KVQConfig("specache", bits, params=SpeCacheParams(top_k=top_k))
     shape = PoolShape(layers, Hkv, D, -(-B * ctx // G), cfg)
     sc = SpeCacheState(cfg, shape, B + 1, dtype, device)
     req = torch.arange(B, device=device)

@@ -2,13 +2,13 @@
 decode, extend and SpeCache launchers.
 
     extras, consts = format_extras(kv, geometry)
-    kernel[grid](..., extras, ..., **consts)   # consts: CORRECT_K, CORRECT_V (jitted functions), SIZES: constexprs
+    kernel[grid](..., extras, ..., **consts)   # consts: CORRECT (a pair of jitted functions), SIZES: constexprs
 
 `extras` is the view's page tensors of its format (LayerKV.extras, the format's NamedTuple: PageCorrection,
 PageRows, SalientPlane; () for plain KIVI pages). They are checked against the shapes the format declares
 (Format.page_shapes, the declaration PoolShape.base_shapes allocates from), with the format's sizes read off the
-view by the format (Format.sizes_of, which also checks the bounds its correction reads). CORRECT_K and CORRECT_V are
-the format's in-register corrections (Format.kernel_corrections, in its package's kernel.py), which the kernels call
+view by the format (Format.sizes_of, which also checks the bounds its correction reads). CORRECT is the format's
+in-register corrections of K^T and V (Format.kernel_corrections, in its package's kernel.py), which the kernels call
 on each dequantized base page; SIZES are its sizes in page_shapes' keyword order. The jitted code indexes every extra
 tensor by its contiguous shape.
 
@@ -26,13 +26,13 @@ from .checks import require
 
 
 def format_extras(kv: LayerKV, g: PageGeometry) -> tuple[tuple, dict]:
-    """-> (the view's extra tensors, dict(CORRECT_K=..., CORRECT_V=..., SIZES=...)) after checking them against the
+    """-> (the view's extra tensors, dict(CORRECT=..., SIZES=...)) after checking them against the
     layout; an empty extra tensor (gearl2's outliers) is passed as k_scale, never read, so that no pointer is null."""
     fmt = of_extras(kv.extras)
     require(fmt.kernel is not None, f"{fmt.family} has no Triton kernel: serve it with kvq_torch")
-    correct_k, correct_v = fmt.kernel_corrections()
+    correct = fmt.kernel_corrections()
     if kv.extras is None:
-        return (), dict(CORRECT_K=correct_k, CORRECT_V=correct_v, SIZES=())
+        return (), dict(CORRECT=correct, SIZES=())
     tensors = kv.extras
     label = type(tensors).__name__
     sizes = fmt.sizes_of(tensors, g)  # LayoutError where out of its correction's bounds
@@ -44,4 +44,4 @@ def format_extras(kv: LayerKV, g: PageGeometry) -> tuple[tuple, dict]:
         require(t.is_contiguous() and t.device == kv.ov_k.device,
                 f"{label}.{n} must be contiguous on the pool's device")
     stand_ins = {n: kv.k_scale for n in want if getattr(tensors, n).numel() == 0}
-    return tensors._replace(**stand_ins), dict(CORRECT_K=correct_k, CORRECT_V=correct_v, SIZES=tuple(sizes.values()))
+    return tensors._replace(**stand_ins), dict(CORRECT=correct, SIZES=tuple(sizes.values()))

@@ -2,16 +2,17 @@
 dequantized in registers, then the format's extras applied, or an fp16 overlay frame) and fold a tile of scores into
 an online softmax.
 
-Codes are packed along D (unpack_kernel.py; 3 bits: two planes, each unpacked like the power-of-two widths). Keys
-dequantize per channel with the page's scale/zero, values per token and VG-channel group. POOL is the layer's pool
-group (arg_groups.PoolArgs); EXTRAS and SIZES are the format's extras, applied by its jitted corrections CORRECT_K
-and CORRECT_V (constexpr functions its declaration names: Format.kernel_corrections; launcher side: format_extras.py).
+Codes are packed along D (sgl_kvq/quant/unpack_kernel.py; 3 bits: two planes, each unpacked like the power-of-two
+widths). Keys dequantize per channel with the page's scale/zero, values per token and VG-channel group. POOL is the
+layer's pool group (arg_groups.PoolArgs); EXTRAS and SIZES are the format's extras, applied by its jitted
+corrections CORRECT (a constexpr pair of functions, K's and V's, that its declaration gives:
+Format.kernel_corrections; launcher side: format_extras.py).
 """
 
 import triton
 import triton.language as tl
 
-from .unpack_kernel import _unpack, _unpack3
+from sgl_kvq.quant.unpack_kernel import _unpack, _unpack3
 
 
 @triton.jit
@@ -62,18 +63,18 @@ def _base_page_v(POOL, page, kvh, offs_t, offs_d, n_valid, G: tl.constexpr, D: t
 
 @triton.jit
 def _page_kt(POOL, EXTRAS, page, kvh, n_heads, offs_t, offs_d, G: tl.constexpr, D: tl.constexpr,
-             BITS: tl.constexpr, VG: tl.constexpr, CORRECT_K: tl.constexpr, SIZES: tl.constexpr):
+             BITS: tl.constexpr, VG: tl.constexpr, CORRECT: tl.constexpr, SIZES: tl.constexpr):
     # -> K^T [D, G] fp32 of page `page`, head kvh, as its format reads it
     kt = _base_page_kt(POOL, page, kvh, offs_t, offs_d, G, D, BITS)
-    return CORRECT_K(kt, EXTRAS, page, kvh, n_heads, offs_t, offs_d, G, D, VG, SIZES)
+    return CORRECT[0](kt, EXTRAS, page, kvh, n_heads, offs_t, offs_d, G, D, VG, SIZES)
 
 
 @triton.jit
 def _page_v(POOL, EXTRAS, page, kvh, n_heads, offs_t, offs_d, n_valid, G: tl.constexpr, D: tl.constexpr,
-            BITS: tl.constexpr, VG: tl.constexpr, CORRECT_V: tl.constexpr, SIZES: tl.constexpr):
+            BITS: tl.constexpr, VG: tl.constexpr, CORRECT: tl.constexpr, SIZES: tl.constexpr):
     # -> V [G, D] fp32 of page `page`, head kvh, as its format reads it; rows >= n_valid are 0
     v = _base_page_v(POOL, page, kvh, offs_t, offs_d, n_valid, G, D, BITS, VG)
-    return CORRECT_V(v, EXTRAS, page, kvh, n_heads, offs_t, offs_d, n_valid, G, D, VG, SIZES)
+    return CORRECT[1](v, EXTRAS, page, kvh, n_heads, offs_t, offs_d, n_valid, G, D, VG, SIZES)
 
 
 @triton.jit
@@ -94,14 +95,13 @@ def _softmax_step(qk, valid, m, l, acc, v, DOT_FP32: tl.constexpr):
 
 @triton.jit
 def _base_page_step(q, m, l, acc, POOL, EXTRAS, page, n_valid, valid, kvh, n_heads, offs_t, offs_d, sm_scale_log2,
-                    G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, VG: tl.constexpr, CORRECT_K: tl.constexpr,
-                    CORRECT_V: tl.constexpr, SIZES: tl.constexpr, DOT_FP32: tl.constexpr):
+                    G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, VG: tl.constexpr, CORRECT: tl.constexpr,
+                    SIZES: tl.constexpr, DOT_FP32: tl.constexpr):
     # One packed base page into the online softmax of q [M, D] (already in the dot dtype): -> updated (m, l, acc).
     # valid [M or 1, G]: the keys each row sees (tokens < n_valid, within a sliding window: _window_valid).
-    kt = _page_kt(POOL, EXTRAS, page, kvh, n_heads, offs_t, offs_d, G, D, BITS, VG, CORRECT_K, SIZES)
+    kt = _page_kt(POOL, EXTRAS, page, kvh, n_heads, offs_t, offs_d, G, D, BITS, VG, CORRECT, SIZES)
     qk = _dot(q, kt.to(q.dtype), DOT_FP32) * sm_scale_log2
-    v = _page_v(POOL, EXTRAS, page, kvh, n_heads, offs_t, offs_d, n_valid, G, D, BITS, VG, CORRECT_V,
-                SIZES)
+    v = _page_v(POOL, EXTRAS, page, kvh, n_heads, offs_t, offs_d, n_valid, G, D, BITS, VG, CORRECT, SIZES)
     return _softmax_step(qk, valid, m, l, acc, v.to(q.dtype), DOT_FP32)
 
 

@@ -18,7 +18,7 @@ the pages from the first one the earliest row's window reaches.
 
 Masking can leave a base page (or a whole split) without a valid key: _softmax_step keeps m = -inf there, and an
 empty split stores lse = -inf, which merge_state weighs by 0. POOL, TOPK, PAGES and PARTS are argument groups
-(arg_groups.py, specache_decode.TopKArgs), EXTRAS / CORRECT_K / CORRECT_V / SIZES the format's extras and
+(arg_groups.py, specache_decode.TopKArgs), EXTRAS / CORRECT / SIZES the format's extras and
 corrections (format_extras.py; the launcher takes plain KIVI pages, whose corrections are the identity).
 """
 
@@ -35,7 +35,7 @@ def _specache_decode_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
     VG: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, NLANES: tl.constexpr,
     SPEC_LANE: tl.constexpr, USE_TOPK: tl.constexpr, FOLLOW: tl.constexpr, MAX_SPLITS: tl.constexpr,
-    TOPK_ROWS: tl.constexpr, CORRECT_K: tl.constexpr, CORRECT_V: tl.constexpr, SIZES: tl.constexpr,
+    TOPK_ROWS: tl.constexpr, CORRECT: tl.constexpr, SIZES: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
@@ -125,11 +125,10 @@ def _specache_decode_kernel(
                 if USE_TOPK:
                     replaced = tl.sum((pos[:, None] == mpos[None, :]).to(tl.int32), axis=1)
                     valid = valid & (replaced == 0)[None, :]
-                kt = _page_kt(POOL, EXTRAS, page, kvh, n_heads, offs_t, offs_d, G, D, BITS, VG, CORRECT_K, SIZES)
+                kt = _page_kt(POOL, EXTRAS, page, kvh, n_heads, offs_t, offs_d, G, D, BITS, VG, CORRECT, SIZES)
                 qk = _dot(q, kt.to(q.dtype), DOT_FP32) * sm_scale_log2
                 tl.store(score_row[:, None] + pos[None, :], qk, mask=scored[:, None] & valid)
-                v = _page_v(POOL, EXTRAS, page, kvh, n_heads, offs_t, offs_d, n_valid, G, D, BITS, VG, CORRECT_V,
-                            SIZES)
+                v = _page_v(POOL, EXTRAS, page, kvh, n_heads, offs_t, offs_d, n_valid, G, D, BITS, VG, CORRECT, SIZES)
                 m, l, acc = _softmax_step(qk, valid, m, l, acc, v.to(q.dtype), DOT_FP32)
             for j in range(tl.maximum(p_start, n_base), p_end):
                 frame = tl.load(PAGES.ov_indices + ov_lo + j - n_base).to(tl.int64)

@@ -25,23 +25,37 @@ def register() -> None:
 
 def backend_class(strategy: str, backend: str) -> type:
     """The class serving attention backend `backend` ("kvq_torch", "kvq_triton") under decode strategy `strategy`
-    (Format.strategy: SpeCache's two lanes, or the pool alone). Imported when the factory runs, so a process
-    serving kvq_torch never imports the Triton kernels."""
-    if strategy == "specache":
-        if backend == "kvq_torch":
-            from sgl_kvq.backends.specache_backend import KVQSpeCacheBackend
+    (Format.strategy: the pool alone, or SpeCache's two lanes)."""
+    return _CLASSES[strategy][backend]()
 
-            return KVQSpeCacheBackend
-        from sgl_kvq.backends.specache_triton_backend import KVQSpeCacheTritonBackend
 
-        return KVQSpeCacheTritonBackend
-    if backend == "kvq_torch":
-        from sgl_kvq.backends.torch_backend import KVQTorchBackend
+# Imported when the factory runs, so that a process serving kvq_torch never imports the Triton kernels.
+def _torch():
+    from sgl_kvq.backends.torch_backend import KVQTorchBackend
 
-        return KVQTorchBackend
+    return KVQTorchBackend
+
+
+def _triton():
     from sgl_kvq.backends.triton_backend import KVQTritonBackend
 
     return KVQTritonBackend
+
+
+def _two_lanes_torch():
+    from sgl_kvq.backends.specache_backend import KVQSpeCacheBackend
+
+    return KVQSpeCacheBackend
+
+
+def _two_lanes_triton():
+    from sgl_kvq.backends.specache_triton_backend import KVQSpeCacheTritonBackend
+
+    return KVQSpeCacheTritonBackend
+
+
+_CLASSES = {"pool": {"kvq_torch": _torch, "kvq_triton": _triton},
+            "specache": {"kvq_torch": _two_lanes_torch, "kvq_triton": _two_lanes_triton}}
 
 
 def _strategy_name(runner) -> str:

@@ -19,6 +19,7 @@ import torch
 
 from bench.commands.eval_attention import _text, parse_layers
 from bench.eval import attention
+from sgl_kvq.formats.logquant import LogQuantParams
 
 ROOT = Path(__file__).resolve().parents[1]
 JSON = ROOT / "bench/results/attention_fidelity.json"
@@ -43,7 +44,7 @@ def main(names: list[str]) -> int:
     print(f"fp16 row reproduced: {fp16_same}")
     for n in names:
         result["methods"][n] = rows[n]
-    st["window"] = attention.KVQConfig.logquant_window
+    st["window"] = LogQuantParams.window
     result["rerun"] = {"rows": names, "command": "python scripts/rerun_attention_rows.py " + " ".join(names),
                        "seconds": round(time.time() - t0, 1)}
     JSON.write_text(json.dumps(result, indent=1) + "\n")

@@ -10,8 +10,10 @@ why: docs/knobs.md.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 from sgl_kvq import env
 from sgl_kvq.attention_rotation import ROTATIONS
@@ -27,7 +29,8 @@ BITS = (1, 2, 3, 4)
 # The dtype names SGLang's --kv-cache-dtype gains. Every one is served by the same pool and backends.
 DTYPE_NAMES = registry.DTYPE_NAMES
 
-# Every KVQ_* variable KVQConfig reads: the core knobs and each format family's own (Format.knobs).
+# Every KVQ_* variable sgl_kvq's config reads: the core knobs (KVQConfig's fields) and each format family's own
+# (Format.knobs: fields of its params).
 KNOBS = {**env.CORE_KNOBS, **registry.KNOBS}
 
 PREFILL_MODES = ("full", "paged")
@@ -52,46 +55,11 @@ class KVQConfig:
     #           base beyond the fp16 window): a token's KV no longer depends on how it was scheduled.
     # kivi3 and kivi4 default to "paged", every other dtype to "full" (docs/knobs.md, KVQ_PREFILL).
     prefill: str = "full"
-    # SpeCache: host rows each decode step reads in 16 bits per (request, layer, KV head), picked by the
-    # speculative lane's attention (the paper's top-64; specache1's default is SPECACHE_TOP_K's).
-    top_k: int = 64
-    # SpeCache: 1 = rank each base position by the speculative row's attention mass plus the real row's mass one
-    # position before it: the row after each position the real token read, which is what a copying (induction)
-    # head reads next. 0 = the paper's ranking (the speculative row alone). On by default because it lets specache1
-    # answer more needles at the same top-k (docs/knobs.md, KVQ_SPECACHE_FOLLOW;
-    # bench/results/quality/niah-specache-follow-smollm2.json).
-    specache_follow: int = 1
-    # SpeCache: where an extend reads its cached prefix. "host": the 16-bit rows from the host tier (the paper's
-    # full-precision prefill, at the cost of host-to-device traffic proportional to the prefix on every turn).
-    # "device": the low-bit pool as kivi reads it (no host traffic; the cached prefix's quality is then the low-bit
-    # base's). Host by default because it keeps SpeCache's perplexity bf16's (docs/knobs.md, KVQ_SPECACHE_PREFIX).
-    specache_prefix: str = "host"
-    # SpeCache: the share of the host's available RAM its 16-bit host tier may take (sizing caps the pool's tokens
-    # at what it holds; a pinned --max-total-tokens that needs more fails at startup with the count that fits).
-    host_mem_fraction: float = 0.8
-    # SpeCache: 1 measures each decode step how much of the real row's exact 16-bit top-k the speculative lane
-    # prefetched, reading every context row from the host tier: a diagnostic, off so that a default server does no
-    # extra full-context read.
-    specache_recall: int = 0
     # The share of SGLang's KV budget that per-slot state may take when --max-running-requests is not given: SpeCache's
     # top-k buffers, and the overlay frames where they cannot be pooled (prefill/decode disaggregation); it sets
     # their default max_running_requests (sgl_kvq/capacity.py). Pooled frames (the default) need no share. 0.06 costs
     # static frames little of the packed capacity ratio (docs/knobs.md, KVQ_OVERLAY_SHARE).
     overlay_share: float = 0.06
-    # GEAR / GEAR-L (gear_rank, gear_iters used by both; gear_outliers by gear only). Each page of G = 64 tokens is
-    # compressed once, when it completes: GEAR's streaming buffer (n_b = 64) at its decode-phase rank 2.
-    gear_rank: int = 2
-    gear_iters: int = 3  # power-iteration steps
-    # Share of each row kept as fp16 outliers (GEAR's s = 2%): keys per channel over the page's G tokens, values
-    # per token over its D channels, at least one per row.
-    gear_outliers: float = 0.02
-    # LogQuant's window W (logquant2). The rule keeps the sink and a band of about 6W recent positions; W = 10
-    # (band ~ R) keeps logquant2 a 2-bit cache, where the reference's W = 21 costs kivi4's bytes (docs/knobs.md,
-    # KVQ_LOGQUANT_WINDOW).
-    logquant_window: int = 10
-    # ZipCache: share of each page's G tokens (per KV head) kept at 4 bit, NS = round(ratio * G). 0.4 puts zipcache2
-    # at about kivi4's bytes, so the two compare at equal memory (docs/knobs.md, KVQ_ZIPCACHE_SALIENT).
-    zipcache_salient: float = 0.4
     # Intra-op threads kvq_torch's batched decode attention runs with on a CPU (0: torch's own count, the
     # process's). 0 by default because on a quiet machine the second thread is faster; 1 is for a machine other
     # processes load, where each of the attention's OpenMP barriers waits for a descheduled thread (docs/knobs.md,
@@ -113,6 +81,9 @@ class KVQConfig:
     # K alike too (attention is unchanged by either; the quantization error is not); "none" stores them as computed.
     # Each format's default is sgl_kvq/formats/rotation.py's (docs/knobs.md, KVQ_ROTATE).
     rotate: str = "none"
+    # The served family's own parameters (Format.params: GEAR's rank, LogQuant's window, SpeCache's top-k, ...), set
+    # by its KVQ_* knobs; None: the dtype's defaults (Format.default_params).
+    params: Any = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -141,9 +112,16 @@ class KVQConfig:
         if self.cpu_kernel not in (0, 1):
             raise KVQConfigError(f"sgl_kvq: KVQ_CPU_KERNEL={self.cpu_kernel} must be 0 (torch paths) or 1 (the C "
                                  "decode kernel where a C compiler is found)")
-        for fmt in registry.FORMATS:
-            fmt.check_knobs(self)
-        self.format.check(self)
+        fmt = self.format
+        if self.params is None:
+            object.__setattr__(self, "params", fmt.default_params(self.bits))
+        if fmt.params is None and self.params is not None or fmt.params is not None and \
+                not isinstance(self.params, fmt.params):
+            want = "no parameters" if fmt.params is None else fmt.params.__name__
+            raise KVQConfigError(f"sgl_kvq: {self.name} takes {want}, not {self.params!r}")
+        if self.params is not None:
+            fmt.check_params(self.params, self.group_size)
+        fmt.check(self)
 
     @property
     def format(self) -> Format:
@@ -200,19 +178,26 @@ def parse_kv_cache_dtype(name: str) -> KVQConfig:
 def default_config(name: str) -> KVQConfig:
     """`name`'s config with every knob at its default, whatever KVQ_* variables are set (the decision table's bytes
     per token: the dtype as a user who sets nothing gets it)."""
-    return _build(name, {})
+    return _build(name, {}, {})
 
 
 @functools.lru_cache(maxsize=None)
 def _parse(name: str, knob_values: tuple) -> KVQConfig:
-    return _build(name, env.knobs(KNOBS))
+    return _build(name, env.knobs(env.CORE_KNOBS), {f.family: env.knobs(f.knobs) for f in registry.FORMATS})
 
 
-def _build(name: str, knobs: dict) -> KVQConfig:
+def _build(name: str, knobs: dict, family_knobs: dict) -> KVQConfig:
+    """knobs: the core knobs set (CORE_KNOBS' fields); family_knobs: family -> its params' fields set."""
     if name not in registry.BY_NAME:
         raise KVQConfigError(f"sgl_kvq: unknown kv cache dtype {name!r}; choose one of {', '.join(DTYPE_NAMES)}")
     fmt, bits = registry.BY_NAME[name]
-    knobs = dict(knobs)
-    for knob, value in fmt.default_knobs(bits).items():
-        knobs.setdefault(knob, value)
-    return KVQConfig(method=fmt.family, bits=bits, **knobs)
+    knobs = {**fmt.default_knobs(bits), **knobs}
+    group_size = knobs.get("group_size", KVQConfig.group_size)
+    for other in registry.FORMATS:  # every family's knobs are checked: the environment is shared
+        if other.params is not None and other is not fmt and family_knobs.get(other.family):
+            other.check_params(dataclasses.replace(other.default_params(other.bits[0]),
+                                                   **family_knobs[other.family]), group_size)
+    params = fmt.default_params(bits)
+    if params is not None:
+        params = dataclasses.replace(params, **family_knobs.get(fmt.family, {}))
+    return KVQConfig(method=fmt.family, bits=bits, params=params, **knobs)

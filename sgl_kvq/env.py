@@ -18,7 +18,7 @@ from pathlib import Path
 
 from sgl_kvq.errors import KVQConfigError
 
-# variable -> (KVQConfig field, parser), for the knobs of every format
+# variable -> (KVQConfig field, parser), for the knobs every format shares (a family's own: Format.knobs)
 CORE_KNOBS = {
     "KVQ_GROUP_SIZE": ("group_size", int),
     "KVQ_VALUE_GROUP": ("value_group", int),

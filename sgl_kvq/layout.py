@@ -16,7 +16,7 @@ Base (complete pages, immutable once quantized; shared by the radix tree):
   with P = num_pages + 1 (page 0 included) and S = P * G token slots.
   Each format declares what its pages add beside these (Format.page_shapes, sgl_kvq/formats/<family>.py; the pool
   allocates them with the layer dim in front). Today's:
-  gear2 / gearl2 pages also carry their correction (formats/gear/; r = cfg.gear_rank, NK / NV =
+  gear2 / gearl2 pages also carry their correction (formats/gear/; r = cfg.params.rank, NK / NV =
   outliers per key channel / value token, 0 for gearl2):
     k_u, v_u  [L, P, H, r, G]   fp16    low-rank factor over the page's tokens
     k_w, v_w  [L, P, H, r, D]   fp16    ... over channels: correction = u^T @ w

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from sgl_kvq import env
 from sgl_kvq.config import KVQConfig
+from sgl_kvq.formats.logquant import LogQuantParams
 
 _DEFAULTS = {f.name: f.default for f in KVQConfig.__dataclass_fields__.values()}
 
@@ -103,7 +104,7 @@ def run(args) -> int:
         "model": path, "tokens": int(ids.shape[1]), "layers": layers, "model_layers": model_layers,
         "shape": {"q_heads": first.q.shape[1], "kv_heads": first.k.shape[1], "head_dim": first.k.shape[2]},
         "settings": {"group_size": args.group_size, "value_group": args.value_group, "residual": args.residual,
-                     "window": KVQConfig.logquant_window if args.window is None else args.window, "tail": args.tail,
+                     "window": LogQuantParams.window if args.window is None else args.window, "tail": args.tail,
                      "seed": args.seed},
         "seconds": round(time.time() - t0, 1),
         **env.run_record(),

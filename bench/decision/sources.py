@@ -92,9 +92,10 @@ def changed_settings(kind: str, data: dict) -> list[str]:
     if kind != "attention":
         return []
     from sgl_kvq.config import KVQConfig
+    from sgl_kvq.formats.logquant import LogQuantParams
 
     served = {"group_size": KVQConfig.group_size, "value_group": KVQConfig.value_group,
-              "residual": KVQConfig.residual, "window": KVQConfig.logquant_window}
+              "residual": KVQConfig.residual, "window": LogQuantParams.window}
     ran = data.get("settings") or {}
     return [f"{k}={ran[k]}" for k, v in served.items() if k in ran and ran[k] != v]
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl_kvq.config import KVQConfig
+from sgl_kvq.formats.logquant import LogQuantParams
 from sgl_kvq.formats.specache import SPECACHE_TOP_K
 from bench.quant.accounting import bits_per_element
 from bench.quant.gear import gear, gear_l
@@ -67,7 +67,7 @@ def methods(group_size: int = 64, value_group: int = 64, residual: int = 64, win
     """name -> fn(k, v, q, sm_scale) -> CompressedKV. Every method shares G, VG and the fp16 window R."""
     page = dict(group_size=group_size, value_group=value_group)
     kv = dict(page, residual=residual)
-    w = KVQConfig.logquant_window if window is None else window  # the served logquant2's W
+    w = LogQuantParams.window if window is None else window  # the served logquant2's W
     ours = {
         "fp16": lambda k, v, q, s: fp16_baseline(k, v),
         "per-token-2": lambda k, v, q, s: per_token(k, v, bits=2, **kv),

@@ -73,7 +73,7 @@ class KVQSpeCacheBackend(KVQTorchBackend):
         q, k, v, li = self._views(q, k, v, layer)
         step = self.forward_plan.steps[0]  # specache extends are "full" (config.py): one step
         contexts = None
-        if self.store.cfg.specache_prefix == "host":
+        if self.store.cfg.params.prefix == "host":
             contexts = [self.sc.host.rows(li, s) for s in self.prefix_slots]
         out = attention_extend.extend(q, k, v, step.qo_indptr, self.store.layer_view(li), step.plan, layer.scaling,
                                       contexts=contexts, window=sliding_window(layer))
@@ -116,7 +116,7 @@ class KVQSpeCacheBackend(KVQTorchBackend):
         with self.attention_threads():
             out, pos = lanes_batched.two_lane(q, k[n:], v[n:], self.store.layer_view(li),
                                               self.batched_context(step.plan), layer.scaling, sc.top_k,
-                                              topk_k, topk_v, topk_pos, bool(self.store.cfg.specache_follow),
+                                              topk_k, topk_v, topk_pos, bool(self.store.cfg.params.follow),
                                               self._workspace, window)
         sc.prefetch(li, self.req, pos, self.req_to_token)
         return out.reshape(q.shape[0], -1)

@@ -60,7 +60,7 @@ class KVQSpeCacheTritonBackend(KVQSpeCacheBackend):
             super().init_forward_metadata(forward_batch)
         if not forward_batch.forward_mode.is_decode():
             self.lane_plan = self.scores = None
-            if forward_batch.forward_mode.is_extend() and self.store.cfg.specache_prefix == "host":
+            if forward_batch.forward_mode.is_extend() and self.store.cfg.params.prefix == "host":
                 self.prefix_frames = prefix_frames.build(self.prefix_slots, self.store.G, self.store.device)
             return
         s = self.store.shape
@@ -71,7 +71,7 @@ class KVQSpeCacheTritonBackend(KVQSpeCacheBackend):
         # (host-side in SGLang's batch), so the bound needs no device sync.
         lens = getattr(forward_batch, "seq_lens_cpu", None)
         T = int(lens.max()) if lens is not None and lens.numel() else self.req_to_token.shape[1]
-        self.follow = bool(self.store.cfg.specache_follow) and lanes.kind == "two_lane"
+        self.follow = bool(self.store.cfg.params.follow) and lanes.kind == "two_lane"
         rows = self.lane_plan.batch_size * (2 if self.follow else 1)  # with follow, the output lane's scores too
         self.scores = torch.empty(rows, self.num_qo_heads, max(T, 1), dtype=torch.float32, device=self.store.device)
 
@@ -79,7 +79,7 @@ class KVQSpeCacheTritonBackend(KVQSpeCacheBackend):
         q, k, v, li = self._views(q, k, v, layer)
         step = self.forward_plan.steps[0]  # specache extends are "full" (config.py): one step
         kv, plan = self.store.layer_view(li), step.plan  # KVQ_SPECACHE_PREFIX=device: the prefix as stored
-        if self.store.cfg.specache_prefix == "host":  # its 16-bit rows as frames; no base page is read
+        if self.store.cfg.params.prefix == "host":  # its 16-bit rows as frames; no base page is read
             ov_k, ov_v = prefix_frames.stage(self.prefix_frames, self.sc.host, li)
             kv, plan = dataclasses.replace(kv, ov_k=ov_k, ov_v=ov_v), self.prefix_frames.plan
         out = extend_attention(q.contiguous(), k.contiguous(), v.contiguous(), step.qo_indptr, kv, plan,

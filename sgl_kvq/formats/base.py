@@ -29,6 +29,7 @@ class ServedConfig(Protocol):
     residual: int
     prefill: str
     rotate: str
+    params: Any  # the family's own parameters (Format.params), None where it has none
 
     @property
     def name(self) -> str: ...
@@ -37,9 +38,6 @@ class ServedConfig(Protocol):
     def ring_pages(self) -> int: ...
 
     def value_group_for(self, head_dim: int) -> int: ...
-
-    def __getattr__(self, knob: str) -> Any:
-        """A family's own knobs (Format.knobs' fields: gear_rank, top_k, ...)."""
 
 
 class PageWrite(NamedTuple):
@@ -70,8 +68,10 @@ class Format:
     # How decode reads the KV, by name (sgl_kvq/strategies.py): "pool" reads the pool alone; "specache" adds
     # SpeCache's host tier and lanes.
     strategy: str = "pool"
-    # This family's KVQ_* variables: variable -> (KVQConfig field, parser). The config reads them beside the knobs
-    # every format shares (sgl_kvq/env.py CORE_KNOBS); check_knobs refuses their bad values.
+    # The family's own parameters: a frozen dataclass (KVQConfig.params holds the served family's) whose fields its
+    # KVQ_* variables set: knobs maps each to (field, parser); the config reads them beside the knobs every format
+    # shares (sgl_kvq/env.py CORE_KNOBS), and check_params refuses their bad values. None: the family has none.
+    params: type | None = None
     knobs: dict[str, tuple[str, Callable]] = {}
 
     @property
@@ -100,9 +100,14 @@ class Format:
         """Knob values this dtype defaults to where no KVQ_* variable sets them."""
         return {"rotate": "values"} if bits in self.values_rotated else {}
 
-    def check_knobs(self, cfg: ServedConfig) -> None:
-        """Refuse bad values of this family's KVQ_* knobs. Run for every dtype: the environment is shared by every
-        process a server spawns, so a bad value fails at once whatever is served."""
+    def default_params(self, bits: int):
+        """This dtype's parameters where no KVQ_* variable sets them (None where the family has none)."""
+        return None if self.params is None else self.params()
+
+    def check_params(self, params, group_size: int) -> None:
+        """Refuse bad values of this family's parameters (its KVQ_* knobs), at page size `group_size`. Run for every
+        family's knobs whatever is served: the environment is shared by every process a server spawns, so a bad
+        value fails at once."""
 
     def check(self, cfg: ServedConfig) -> None:
         """Refuse a config this format cannot serve (run when it is the one served)."""

@@ -36,7 +36,7 @@ class Lanes:
 def topk_bytes_per_request(cfg: KVQConfig, shape: PoolShape, model_dtype: torch.dtype, *, pooled: bool) -> int:
     """Device bytes one request slot owns for the server's life: its speculative token and guess, its row of the
     top-k table, and (static top-k rows) the rows and positions themselves."""
-    L, H, D, K = shape.layers, shape.heads, shape.head_dim, cfg.top_k
+    L, H, D, K = shape.layers, shape.heads, shape.head_dim, cfg.params.top_k
     rows = 0 if pooled else L * H * K * (2 * D * torch.empty((), dtype=model_dtype).element_size() + 8)
     table = 8 * (-(-K // shape.G) if pooled else 1)
     return rows + table + 16
@@ -47,11 +47,11 @@ class SpeCacheState:
                  device: torch.device, store=None):
         """store: the pool's QuantizedKVStore, whose request slots take pool frames for their top-k rows where it
         carries extra frames (store.frames.extra); else the rows are a region per request slot."""
-        L, H, D, K, R = shape.layers, shape.heads, shape.head_dim, cfg.top_k, num_req_slots
+        L, H, D, K, R = shape.layers, shape.heads, shape.head_dim, cfg.params.top_k, num_req_slots
         self.cfg, self.top_k, self.heads = cfg, K, H
         self.device = torch.device(device)
         per_token = host_bytes_per_token(L, H, D, model_dtype)
-        check_host_budget(cfg.name, shape.S, per_token, cfg.host_mem_fraction)
+        check_host_budget(cfg.name, shape.S, per_token, cfg.params.host_mem_fraction)
         self.host = HostTier(L, shape.S, H, D, model_dtype, self.device)
         self.host_bytes_per_token = per_token
         if store is not None and store.frames.extra:
@@ -62,7 +62,7 @@ class SpeCacheState:
         self.spec_input = torch.full((R,), -1, dtype=torch.int64, device=self.device)
         self.needs_predecode = [True] * R
         self.lanes: Lanes | None = None
-        self.recall = bool(cfg.specache_recall)
+        self.recall = bool(cfg.params.recall)
         # counters (device tensors where the value is on the device: no sync until someone reads them)
         self.decode_steps = 0
         self.predecode_rows = 0

@@ -9,10 +9,8 @@ import logging
 import torch
 
 from sgl_kvq.decode_strategy import DecodeStrategy
-from sgl_kvq.specache.host_tier import available_host_bytes, host_bytes_per_token
-from sgl_kvq.specache.lanes import run_lanes
-from sgl_kvq.specache.state import SpeCacheState, topk_bytes_per_request
-from sgl_kvq.specache.topk_rows import pooled_frames
+from sgl_kvq.specache import host_tier, lanes, topk_rows
+from sgl_kvq.specache import state as runtime
 
 logger = logging.getLogger("sgl_kvq.pool")
 
@@ -33,28 +31,28 @@ class SpeCacheStrategy(DecodeStrategy):
     eager_decode = True
 
     def host_bytes_per_token(self, shape, model_dtype: torch.dtype) -> int:
-        return host_bytes_per_token(shape.layers, shape.heads, shape.head_dim, model_dtype)
+        return host_tier.host_bytes_per_token(shape.layers, shape.heads, shape.head_dim, model_dtype)
 
     def host_budget_bytes(self, cfg, host_is_device: bool) -> int | None:
         if host_is_device:
             return None
-        return int(available_host_bytes() * cfg.host_mem_fraction)
+        return int(host_tier.available_host_bytes() * cfg.params.host_mem_fraction)
 
     def request_frames(self, cfg, shape, model_dtype: torch.dtype) -> int:
-        return pooled_frames(cfg.top_k, shape, model_dtype)
+        return topk_rows.pooled_frames(cfg.params.top_k, shape, model_dtype)
 
     def request_bytes(self, cfg, shape, model_dtype: torch.dtype, *, frames_pooled: bool) -> int:
         pooled = frames_pooled and self.request_frames(cfg, shape, model_dtype) > 0
         # pooled, what stays per slot is O(1) (its table row, speculative token and guess: 32 bytes at top-64):
         # bookkeeping beside SGLang's own req_to_token rows, outside the KV budget as those are
-        return 0 if pooled else topk_bytes_per_request(cfg, shape, model_dtype, pooled=False)
+        return 0 if pooled else runtime.topk_bytes_per_request(cfg, shape, model_dtype, pooled=False)
 
     def refusal(self, feature: str, name: str) -> str | None:
         reason = _REFUSALS.get(feature)
         return None if reason is None else reason.format(name=name)
 
     def state(self, cfg, shape, num_req_slots: int, model_dtype: torch.dtype, device, store=None):
-        state = SpeCacheState(cfg, shape, num_req_slots, model_dtype, device, store=store)
+        state = runtime.SpeCacheState(cfg, shape, num_req_slots, model_dtype, device, store=store)
         where = (f"{store.frames.extra} pool frames per running request" if state.topk.pooled else
                  f"{state.device_bytes() / 2**20:.1f} MB for {num_req_slots} request slots")
         logger.info("sgl_kvq %s host tier: %.2f GiB (%d B/token), top-k rows: %s", cfg.name,
@@ -62,7 +60,7 @@ class SpeCacheStrategy(DecodeStrategy):
         return state
 
     def eager_decode_step(self, forward, forward_batch, state):
-        return run_lanes(forward, forward_batch, state)
+        return lanes.run_lanes(forward, forward_batch, state)
 
     def device_bytes(self, state) -> int:
         return state.device_bytes()

@@ -50,8 +50,8 @@ SCRIPT = textwrap.dedent('''
     from sgl_kvq.formats import registry
 
     def fmt(name, sizes=()):  # the format's corrections, as the launchers pass them (kernels/format_extras.py)
-        correct_k, correct_v = registry.BY_FAMILY[name or "kivi"].kernel_corrections()
-        return dict(EXTRAS=extras[name]), dict(CORRECT_K=correct_k, CORRECT_V=correct_v, SIZES=sizes)
+        return dict(EXTRAS=extras[name]), dict(CORRECT=registry.BY_FAMILY[name or "kivi"].kernel_corrections(),
+                                               SIZES=sizes)
 
     plan = {n: "*i32" for n in ("num_splits", "qo_indptr")}
     target = GPUTarget("cuda", 90, 32)

@@ -45,7 +45,7 @@ def test_sizes_read_off_the_view_are_the_configs(dtype_name):
     extras, consts = format_extras(kv, layer_geometry(kv))
     kind, sizes = shape.format_sizes()
     correct_k, correct_v = shape.cfg.format.kernel_corrections()
-    assert consts == dict(CORRECT_K=correct_k, CORRECT_V=correct_v, SIZES=tuple(sizes.values()))
+    assert consts == dict(CORRECT=(correct_k, correct_v), SIZES=tuple(sizes.values()))
     assert correct_k.__name__ == f"_{kind}_kt" and correct_v.__name__ == f"_{kind}_v"
     assert type(extras).__name__ in ("PageCorrection", "PageRows", "SalientPlane")
     assert all(t.numel() > 0 for t in extras)  # gearl2's empty outlier tensors are passed as a stand-in
@@ -77,7 +77,7 @@ def test_plain_kivi_pages_have_no_extras(dtype_name):
     kv, _ = layer_view(dtype_name)
     from sgl_kvq.formats.plain_kernel import _plain_kt, _plain_v
 
-    assert format_extras(kv, layer_geometry(kv)) == ((), dict(CORRECT_K=_plain_kt, CORRECT_V=_plain_v, SIZES=()))
+    assert format_extras(kv, layer_geometry(kv)) == ((), dict(CORRECT=(_plain_kt, _plain_v), SIZES=()))
 
 
 def test_one_format_per_view():

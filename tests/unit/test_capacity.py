@@ -9,6 +9,8 @@ fits. Both charge exactly what the store and SpeCache's state allocate."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -66,7 +68,7 @@ def test_pooled_split_over_budgets(model, name):
             assert "raise the KV budget" in str(e) and "GiB" in str(e)
             continue
         # SpeCache's top-k rows are frames too: ceil(top-k / G) of them per running request
-        topk_frames = -(-shape.cfg.top_k // shape.G) if shape.cfg.method == "specache" else 0
+        topk_frames = -(-shape.cfg.params.top_k // shape.G) if shape.cfg.method == "specache" else 0
         assert s.frames_pooled and s.frame_tokens == (shape.cfg.ring_pages + topk_frames) * k * shape.G
         assert s.request_bytes + s.tokens * s.per_token_bytes <= budget
         assert s.tokens % shape.G == 0 and (s.tokens // shape.G + 1) % k == 0  # whole frames, page 0 included
@@ -167,8 +169,9 @@ def test_a_budget_that_holds_no_request_is_refused_with_the_budget_that_would():
 @pytest.mark.parametrize("pooled", [True, False], ids=["pooled", "static"])
 def test_the_charge_is_what_the_pool_allocates(name, pooled):
     """per_request_bytes / per_token_bytes must equal what QuantizedKVStore (and SpeCache's state) allocate."""
-    cfg = KVQConfig(method=parse_kv_cache_dtype(name).method, bits=parse_kv_cache_dtype(name).bits, group_size=16,
-                    value_group=16, residual=16, top_k=8)
+    parsed = parse_kv_cache_dtype(name)
+    params = dataclasses.replace(parsed.params, top_k=8) if hasattr(parsed.params, "top_k") else parsed.params
+    cfg = KVQConfig(method=parsed.method, bits=parsed.bits, group_size=16, value_group=16, residual=16, params=params)
     shape = PoolShape(layers=2, heads=2, head_dim=32, num_pages=47, cfg=cfg)  # 48 pages: whole frames of 4..16
     slots = 5
     if pooled and not can_pool(shape, torch.float16):
@@ -235,7 +238,7 @@ def test_specache_with_pooled_frames_sets_nothing_aside_per_slot(name, model):
                         frames_pooled=True, context_len=8192)
     assert s.tokens == kivi.tokens
     # its frames: the ring and ceil(top-k / G) frames of top-k rows
-    assert s.frame_tokens == kivi.frame_tokens * (shape.cfg.ring_pages + shape.cfg.top_k // shape.G) \
+    assert s.frame_tokens == kivi.frame_tokens * (shape.cfg.ring_pages + shape.cfg.params.top_k // shape.G) \
         // shape.cfg.ring_pages
     static = split_budget(budget, shape, model_dtype, host_is_device=False, frames_pooled=False, context_len=8192)
     assert static.per_request_bytes > 0 and static.tokens < s.tokens
@@ -246,11 +249,13 @@ def test_the_host_tiers_budget_is_the_configs_share_of_host_ram(monkeypatch):
     server's host tier is device memory, budgeted with the pool."""
     from sgl_kvq.config import KVQConfig
     from sgl_kvq.decode_strategy import POOL_ONLY
+    from sgl_kvq.formats.specache import SpeCacheParams
     from sgl_kvq.specache import host_tier
     from sgl_kvq.specache.strategy import STRATEGY
 
     monkeypatch.setattr(host_tier, "available_host_bytes", lambda: 100 * GIB)
-    assert STRATEGY.host_budget_bytes(KVQConfig("specache", 2, host_mem_fraction=0.25), False) == 25 * GIB
+    quarter = KVQConfig("specache", 2, params=SpeCacheParams(host_mem_fraction=0.25))
+    assert STRATEGY.host_budget_bytes(quarter, False) == 25 * GIB
     assert STRATEGY.host_budget_bytes(KVQConfig("specache", 2), False) == 80 * GIB  # the default 0.8
     assert STRATEGY.host_budget_bytes(KVQConfig("specache", 2), True) is None
     assert POOL_ONLY.host_budget_bytes(KVQConfig("kivi", 2), False) is None

@@ -22,8 +22,8 @@ def test_unknown_names_are_refused(name):
 
 def test_a_dtype_default_knob_comes_from_its_format():
     for bits, k in SPECACHE_TOP_K.items():
-        assert parse_kv_cache_dtype(f"specache{bits}").top_k == k
-    assert parse_kv_cache_dtype("kivi2").top_k == KVQConfig("kivi", 2).top_k
+        assert parse_kv_cache_dtype(f"specache{bits}").params.top_k == k
+    assert parse_kv_cache_dtype("kivi2").params is None
 
 
 # ---- knobs, validated without an Engine ----
@@ -33,30 +33,51 @@ def test_a_dtype_default_knob_comes_from_its_format():
     ("nope", 2, {}, "unknown method"),
     ("kivi", 2, {"group_size": 48}, "power of two"),
     ("kivi", 2, {"residual": 32}, "multiple of G"),
-    ("gear", 2, {"gear_rank": 0}, "KVQ_GEAR_RANK"),
-    ("gear", 2, {"gear_iters": 0}, "KVQ_GEAR_ITERS"),
-    ("gearl", 2, {"gear_outliers": 0.5}, "KVQ_GEAR_OUTLIERS"),
-    ("logquant", 2, {"logquant_window": 0}, "KVQ_LOGQUANT_WINDOW"),
+    ("gear", 2, {"rank": 0}, "KVQ_GEAR_RANK"),
+    ("gear", 2, {"iters": 0}, "KVQ_GEAR_ITERS"),
+    ("gearl", 2, {"outliers": 0.5}, "KVQ_GEAR_OUTLIERS"),
+    ("logquant", 2, {"window": 0}, "KVQ_LOGQUANT_WINDOW"),
     ("logquant", 2, {"group_size": 256, "residual": 256}, "at most 128"),
-    ("zipcache", 2, {"zipcache_salient": 0.0}, "KVQ_ZIPCACHE_SALIENT"),
-    ("zipcache", 2, {"zipcache_salient": 0.999}, "KVQ_ZIPCACHE_SALIENT"),
-    ("specache", 2, {"specache_follow": 2}, "KVQ_SPECACHE_FOLLOW"),
+    ("zipcache", 2, {"salient": 0.0}, "KVQ_ZIPCACHE_SALIENT"),
+    ("zipcache", 2, {"salient": 0.999}, "KVQ_ZIPCACHE_SALIENT"),
+    ("specache", 2, {"follow": 2}, "KVQ_SPECACHE_FOLLOW"),
     ("specache", 2, {"top_k": 0}, "top-k"),
-    ("specache", 1, {"specache_prefix": "disk"}, "KVQ_SPECACHE_PREFIX"),
+    ("specache", 1, {"prefix": "disk"}, "KVQ_SPECACHE_PREFIX"),
     ("specache", 2, {"prefill": "paged"}, "kivi only"),
     ("specache", 2, {"host_mem_fraction": 0.0}, "KVQ_HOST_MEM_FRACTION"),
     ("specache", 1, {"host_mem_fraction": 1.5}, "KVQ_HOST_MEM_FRACTION"),
-    ("specache", 2, {"specache_recall": 2}, "KVQ_SPECACHE_RECALL"),
+    ("specache", 2, {"recall": 2}, "KVQ_SPECACHE_RECALL"),
 ])
 def test_bad_knobs_are_refused(method, bits, knobs, match):
+    """A core knob is a KVQConfig field; a family's own is a field of its parameters (Format.params)."""
+    import dataclasses
+
+    from sgl_kvq.formats import registry
+
+    fmt = registry.family(method)
+    fields = {f.name for f in dataclasses.fields(fmt.params)} if fmt and fmt.params else set()
+    own = {k: v for k, v in knobs.items() if k in fields}
+    core = {k: v for k, v in knobs.items() if k not in own}
     with pytest.raises(KVQConfigError, match=match):
-        KVQConfig(method, bits, **knobs)
+        KVQConfig(method, bits, **core, **({"params": fmt.params(**own)} if own else {}))
 
 
-def test_a_familys_knobs_are_checked_whatever_is_served():
+def test_a_familys_knobs_are_checked_whatever_is_served(monkeypatch):
     """KVQ_* variables reach every process a server spawns: a bad one fails at once, for any dtype."""
+    monkeypatch.setenv("KVQ_GEAR_RANK", "0")
     with pytest.raises(KVQConfigError, match="KVQ_GEAR_RANK"):
-        KVQConfig("kivi", 2, gear_rank=0)
+        parse_kv_cache_dtype("kivi2")
+
+
+def test_a_family_takes_its_own_parameters_only():
+    from sgl_kvq.formats.gear import GearParams
+    from sgl_kvq.formats.specache import SpeCacheParams
+
+    assert KVQConfig("kivi", 2).params is None and KVQConfig("specache", 1).params == SpeCacheParams(top_k=128)
+    with pytest.raises(KVQConfigError, match="specache2 takes SpeCacheParams, not GearParams"):
+        KVQConfig("specache", 2, params=GearParams())
+    with pytest.raises(KVQConfigError, match="kivi2 takes no parameters"):
+        KVQConfig("kivi", 2, params=GearParams())
 
 
 def test_a_constraint_of_one_format_binds_only_that_format():
@@ -79,23 +100,25 @@ def test_knobs_come_from_the_environment_and_each_process_shares_one_config_per_
 
 def test_every_formats_knobs_name_a_config_field_and_reach_it_from_the_environment(monkeypatch):
     """A family's KVQ_* variables are declared by its format (Format.knobs); the config reads them like the core
-    ones: each names a KVQConfig field, and setting it changes that field of the dtype it belongs to."""
+    ones: each names a field of the family's parameters (Format.params), and setting it changes that field of the
+    dtype it belongs to."""
     import dataclasses
 
     from sgl_kvq.formats import registry
 
-    fields = {f.name: f.default for f in dataclasses.fields(KVQConfig)}
     assert registry.KNOBS, "no format declares a knob"
     for fmt in registry.FORMATS:
+        fields = {f.name for f in dataclasses.fields(fmt.params)} if fmt.knobs else set()
         for var, (field, parse) in fmt.knobs.items():
             assert field in fields and var not in env.CORE_KNOBS, (fmt.family, var)
-            default = parse_kv_cache_dtype(fmt.dtype_names()[0])
+            default = parse_kv_cache_dtype(fmt.dtype_names()[0]).params
             was = getattr(default, field)
             # another valid value: a flag flipped, a count one up, a share of 0.25, the other prefix source
             other = {int: lambda: 1 - was if was in (0, 1) else was + 1, float: lambda: 0.25,
                      str: lambda: "device"}[parse]()
             monkeypatch.setenv(var, str(other))
-            assert getattr(parse_kv_cache_dtype(fmt.dtype_names()[0]), field) == other != was, (fmt.family, var)
+            assert getattr(parse_kv_cache_dtype(fmt.dtype_names()[0]).params, field) == other != was, \
+                (fmt.family, var)
             monkeypatch.delenv(var)
 
 

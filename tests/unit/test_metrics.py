@@ -22,6 +22,7 @@ from sgl_kvq.metrics import METRICS  # noqa: E402
 from sgl_kvq.patches import metrics as metrics_hook  # noqa: E402
 from sgl_kvq.pool import KVQTokenToKVPool  # noqa: E402
 from sgl_kvq.pool_shape import PoolShape  # noqa: E402
+from sgl_kvq.formats.specache import SpeCacheParams
 
 SGLANG_LABELS = {"model_name": "tiny", "engine_type": "unified", "tp_rank": 0, "pp_rank": 0, "moe_ep_rank": 0}
 
@@ -36,7 +37,7 @@ def fake_reporter(pool, registry, capacity: int, enabled: bool = True):
 
 
 def specache_pool(G=8):
-    cfg = KVQConfig("specache", 2, group_size=G, value_group=8, residual=G, top_k=5)
+    cfg = KVQConfig("specache", 2, group_size=G, value_group=8, residual=G, params=SpeCacheParams(top_k=5))
     return KVQTokenToKVPool(32 * G, PoolShape(2, 2, 16, 32, cfg), "cpu", torch.float32, num_req_slots=4)
 
 

@@ -29,6 +29,9 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey  # noqa: E402
 from sgl_kvq.attention_ref import gather_context  # noqa: E402
 from sgl_kvq.config import KVQConfig  # noqa: E402
 from sgl_kvq.formats import logquant, zipcache  # noqa: E402
+from sgl_kvq.formats.logquant import LogQuantParams  # noqa: E402
+from sgl_kvq.formats.specache import SpeCacheParams  # noqa: E402
+from sgl_kvq.formats.zipcache import ZipCacheParams  # noqa: E402
 from sgl_kvq.metadata.host import begin_batch, plan_contexts  # noqa: E402
 from sgl_kvq.pool import KVQTokenToKVPool  # noqa: E402
 from sgl_kvq.pool_shape import PoolShape  # noqa: E402
@@ -81,13 +84,13 @@ def expected_context(tokens, n, layer, plan, b, cfg):
                 kp, vp, idx, cfg.bits, vg), cfg.bits)
         elif cfg.method in ("gear", "gearl"):
             kq, vq = gear_page.dequantize_gear_pages(*gear_page.pack_gear_pages(
-                kp, vp, cfg.bits, vg, cfg.gear_rank, cfg.gear_iters, cfg.format.outliers_per_row(cfg, G),
+                kp, vp, cfg.bits, vg, cfg.params.rank, cfg.params.iters, cfg.format.outliers_per_row(cfg, G),
                 cfg.format.outliers_per_row(cfg, D)), cfg.bits)
         else:
             kq, vq = kivi_page.dequantize_pages(kivi_page.pack_pages(kp, vp, cfg.bits, vg), cfg.bits)
         # the rows LogQuant's rule keeps at each logical page's exit: a function of positions only
         if cfg.method == "logquant":
-            off = logquant_page.offsets_table(cfg.logquant_window, G, cfg.ring_pages, n_base_pages,
+            off = logquant_page.offsets_table(cfg.params.window, G, cfg.ring_pages, n_base_pages,
                                                logquant.rows_per_page(cfg))
             kq, vq = logquant_page.apply_rows(kq, vq, logquant_page.PageRows(*logquant_page.gather_rows(kp, vp, off),
                                                                              off))
@@ -258,7 +261,7 @@ def test_zipcache_pool_through_radix_tree(seed, ratio, window_pages):
     and queries."""
     rng = random.Random(seed)
     cfg = KVQConfig(method="zipcache", bits=2, group_size=8, value_group=8, residual=window_pages * 8,
-                    zipcache_salient=ratio)
+                    params=ZipCacheParams(salient=ratio))
     _shared_life(cfg, rng)
 
 
@@ -273,7 +276,7 @@ def test_logquant_pool_through_radix_tree(seed, window, window_pages, kernels):
     rng = random.Random(seed)
     # G = 16: the Triton write path's smallest page; M = 4..11 rows per page without a window page, 1..2 with one
     cfg = KVQConfig(method="logquant", bits=2, group_size=16, value_group=16, residual=window_pages * 16,
-                    logquant_window=window)
+                    params=LogQuantParams(window=window))
     ep = Episode(cfg, num_pages=14, rng=rng)
     ep.kernels = kernels
     trunks = [[rng.randrange(100) for _ in range(rng.randrange(16, 80))] for _ in range(3)]
@@ -293,7 +296,8 @@ def test_specache_host_tier_through_radix_tree(seed, bits):
     """SpeCache's host copies live at the pool's token slots: shared prefix pages share them, and a freed, evicted
     and reused slot holds its new token's K/V (check() compares every context row with the exact K/V)."""
     rng = random.Random(seed)
-    cfg = KVQConfig(method="specache", bits=bits, group_size=8, value_group=8, residual=8, top_k=4)
+    cfg = KVQConfig(method="specache", bits=bits, group_size=8, value_group=8, residual=8,
+                    params=SpeCacheParams(top_k=4))
     ep = Episode(cfg, num_pages=10, rng=rng)
     trunks = [[rng.randrange(100) for _ in range(rng.randrange(8, 40))] for _ in range(3)]
     host_bytes = ep.pool.host_bytes()

@@ -105,7 +105,7 @@ def test_reference_defaults_are_the_served_dtype_defaults():
 
     cfg, params = parse_kv_cache_dtype("gear2"), inspect.signature(gear).parameters
     assert (params["rank"].default, params["iters"].default, params["outlier_ratio"].default) == (
-        cfg.gear_rank, cfg.gear_iters, cfg.gear_outliers)
+        cfg.params.rank, cfg.params.iters, cfg.params.outliers)
     assert (params["group_size"].default, params["residual"].default) == (cfg.group_size, cfg.residual)
 
 

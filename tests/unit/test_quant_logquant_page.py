@@ -17,6 +17,7 @@ from sgl_kvq.formats.logquant import codec as logquant_page
 from sgl_kvq.quant import kivi_page
 from bench.quant.logquant import log_positions, logquant
 from sgl_kvq.formats.logquant.codec import EMPTY, RuleState, max_rows, offsets_table, simulate_rows
+from sgl_kvq.formats.logquant import LogQuantParams
 from slices import ci_slice
 
 
@@ -87,7 +88,7 @@ def test_page_round_trip_rows_exact_others_kivi():
 def test_served_pool_reads_what_the_reference_reconstructs(W):
     """One implementation: pages written by the pool's store_pages read back (attention_ref.gather_context, the
     kernels' oracle) exactly as the eval's sequence-level logquant() reconstructs them, with the same bytes."""
-    cfg = dataclasses.replace(parse_kv_cache_dtype("logquant2"), logquant_window=W)
+    cfg = dataclasses.replace(parse_kv_cache_dtype("logquant2"), params=LogQuantParams(window=W))
     G, H, D, n = cfg.group_size, 3, 64, 6
     g = torch.Generator().manual_seed(W)
     k, v = torch.randn(n * G + cfg.residual + 5, H, D, generator=g), torch.randn(n * G + cfg.residual + 5, H, D,
@@ -115,7 +116,7 @@ def test_reference_defaults_are_the_served_dtype_defaults():
 
     cfg, params = parse_kv_cache_dtype("logquant2"), inspect.signature(logquant).parameters
     assert (params["window"].default, params["group_size"].default, params["residual"].default) == (
-        cfg.logquant_window, cfg.group_size, cfg.residual)
+        cfg.params.window, cfg.group_size, cfg.residual)
 
 
 def test_bytes_per_token_at_the_defaults_and_at_w21():
@@ -125,7 +126,7 @@ def test_bytes_per_token_at_the_defaults_and_at_w21():
     assert kivi2 == 3600
     # M = 1 (the sink): k_rows + v_rows = 2 * 30 * 3 * 64 * 2 / 64 bytes per token, row_off 30 / 64
     assert PoolShape(cfg=cfg, **smol).base_bytes_per_token() == 3600 + 360 + 30 / 64
-    w21 = dataclasses.replace(cfg, logquant_window=21)
+    w21 = dataclasses.replace(cfg, params=LogQuantParams(window=21))
     assert PoolShape(cfg=w21, **smol).base_bytes_per_token() == 3600 + 8 * 360 + 8 * 30 / 64
 
 

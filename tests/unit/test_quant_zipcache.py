@@ -20,6 +20,7 @@ from bench.quant.zipcache import page_scores, zipcache
 from sgl_kvq.formats.zipcache.codec import (apply_salient, normalize, pack_zipcache_pages, received_attention,
                                          salient_count, select_salient)
 from sgl_kvq.quant import kivi_page
+from sgl_kvq.formats.zipcache import ZipCacheParams
 
 
 def _pages(N=3, G=16, H=2, D=32, seed=0):
@@ -109,7 +110,7 @@ def test_salient_count_and_bad_knobs():
     assert salient_per_page(parse_kv_cache_dtype("zipcache2")) == 26
     for bad in (0.0, 1.0, 0.999):
         with pytest.raises(KVQConfigError, match="KVQ_ZIPCACHE_SALIENT"):
-            KVQConfig(method="zipcache", bits=2, zipcache_salient=bad)
+            KVQConfig(method="zipcache", bits=2, params=ZipCacheParams(salient=bad))
     with pytest.raises(KVQConfigError):
         KVQConfig(method="zipcache", bits=4)
 

@@ -21,6 +21,7 @@ from sgl_kvq.metadata.device import DecodeBuffers, build_decode
 from sgl_kvq.metadata.forward import build_forward_plan
 from sgl_kvq.pool_shape import PoolShape
 from sgl_kvq.specache.attention import output_rows, speculative_rows, with_topk
+from sgl_kvq.formats.specache import SpeCacheParams
 from test_decode_metadata import DEVICE, MAX_CTX, NUM_PAGES, SLOTS, Life, assert_same_pool, per_request
 from slices import ci_slice
 
@@ -28,8 +29,8 @@ H, HQ, D, SCALE = 2, 6, 16, 0.25  # GQA 3
 
 
 def make_store(G, bits, residual, top_k, follow):
-    cfg = KVQConfig("specache", bits, group_size=G, value_group=16, residual=residual, top_k=top_k,
-                    specache_follow=int(follow))
+    cfg = KVQConfig("specache", bits, group_size=G, value_group=16, residual=residual,
+                    params=SpeCacheParams(top_k=top_k, follow=int(follow)))
     return QuantizedKVStore(cfg, PoolShape(1, H, D, NUM_PAGES, cfg), SLOTS, torch.float32, DEVICE)
 
 

@@ -32,6 +32,7 @@ from sgl_kvq.pool_shape import PoolShape
 from sgl_kvq.specache.attention import top_positions  # noqa: E402
 from sgl_kvq.specache.lanes import run_lanes  # noqa: E402
 from sgl_kvq.specache.state import Lanes  # noqa: E402
+from sgl_kvq.formats.specache import SpeCacheParams
 
 G, H, HQ, D, L, K = 8, 2, 4, 16, 2, 5
 SCALE = D ** -0.5
@@ -41,8 +42,8 @@ LAYER = [SimpleNamespace(layer_id=i, tp_q_head_num=HQ, tp_k_head_num=H, tp_v_hea
 
 
 def make(bits=2, prefix="host", recall=0):
-    cfg = KVQConfig("specache", bits, group_size=G, value_group=8, residual=G, top_k=K, specache_prefix=prefix,
-                    specache_recall=recall)
+    cfg = KVQConfig("specache", bits, group_size=G, value_group=8, residual=G,
+                    params=SpeCacheParams(top_k=K, prefix=prefix, recall=recall))
     pool = KVQTokenToKVPool(32 * G, PoolShape(L, H, D, 32, cfg), "cpu", torch.float32, num_req_slots=4)
     r2t = torch.zeros(4, 512, dtype=torch.int32)
     runner = SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=SimpleNamespace(req_to_token=r2t))
@@ -192,7 +193,7 @@ def test_two_lane_step_writes_real_rows_only_and_prefetches_the_speculative_top_
             scores = torch.einsum("hd,thd->ht", q[2 + b], sk.repeat_interleave(group, 1)) * SCALE
             real = torch.einsum("hd,thd->ht", q[b], rk.repeat_interleave(group, 1)) * SCALE
             want = top_positions(torch.softmax(scores, -1), H, n_base, K,
-                                 follow=torch.softmax(real, -1) if pool.store.cfg.specache_follow else None)
+                                 follow=torch.softmax(real, -1) if pool.store.cfg.params.follow else None)
             got_k, got_v, got = (t[0] for t in sc.topk.rows(li, torch.tensor([s.r])))
             assert [set(x.tolist()) for x in got] == [set(x.tolist()) for x in want]
             for h in range(H):
@@ -294,11 +295,11 @@ def test_specache_defaults_and_follow_knob(monkeypatch):
 
     for var in ("KVQ_TOPK", "KVQ_SPECACHE_FOLLOW"):
         monkeypatch.delenv(var, raising=False)
-    assert (parse_kv_cache_dtype("specache1").top_k, parse_kv_cache_dtype("specache2").top_k) == (128, 64)
-    assert parse_kv_cache_dtype("specache1").specache_follow == 1
+    assert (parse_kv_cache_dtype("specache1").params.top_k, parse_kv_cache_dtype("specache2").params.top_k) == (128, 64)
+    assert parse_kv_cache_dtype("specache1").params.follow == 1
     monkeypatch.setenv("KVQ_TOPK", "32")
     monkeypatch.setenv("KVQ_SPECACHE_FOLLOW", "0")
-    assert parse_kv_cache_dtype("specache1").top_k == 32 and parse_kv_cache_dtype("specache2").specache_follow == 0
+    assert parse_kv_cache_dtype("specache1").params.top_k == 32 and parse_kv_cache_dtype("specache2").params.follow == 0
     monkeypatch.setenv("KVQ_SPECACHE_FOLLOW", "2")
     with pytest.raises(KVQConfigError, match="KVQ_SPECACHE_FOLLOW=2 must be 0 or 1"):
         parse_kv_cache_dtype("specache2")

@@ -25,6 +25,7 @@ from sgl_kvq.patches import frames as frame_hooks  # noqa: E402
 from sgl_kvq.pool import KVQTokenToKVPool  # noqa: E402
 from sgl_kvq.pool_shape import PoolShape  # noqa: E402
 from sgl_kvq.specache.state import Lanes  # noqa: E402
+from sgl_kvq.formats.specache import SpeCacheParams
 
 # fp32 model: a frame of k = 16 (2 bit) or 32 (1 bit) pages of G = 32 tokens, whose key scales hold the 32 rows'
 # positions; top-40 rows span two frames, the second one partly
@@ -34,7 +35,7 @@ FRAMES = {1: [4, 5, 6, 7], 3: [8, 9, 10, 11]}  # slot -> its ring (2 frames), th
 
 
 def make_pool(bits: int, pooled: bool) -> KVQTokenToKVPool:
-    cfg = KVQConfig("specache", bits, group_size=G, value_group=16, residual=G, top_k=K)
+    cfg = KVQConfig("specache", bits, group_size=G, value_group=16, residual=G, params=SpeCacheParams(top_k=K))
     k = PoolShape(L, H, D, 0, cfg).pages_per_frame(torch.float32)
     pages = 12 * k - 1  # 12 frames, page 0 included
     return KVQTokenToKVPool(pages * G, PoolShape(L, H, D, pages, cfg), "cpu", torch.float32, num_req_slots=SLOTS,

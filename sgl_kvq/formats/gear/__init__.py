@@ -4,6 +4,8 @@ rank-r approximation of the quantization residual and (gear2) each row's largest
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from sgl_kvq.errors import KVQConfigError, LayoutError
@@ -26,6 +28,17 @@ def gear_shapes(g: PageGeometry, rank: int, nk: int, nv: int) -> Shapes:
     }
 
 
+@dataclass(frozen=True)
+class GearParams:
+    """GEAR / GEAR-L's knobs. Each page of G = 64 tokens is compressed once, when it completes: GEAR's streaming
+    buffer (n_b = 64) at its decode-phase rank 2."""
+    rank: int = 2  # of the quantization residual's approximation per page and KV head
+    iters: int = 3  # power-iteration steps
+    # Share of each row kept as fp16 outliers (GEAR's s = 2%; gear2 only): keys per channel over the page's G
+    # tokens, values per token over its D channels, at least one per row.
+    outliers: float = 0.02
+
+
 class Gear(Format):
     bits = (2,)
     extras = PageCorrection
@@ -33,8 +46,8 @@ class Gear(Format):
     # the compression (power iteration, outliers) runs in torch on both backends
     quantize_kernel = False
     plain_pages = False
-    knobs = {"KVQ_GEAR_RANK": ("gear_rank", int), "KVQ_GEAR_ITERS": ("gear_iters", int),
-             "KVQ_GEAR_OUTLIERS": ("gear_outliers", float)}
+    params = GearParams
+    knobs = {"KVQ_GEAR_RANK": ("rank", int), "KVQ_GEAR_ITERS": ("iters", int), "KVQ_GEAR_OUTLIERS": ("outliers", float)}
 
     def kernel_corrections(self) -> tuple:
         from sgl_kvq.formats.gear.kernel import _gear_kt, _gear_v
@@ -44,21 +57,21 @@ class Gear(Format):
     def __init__(self, family: str, outliers: bool):
         self.family, self.outliers = family, outliers
 
-    def check_knobs(self, cfg) -> None:
-        if not 1 <= cfg.gear_rank <= cfg.group_size:
-            raise KVQConfigError(f"sgl_kvq: KVQ_GEAR_RANK={cfg.gear_rank} must be in 1..G={cfg.group_size}, e.g. 2")
-        if cfg.gear_iters < 1:
-            raise KVQConfigError(f"sgl_kvq: KVQ_GEAR_ITERS={cfg.gear_iters} must be at least 1, e.g. 3")
-        if not 0 < cfg.gear_outliers < 0.5:
-            raise KVQConfigError(f"sgl_kvq: KVQ_GEAR_OUTLIERS={cfg.gear_outliers} must be in (0, 0.5), e.g. 0.02 "
+    def check_params(self, params: GearParams, group_size: int) -> None:
+        if not 1 <= params.rank <= group_size:
+            raise KVQConfigError(f"sgl_kvq: KVQ_GEAR_RANK={params.rank} must be in 1..G={group_size}, e.g. 2")
+        if params.iters < 1:
+            raise KVQConfigError(f"sgl_kvq: KVQ_GEAR_ITERS={params.iters} must be at least 1, e.g. 3")
+        if not 0 < params.outliers < 0.5:
+            raise KVQConfigError(f"sgl_kvq: KVQ_GEAR_OUTLIERS={params.outliers} must be in (0, 0.5), e.g. 0.02 "
                                  "(for no outliers use gearl2)")
 
     def outliers_per_row(self, cfg, row_length: int) -> int:
         """fp16 outliers kept per row of `row_length` entries (0 for GEAR-L)."""
-        return outliers_per_row(cfg.gear_outliers, row_length) if self.outliers else 0
+        return outliers_per_row(cfg.params.outliers, row_length) if self.outliers else 0
 
     def sizes(self, cfg, g: PageGeometry) -> dict[str, int]:
-        return dict(rank=cfg.gear_rank, nk=self.outliers_per_row(cfg, g.G), nv=self.outliers_per_row(cfg, g.D))
+        return dict(rank=cfg.params.rank, nk=self.outliers_per_row(cfg, g.G), nv=self.outliers_per_row(cfg, g.D))
 
     def sizes_of(self, c: PageCorrection, g: PageGeometry) -> dict[str, int]:
         rank = c.k_u.shape[2]
@@ -75,7 +88,7 @@ class Gear(Format):
 
     def pack(self, cfg, value_group: int, k, v, w: PageWrite, tables: dict):
         G, D = k.shape[1], k.shape[3]
-        return pack_gear_pages(k, v, cfg.bits, value_group, cfg.gear_rank, cfg.gear_iters,
+        return pack_gear_pages(k, v, cfg.bits, value_group, cfg.params.rank, cfg.params.iters,
                                self.outliers_per_row(cfg, G), self.outliers_per_row(cfg, D),
                                specache_one_bit=cfg.specache_one_bit)
 

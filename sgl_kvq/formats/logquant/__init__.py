@@ -5,6 +5,8 @@ its logical page index alone, so its write needs each completing page's index (P
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from sgl_kvq.errors import KVQConfigError, LayoutError
@@ -26,7 +28,14 @@ def logquant_shapes(g: PageGeometry, rows: int) -> Shapes:
 
 def rows_per_page(cfg) -> int:
     """M: the most rows one page keeps at its exit from the fp16 window."""
-    return max_rows(cfg.logquant_window, cfg.group_size, cfg.ring_pages)
+    return max_rows(cfg.params.window, cfg.group_size, cfg.ring_pages)
+
+
+@dataclass(frozen=True)
+class LogQuantParams:
+    # LogQuant's window W. The rule keeps the sink and a band of about 6W recent positions; W = 10 (band ~ R) keeps
+    # logquant2 a 2-bit cache, where the reference's W = 21 costs kivi4's bytes (docs/knobs.md, KVQ_LOGQUANT_WINDOW).
+    window: int = 10
 
 
 class LogQuant(Format):
@@ -35,16 +44,17 @@ class LogQuant(Format):
     extras = PageRows
     kernel = "logquant"
     plain_pages = False
-    knobs = {"KVQ_LOGQUANT_WINDOW": ("logquant_window", int)}
+    params = LogQuantParams
+    knobs = {"KVQ_LOGQUANT_WINDOW": ("window", int)}
 
     def kernel_corrections(self) -> tuple:
         from sgl_kvq.formats.logquant.kernel import _logquant_kt, _logquant_v
 
         return _logquant_kt, _logquant_v
 
-    def check_knobs(self, cfg) -> None:
-        if cfg.logquant_window < 1:
-            raise KVQConfigError(f"sgl_kvq: KVQ_LOGQUANT_WINDOW={cfg.logquant_window} must be at least 1, e.g. 10")
+    def check_params(self, params: LogQuantParams, group_size: int) -> None:
+        if params.window < 1:
+            raise KVQConfigError(f"sgl_kvq: KVQ_LOGQUANT_WINDOW={params.window} must be at least 1, e.g. 10")
 
     def check(self, cfg) -> None:
         if cfg.group_size > 128:
@@ -65,11 +75,11 @@ class LogQuant(Format):
         return logquant_shapes(g, **sizes)
 
     def stats(self, cfg, sizes: dict[str, int]) -> dict:
-        return {"logquant_window": cfg.logquant_window, "logquant_rows_per_page": sizes["rows"]}
+        return {"logquant_window": cfg.params.window, "logquant_rows_per_page": sizes["rows"]}
 
     def tables(self, cfg, g: PageGeometry, device: torch.device) -> dict[str, torch.Tensor]:
         # the row offsets per logical page: a request's logical pages never outnumber the pool's pages
-        return {"row_table": offsets_table(cfg.logquant_window, cfg.group_size, cfg.ring_pages, g.P,
+        return {"row_table": offsets_table(cfg.params.window, cfg.group_size, cfg.ring_pages, g.P,
                                            rows_per_page(cfg), device)}
 
     def _rows(self, lpages, k, v, tables: dict) -> PageRows:

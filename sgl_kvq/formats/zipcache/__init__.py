@@ -9,6 +9,8 @@ total."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from sgl_kvq.errors import KVQConfigError, LayoutError
@@ -34,7 +36,7 @@ def zipcache_shapes(g: PageGeometry, salient: int, salient_bits: int) -> Shapes:
 
 def salient_per_page(cfg) -> int:
     """NS: salient tokens per page and KV head."""
-    return salient_count(cfg.zipcache_salient, cfg.group_size)
+    return salient_count(cfg.params.salient, cfg.group_size)
 
 
 def _page_queries(n: int, G: int, tile: torch.Tensor, offs: torch.Tensor, q: torch.Tensor):
@@ -55,6 +57,13 @@ def _received(n: int, G: int, tile, offs, q, k, sm_scale, earlier):
     return torch.where(starts[:, None, None], 0.0, earlier) + recv
 
 
+@dataclass(frozen=True)
+class ZipCacheParams:
+    # Share of each page's G tokens (per KV head) kept at 4 bit, NS = round(ratio * G). 0.4 puts zipcache2 at about
+    # kivi4's bytes, so the two compare at equal memory (docs/knobs.md, KVQ_ZIPCACHE_SALIENT).
+    salient: float = 0.4
+
+
 class ZipCache(Format):
     family = "zipcache"
     bits = (2,)
@@ -64,17 +73,18 @@ class ZipCache(Format):
     quantize_kernel = False
     needs_queries = True
     plain_pages = False
-    knobs = {"KVQ_ZIPCACHE_SALIENT": ("zipcache_salient", float)}
+    params = ZipCacheParams
+    knobs = {"KVQ_ZIPCACHE_SALIENT": ("salient", float)}
 
     def kernel_corrections(self) -> tuple:
         from sgl_kvq.formats.zipcache.kernel import _zipcache_kt, _zipcache_v
 
         return _zipcache_kt, _zipcache_v
 
-    def check_knobs(self, cfg) -> None:
-        g = cfg.group_size
-        if not 0 < cfg.zipcache_salient < 1 or not 1 <= salient_count(cfg.zipcache_salient, g) < g:
-            raise KVQConfigError(f"sgl_kvq: KVQ_ZIPCACHE_SALIENT={cfg.zipcache_salient} must be in (0, 1) and keep "
+    def check_params(self, params: ZipCacheParams, group_size: int) -> None:
+        g = group_size
+        if not 0 < params.salient < 1 or not 1 <= salient_count(params.salient, g) < g:
+            raise KVQConfigError(f"sgl_kvq: KVQ_ZIPCACHE_SALIENT={params.salient} must be in (0, 1) and keep "
                                  f"between 1 and G-1={g - 1} of a page's {g} tokens salient, e.g. 0.4")
 
     def sizes(self, cfg, g: PageGeometry) -> dict[str, int]:

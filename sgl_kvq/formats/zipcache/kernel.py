@@ -7,7 +7,7 @@ zipcache_shapes): v_chan, s_k_scale, s_k_zero [P, H, D]; s_idx [P, H, NS]; s_k_c
 import triton
 import triton.language as tl
 
-from .unpack_kernel import _unpack
+from sgl_kvq.quant.unpack_kernel import _unpack
 
 
 @triton.jit
