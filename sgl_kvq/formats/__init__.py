@@ -1,2 +1,4 @@
-"""The served KV formats, one module per family (kivi, specache, gear, logquant, zipcache), each declaring what it
-adds to KIVI's packed pages through formats/base.Format; formats/registry.py maps the dtype names to them."""
+"""The served KV formats, each declaring what it adds to KIVI's packed pages through formats/base.Format: a package
+per family with pages of its own (gear/, logquant/, zipcache/, peers/: declaration and parameters, page codec,
+Triton corrections), a module per family without (kivi, specache); formats/registry.py maps the dtype names to
+them."""

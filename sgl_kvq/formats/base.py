@@ -4,7 +4,7 @@ the reference attention, kvq_torch's decode and the kernel launchers consult ins
 The defaults are KIVI's packed base (layout.kivi_shapes: b-bit codes, key scales per page and channel, value scales
 per token and channel group) with nothing added: pages compressed by kivi_page.pack_pages or, bit for bit, by the
 Triton quantize kernel, and read back without correction. A format overrides what it changes; sgl_kvq/formats/
-holds one module per family and registry.py maps each --kv-cache-dtype name to its format.
+holds one package (or module) per family and registry.py maps each --kv-cache-dtype name to its format.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Every served format, and the map from a --kv-cache-dtype name to its format. Adding a format is one module in
-sgl_kvq/formats/ and one entry in FORMATS (docs/formats.md)."""
+"""Every served format, and the map from a --kv-cache-dtype name to its format. Adding a format is one package in
+sgl_kvq/formats/ (its declaration and parameters, page codec and Triton corrections) and one entry in FORMATS
+(docs/formats.md)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def _knobs() -> dict[str, tuple]:
     return out
 
 
-# Every family's KVQ_* variables (Format.knobs), each naming one KVQConfig field.
+# Every family's KVQ_* variables (Format.knobs), each naming one field of its parameters (Format.params).
 KNOBS = _knobs()
 # The extras tensors of each format with a Triton correction, by Format.kernel (tests/kernels/ check them).
 EXTRA_SHAPES = {f.kernel: f.page_shapes for f in FORMATS if f.kernel}
