@@ -1,6 +1,6 @@
 """How a format's decode reads its KV: the interface that the sizing, the server-argument resolution and the pool
 ask, instead of testing for SpeCache. A format names its strategy (Format.strategy); sgl_kvq/strategies.py maps the
-name to the object, sgl_kvq/backends/classes.py to the attention backends that serve it.
+name to the object, patches/backends.py to the attention backend classes that serve it.
 
 The default strategy reads the pool alone (the packed pages and the fp16 frames): no host memory, no per-request
 state beyond the frames, every SGLang feature the pool supports, decode under CUDA graphs on kvq_triton. SpeCache's
