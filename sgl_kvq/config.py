@@ -115,8 +115,7 @@ class KVQConfig:
         fmt = self.format
         if self.params is None:
             object.__setattr__(self, "params", fmt.default_params(self.bits))
-        if fmt.params is None and self.params is not None or fmt.params is not None and \
-                not isinstance(self.params, fmt.params):
+        if not isinstance(self.params, fmt.params or type(None)):
             want = "no parameters" if fmt.params is None else fmt.params.__name__
             raise KVQConfigError(f"sgl_kvq: {self.name} takes {want}, not {self.params!r}")
         if self.params is not None:

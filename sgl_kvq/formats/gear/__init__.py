@@ -49,13 +49,13 @@ class Gear(Format):
     params = GearParams
     knobs = {"KVQ_GEAR_RANK": ("rank", int), "KVQ_GEAR_ITERS": ("iters", int), "KVQ_GEAR_OUTLIERS": ("outliers", float)}
 
+    def __init__(self, family: str, outliers: bool):
+        self.family, self.outliers = family, outliers
+
     def kernel_corrections(self) -> tuple:
         from sgl_kvq.formats.gear.kernel import _gear_kt, _gear_v
 
         return _gear_kt, _gear_v
-
-    def __init__(self, family: str, outliers: bool):
-        self.family, self.outliers = family, outliers
 
     def check_params(self, params: GearParams, group_size: int) -> None:
         if not 1 <= params.rank <= group_size:
