@@ -113,9 +113,9 @@ def unavailable_reason() -> str | None:
 
 
 def supports(kv: LayerKV) -> bool:
-    """Formats whose base is codes, scales and zeros only (Format.plain_pages), on a CPU; a format whose extras
+    """Formats whose base is codes, scales and zeros only (PageCodec.plain_pages), on a CPU; a format whose extras
     change the dequantized K/V stays on the torch paths."""
-    return of_extras(kv.extras).plain_pages and kv.ov_k.device.type == "cpu"
+    return of_extras(kv.extras).codec.plain_pages and kv.ov_k.device.type == "cpu"
 
 
 def _require(cond: bool, msg: str) -> None:

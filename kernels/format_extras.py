@@ -7,8 +7,8 @@ decode, extend and SpeCache launchers.
 `extras` is the view's page tensors of its format (LayerKV.extras, the format's NamedTuple: PageCorrection,
 PageRows, SalientPlane; () for plain KIVI pages). They are checked against the shapes the format declares
 (Format.page_shapes, the declaration PoolShape.base_shapes allocates from), with the format's sizes read off the
-view by the format (Format.sizes_of, which also checks the bounds its correction reads). CORRECT is the format's
-in-register corrections of K^T and V (Format.kernel_corrections, in its package's kernel.py), which the kernels call
+view by the format (KernelVariant.sizes_of, which also checks the bounds its correction reads). CORRECT is the format's
+in-register corrections of K^T and V (KernelVariant.corrections, in its package's kernel.py), which the kernels call
 on each dequantized base page; SIZES are its sizes in page_shapes' keyword order. The jitted code indexes every extra
 tensor by its contiguous shape.
 
@@ -30,12 +30,12 @@ def format_extras(kv: LayerKV, g: PageGeometry) -> tuple[tuple, dict]:
     layout; an empty extra tensor (gearl2's outliers) is passed as k_scale, never read, so that no pointer is null."""
     fmt = of_extras(kv.extras)
     require(fmt.kernel is not None, f"{fmt.family} has no Triton kernel: serve it with kvq_torch")
-    correct = fmt.kernel_corrections()
+    correct = fmt.kernel.corrections()
     if kv.extras is None:
         return (), dict(CORRECT=correct, SIZES=())
     tensors = kv.extras
     label = type(tensors).__name__
-    sizes = fmt.sizes_of(tensors, g)  # LayoutError where out of its correction's bounds
+    sizes = fmt.kernel.sizes_of(tensors, g)  # LayoutError where out of its correction's bounds
     want = fmt.page_shapes(g, **sizes)
     for n, (shape, dtype) in want.items():
         t = getattr(tensors, n)

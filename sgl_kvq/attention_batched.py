@@ -25,14 +25,14 @@ from sgl_kvq.plan import LayerKV
 
 def context(kv: LayerKV, ctx: BatchedContext, ws: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch's keys and values in the padded layout, k, v [H, B, T, D] fp32: base tokens read as the format
-    reads them (Format.read_padded), overlay tokens as it reads those (Format.read_overlay), zeros at padding; in
+    reads them (PageCodec.read_padded), overlay tokens as it reads those (PageCodec.read_overlay), zeros at padding; in
     ws's buffers when given (valid until the next call)."""
     G, H, D = kv.G, kv.ov_k.shape[2], kv.ov_k.shape[3]
     B, units = ctx.pages.shape
-    fmt = of_extras(kv.extras)
-    k, v = fmt.read_padded(kv, ctx, ws)
+    codec = of_extras(kv.extras).codec
+    k, v = codec.read_padded(kv, ctx, ws)
     if ctx.ov_dst.numel():
-        k_ov, v_ov = fmt.read_overlay(frame_rows(kv.ov_k, ctx.ov_head_rows), frame_rows(kv.ov_v, ctx.ov_head_rows))
+        k_ov, v_ov = codec.read_overlay(frame_rows(kv.ov_k, ctx.ov_head_rows), frame_rows(kv.ov_v, ctx.ov_head_rows))
         k.index_copy_(1, ctx.ov_dst, k_ov)
         v.index_copy_(1, ctx.ov_dst, v_ov)
     return k.view(H, B, units * G, D), v.view(H, B, units * G, D)

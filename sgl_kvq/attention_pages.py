@@ -28,9 +28,9 @@ from sgl_kvq.plan import LayerKV, PagedPlan
 
 
 def supports(kv: LayerKV) -> bool:
-    """Whether kv's format is codes, scales and zeros only (Format.plain_pages): a format whose extras change the
+    """Whether kv's format is codes, scales and zeros only (PageCodec.plain_pages): a format whose extras change the
     dequantized K/V goes through attention_batched's padded layout."""
-    return of_extras(kv.extras).plain_pages
+    return of_extras(kv.extras).codec.plain_pages
 
 
 # When this path does less work than the padded one: it wins where the padded layout pads or the batch holds many

@@ -24,9 +24,9 @@ def plan_pages(plan: PagedPlan, b: int) -> torch.Tensor:
 
 
 def read_base(kv: LayerKV, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pool pages `pages` [N] as their format reads them (Format.read_pages) -> k, v [N * G, H, D] fp32."""
+    """Pool pages `pages` [N] as their format reads them (PageCodec.read_pages) -> k, v [N * G, H, D] fp32."""
     H, D = kv.ov_k.shape[2], kv.ov_k.shape[3]
-    k, v = of_extras(kv.extras).read_pages(kv, pages)
+    k, v = of_extras(kv.extras).codec.read_pages(kv, pages)
     return k.reshape(-1, H, D), v.reshape(-1, H, D)
 
 
@@ -39,7 +39,7 @@ def frame_rows(kv: LayerKV, plan: PagedPlan, b: int) -> tuple[torch.Tensor, torc
 def gather_context(kv: LayerKV, plan: PagedPlan, b: int, base: tuple[torch.Tensor, torch.Tensor] | None = None,
                    frames: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Request b's keys and values, [T, H, D] fp32, dequantized from its own pages only (as its format reads
-    them: Format.read_pages; its overlay tokens through Format.read_overlay). `base`: its base pages already read
+    them: PageCodec.read_pages; its overlay tokens through PageCodec.read_overlay). `base`: its base pages already read
     (read_base of plan_pages(plan, b)); `frames`: its frames already read (frame_rows), e.g. before a write that
     reuses them."""
     G = kv.G
@@ -47,7 +47,7 @@ def gather_context(kv: LayerKV, plan: PagedPlan, b: int, base: tuple[torch.Tenso
     fmt = of_extras(kv.extras)
     k_base, v_base = base if base is not None else read_base(kv, plan_pages(plan, b))
     k_fr, v_fr = frames if frames is not None else frame_rows(kv, plan, b)
-    k_ov, v_ov = fmt.read_overlay(k_fr.reshape(-1, H, D), v_fr.reshape(-1, H, D))
+    k_ov, v_ov = fmt.codec.read_overlay(k_fr.reshape(-1, H, D), v_fr.reshape(-1, H, D))
     nb, no = plan.base_len(b, G), plan.overlay_len(b, G)
     k = torch.cat([k_base[:nb], k_ov[:no]])
     v = torch.cat([v_base[:nb], v_ov[:no]])

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from sgl_kvq.config import KVQConfig
-from sgl_kvq.formats.base import PageWrite
+from sgl_kvq.formats.page_codec import PageWrite
 from sgl_kvq.frames import FrameTable, frame_view
 from sgl_kvq.plan import BatchWrite, DecodeWrite, LayerKV
 from sgl_kvq.pool_shape import PoolShape
@@ -72,7 +72,7 @@ class QuantizedKVStore:
         self.extra_names = tuple(shape.extra_shapes())
         # extras stored per token slot ([S, ...]) rather than per page
         self.per_slot = {n for n, (dims, _) in shape.base_shapes().items() if dims[1] != shape.P}
-        self.tables = self.format.tables(cfg, shape.geometry, self.device)
+        self.tables = self.format.codec.tables(cfg, shape.geometry, self.device)
 
     # ---- byte accounting (what is really allocated) ----
     def base_bytes(self) -> int:
@@ -86,7 +86,7 @@ class QuantizedKVStore:
 
     # ---- writes (where tokens go: sgl_kvq.metadata) ----
     def _need_q(self, q, sm_scale) -> None:
-        if self.format.needs_queries and (q is None or sm_scale is None):
+        if self.format.codec.needs_queries and (q is None or sm_scale is None):
             raise ValueError(f"sgl_kvq: {self.cfg.name} writes need the batch's queries and sm_scale (q=, sm_scale=)")
 
     def write_layer(self, layer: int, bw: BatchWrite, k: torch.Tensor, v: torch.Tensor, *,
@@ -96,7 +96,7 @@ class QuantizedKVStore:
         path, tests/kernels/test_kernels_quantize.py) where the format's codes are the quantize kernel's."""
         self._need_q(q, sm_scale)
         fmt = self.format
-        kernels = kernels and fmt.quantize_kernel
+        kernels = kernels and fmt.kernel is not None and fmt.kernel.quantize
         if bw.done_pages.numel():
             # Earlier batches' tokens of a completing page are in its frame (same request, and its frame is reused
             # only by a later page); this batch's tokens come from k/v. A page begun in this batch writes every
@@ -111,10 +111,10 @@ class QuantizedKVStore:
 
                 quantize_pages(kp, vp, bw.done_pages.to(torch.int32), self.layer_view(layer),
                                specache_one_bit=self.cfg.specache_one_bit)
-                self._store_extras(layer, bw.done_pages,
-                                   fmt.kernel_extras(bw.done_pages, bw.done_lpages, lambda: (kp, vp), self.tables))
+                extras = fmt.kernel.written_extras(bw.done_pages, bw.done_lpages, lambda: (kp, vp), self.tables)
+                self._store_extras(layer, bw.done_pages, extras)
             else:
-                w = fmt.page_write(self, layer, bw, q, kp, sm_scale, PageWrite(bw.done_pages, bw.done_lpages))
+                w = fmt.codec.page_write(self, layer, bw, q, kp, sm_scale, PageWrite(bw.done_pages, bw.done_lpages))
                 self._store(layer, kp, vp, w)
         if bw.frame_rows.numel():
             if kernels:
@@ -125,7 +125,7 @@ class QuantizedKVStore:
             else:
                 self.ov_k[layer, bw.frame_ids, bw.frame_offs] = k[bw.frame_rows].to(self.model_dtype)
                 self.ov_v[layer, bw.frame_ids, bw.frame_offs] = v[bw.frame_rows].to(self.model_dtype)
-            fmt.batch_frames_written(self, layer, bw, q, sm_scale)
+            fmt.codec.batch_frames_written(self, layer, bw, q, sm_scale)
 
     def write_decode_layer(self, layer: int, dw: DecodeWrite, k: torch.Tensor, v: torch.Tensor, *,
                            q: torch.Tensor | None = None, sm_scale: float | None = None,
@@ -142,8 +142,8 @@ class QuantizedKVStore:
         fmt = self.format
         kv = self.layer_view(layer)
         store_overlay(k, v, dw.frame_ids, dw.frame_offs, kv, v_rotation=v_rotation)
-        received = fmt.decode_frames_written(self, layer, dw, q, sm_scale)
-        if fmt.quantize_kernel:
+        received = fmt.codec.decode_frames_written(self, layer, dw, q, sm_scale)
+        if fmt.kernel is not None and fmt.kernel.quantize:
             quantize_pages(kv.ov_k, kv.ov_v, dw.done_pages, kv, src_ids=dw.frame_ids,
                            specache_one_bit=self.cfg.specache_one_bit)
 
@@ -151,7 +151,7 @@ class QuantizedKVStore:
                 frames = dw.frame_ids.long()
                 return kv.ov_k[frames], kv.ov_v[frames]
 
-            extras = fmt.kernel_extras(dw.done_pages, dw.done_lpages, frames_kv, self.tables)
+            extras = fmt.kernel.written_extras(dw.done_pages, dw.done_lpages, frames_kv, self.tables)
             if extras is not None:
                 self._store_extras(layer, dw.done_pages.long(), extras)
             return
@@ -166,12 +166,12 @@ class QuantizedKVStore:
                     lpages: torch.Tensor | None = None, received: torch.Tensor | None = None,
                     group: int = 1) -> None:
         """Quantize complete pages k, v [N, G, H, D] into the base at pool pages `pages`, with what the format's
-        write needs (formats.base.PageWrite: lpages [N], their logical page indices; received [N, G, H], the
+        write needs (formats.page_codec.PageWrite: lpages [N], their logical page indices; received [N, G, H], the
         attention each token received from all of its page's queries, over `group` query heads per KV head)."""
         self._store(layer, k, v, PageWrite(pages, lpages, received, group))
 
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, w: PageWrite) -> None:
-        base, extras = self.format.pack(self.cfg, self.shape.VG, k, v, w, self.tables)
+        base, extras = self.format.codec.pack(self.cfg, self.shape.VG, k, v, w, self.tables)
         self._store_named(layer, w.pages, base._fields, base)
         if extras is not None:
             self._store_named(layer, w.pages, self.extra_names, extras)
@@ -205,5 +205,5 @@ class QuantizedKVStore:
 
         return LayerKV(self.k_codes[layer], kivi("k_scale"), kivi("k_zero"), self.v_codes[layer],
                        kivi("v_scale"), kivi("v_zero"), self.ov_k[layer], self.ov_v[layer],
-                       self.format.code_bits(self.cfg.bits),
+                       self.cfg.bits,
                        extras)

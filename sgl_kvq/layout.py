@@ -24,11 +24,11 @@ Base (complete pages, immutable once quantized; shared by the radix tree):
     k_out_idx [L, P, H, NK, D]  uint8   their token offsets
     v_out_val [L, S, H, NV]     fp16    value token's outliers over its channels
     v_out_idx [L, S, H, NV]     uint8   their channels
-  logquant2 pages also carry M = logquant.rows_per_page(cfg) fp16 row slots (formats/logquant/): the page's
+  logquant2 pages also carry M = logquant.codec.rows_per_page(cfg) fp16 row slots (formats/logquant/): the page's
   positions LogQuant's rule keeps when the page leaves the fp16 window, read instead of their codes:
     k_rows, v_rows [L, P, M, H, D] fp16    the tokens' K and V
     row_off   [L, P, M]         uint8   their in-page offsets, 255 for an empty slot
-  zipcache2 pages carry their salient plane (formats/zipcache/; NS = zipcache.salient_per_page(cfg) salient
+  zipcache2 pages carry their salient plane (formats/zipcache/; NS = zipcache.codec.salient_per_page(cfg) salient
   tokens per page and KV head, Ds = D * 4 // 8; values are stored as V / c and read back times c):
     v_chan    [L, P, H, D]      fp16    c = sqrt(max_t |V|) per channel over the page
     s_idx     [L, P, H, NS]     uint8   the salient tokens' offsets in the page (their base codes are unused)

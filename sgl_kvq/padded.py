@@ -1,7 +1,7 @@
 """The padded, head-major layout kvq_torch's batched decode reads (sgl_kvq/attention_batched.py): the per-batch
 index that places each request's context in [H, B, T, D] (`BatchedContext`, built once per batch, reused by every
 layer), the buffers every layer reuses, the row gathers, and KIVI's packed base dequantized straight into that
-layout, which each format's padded read starts from (Format.read_padded). Below the formats: it reads the packed
+layout, which each format's padded read starts from (PageCodec.read_padded). Below the formats: it reads the packed
 layout, never a format's declaration."""
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def _unpack_words(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 def kivi_padded(kv: LayerKV, ctx: BatchedContext, ws: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """KIVI's base of the batch's pages in the padded layout k, v [H, B * U * G, D] fp32, zeros outside base
-    positions (Format.read_padded's default)."""
+    positions (PageCodec.read_padded's default)."""
     G, H, D = kv.G, kv.ov_k.shape[2], kv.ov_k.shape[3]
     B, units = ctx.pages.shape
     kc, vc = (unpacked_codes(c, ctx.slot_rows, kv.bits) for c in (kv.k_codes, kv.v_codes))

@@ -52,7 +52,7 @@ class PoolShape:
         """The kernels' name of the format whose tensors each page carries beside KIVI's ("" for none) and its
         sizes from the config (sgl_kvq/formats/)."""
         fmt = self.cfg.format
-        return fmt.kernel or "", fmt.sizes(self.cfg, self.geometry)
+        return fmt.kernel.name if fmt.kernel else "", fmt.sizes(self.cfg, self.geometry)
 
     def extra_shapes(self) -> Shapes:
         """The tensors the served format adds to each page, one layer's."""

@@ -29,8 +29,9 @@ def _knobs() -> dict[str, tuple]:
 
 # Every family's KVQ_* variables (Format.knobs), each naming one field of its parameters (Format.params).
 KNOBS = _knobs()
-# The extras tensors of each format with a Triton correction, by Format.kernel (tests/kernels/ check them).
-EXTRA_SHAPES = {f.kernel: f.page_shapes for f in FORMATS if f.kernel}
+# The extras tensors of each format with a Triton correction, by its kernel variant's name (tests/kernels/ check
+# them).
+EXTRA_SHAPES = {f.kernel.name: f.page_shapes for f in FORMATS if f.kernel is not None and f.kernel.name}
 
 
 def family(name: str) -> Format | None:

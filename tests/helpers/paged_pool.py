@@ -5,16 +5,12 @@ from __future__ import annotations
 
 import math
 import random
-from types import SimpleNamespace
-
 import torch
 
-from sgl_kvq.config import parse_kv_cache_dtype
+from sgl_kvq.config import KVQConfig
+from sgl_kvq.formats.page_codec import PageWrite
+from sgl_kvq.layout import PageGeometry
 from sgl_kvq.plan import LayerKV, PagedPlan
-from sgl_kvq.formats.gear import codec as gear_page
-from sgl_kvq.formats.logquant import codec as logquant_page
-from sgl_kvq.formats.zipcache import codec as zipcache_page
-from sgl_kvq.quant import kivi_page
 
 
 def random_requests(rng: random.Random, B: int, G: int) -> list[tuple[int, int]]:
@@ -51,54 +47,60 @@ def frames_apart(x: torch.Tensor, gap: int) -> torch.Tensor:
     return out
 
 
-def make_pool(G, H, D, VG, bits, reqs, dtype, seed, gear=None, salient=0, rows=None, frame_gap=0, peer=None):
-    """A layer whose pages hold quantized random K/V, and a PagedPlan giving each request shuffled pages/frames.
-    gear=(rank, NK, NV): the pages are GEAR pages (sgl_kvq/formats/gear/codec.py) carrying their correction.
-    salient=NS > 0: zipcache2 pages (sgl_kvq/formats/zipcache/codec.py) with NS random salient rows per page-head.
-    rows=M: LogQuant pages (sgl_kvq/formats/logquant/codec.py) with M row slots at random distinct offsets, about a
-    quarter of them empty (255). frame_gap: the overlay frames lie that many elements apart (frames_apart).
-    peer=a dtype name of sgl_kvq/formats/peers/: its own base and per-slot extras (no KIVI scales)."""
+# Data that gives a format's correction something to correct (random pages have no structure to find):
+# GEAR's low rank and large entries, ZipCache's outlier value channel for its channel scale c.
+def _low_rank_and_outliers(gen, k, v):
+    P, G, H, D = k.shape
+    k += torch.randn(P, G, H, 1, generator=gen) * torch.randn(P, 1, H, D, generator=gen)
+    k[:, 3 % G, :, 5 % D] += 20
+
+
+def _outlier_value_channel(gen, k, v):
+    v[:, :, :, 1] *= 8
+
+
+SHAPING = {"gear": _low_rank_and_outliers, "gearl": _low_rank_and_outliers, "zipcache": _outlier_value_channel}
+
+
+def make_pool(G, H, D, VG, bits, reqs, dtype, seed, fmt="kivi", params=None, frame_gap=0):
+    """A layer whose pages hold random K/V packed by format family `fmt` at width `bits` (its codec, at `params`,
+    the family's parameters dataclass, defaults where None), shaped as the format declares, and a PagedPlan giving
+    each request shuffled pages/frames. Each page is written as the server writes it: with its logical index in
+    its request (LogQuant's rows) and random attention received (ZipCache's saliency). frame_gap: the overlay
+    frames lie that many elements apart (frames_apart)."""
     gen = torch.Generator().manual_seed(seed)
     n_base = [math.ceil(b / G) for b, _ in reqs]
     n_ov = [math.ceil(o / G) for _, o in reqs]
     P, F = sum(n_base) + 2, sum(n_ov) + 2  # spare page 0 and a page/frame nobody references
-    k_pages, v_pages = torch.randn(P, G, H, D, generator=gen) * 1.5, torch.randn(P, G, H, D, generator=gen)
-    corr = sal = None
-    if peer is not None:
-        fmt = parse_kv_cache_dtype(peer).format
-        base, ex = fmt.pack(None, VG, k_pages, v_pages, None, {})
-        pages = SimpleNamespace(k_codes=base.k_codes, v_codes=base.v_codes, k_scale=None, k_zero=None,
-                                v_scale=None, v_zero=None)
-        sal = ex._make(t.reshape(P * G, *t.shape[2:]) for t in ex)  # per token slot
-    elif salient:
-        v_pages[:, :, :, 1] *= 8  # an outlier value channel, for the channel scale c to matter
-        idx = zipcache_page.select_salient(torch.rand(P, G, H, generator=gen), salient)
-        pages, sal = zipcache_page.pack_zipcache_pages(k_pages, v_pages, idx, bits, VG)
-    elif gear is None:
-        pages = kivi_page.pack_pages(k_pages, v_pages, bits, VG)
-    else:
-        # a low-rank component and a few large entries, so the correction has something to correct
-        k_pages += torch.randn(P, G, H, 1, generator=gen) * torch.randn(P, 1, H, D, generator=gen)
-        k_pages[:, 3, :, 5] += 20
-        pages, corr = gear_page.pack_gear_pages(k_pages, v_pages, bits, VG, *gear[:1], 2, *gear[1:])
-        corr = corr._replace(v_out_val=corr.v_out_val.reshape(P * G, H, -1),
-                             v_out_idx=corr.v_out_idx.reshape(P * G, H, -1))
-    kv = LayerKV(
-        k_codes=pages.k_codes.reshape(P * G, H, -1), k_scale=pages.k_scale, k_zero=pages.k_zero,
-        v_codes=pages.v_codes.reshape(P * G, H, -1),
-        v_scale=None if pages.v_scale is None else pages.v_scale.reshape(P * G, H, -1),
-        v_zero=None if pages.v_zero is None else pages.v_zero.reshape(P * G, H, -1),
-        ov_k=frames_apart((torch.randn(F, G, H, D, generator=gen) * 1.5).to(dtype), frame_gap),
-        ov_v=frames_apart(torch.randn(F, G, H, D, generator=gen).to(dtype), frame_gap),
-        bits=bits, extras=corr if corr is not None else sal,
-    )
-    if rows is not None:
-        off = torch.stack([torch.randperm(G, generator=gen)[:rows] for _ in range(P)]).to(torch.uint8)
-        off[torch.rand(P, rows, generator=gen) < 0.25] = logquant_page.EMPTY
-        k_rows, v_rows = logquant_page.gather_rows(k_pages, v_pages, off)
-        kv.extras = logquant_page.PageRows(k_rows + 0.5, v_rows - 0.5, off)  # differ from the codes' reading
     page_ids = (torch.randperm(P - 1, generator=gen) + 1)[: sum(n_base)]
     frame_ids = torch.randperm(F, generator=gen)[: sum(n_ov)]
+    lpages = torch.zeros(P, dtype=torch.int64)  # each page's index in its request (0 where unused)
+    lpages[page_ids] = torch.cat([torch.arange(n) for n in n_base]) if page_ids.numel() else page_ids
+
+    # the default fp16 window R = 64 where G divides it (LogQuant's rows depend on it), else one page
+    cfg = KVQConfig(method=fmt, bits=bits, group_size=G, value_group=VG, residual=G * max(1, 64 // G), params=params)
+    form = cfg.format
+    g = PageGeometry(P=P, G=G, H=H, D=D, NG=D // VG)
+    k_pages, v_pages = torch.randn(P, G, H, D, generator=gen) * 1.5, torch.randn(P, G, H, D, generator=gen)
+    SHAPING.get(fmt, lambda *_: None)(gen, k_pages, v_pages)
+    w = PageWrite(torch.arange(P), lpages, received=torch.rand(P, G, H, generator=gen))
+    base, extras = form.codec.pack(cfg, VG, k_pages, v_pages, w, form.codec.tables(cfg, g, torch.device("cpu")))
+    declared = {**form.base_shapes(g, bits), **form.page_shapes(g, **form.sizes(cfg, g))}
+
+    def as_declared(name, t):  # a per-slot tensor comes from pack as [P, G, ...]
+        return t.reshape(declared[name][0])
+
+    named = dict(zip(base._fields, base))
+    kv = LayerKV(
+        **{n: None if named.get(n) is None else as_declared(n, named[n])
+           for n in ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")},
+        ov_k=frames_apart((torch.randn(F, G, H, D, generator=gen) * 1.5).to(dtype), frame_gap),
+        ov_v=frames_apart(torch.randn(F, G, H, D, generator=gen).to(dtype), frame_gap),
+        bits=bits, extras=None if extras is None else extras._make(as_declared(n, t)
+                                                                     for n, t in zip(extras._fields, extras)),
+    )
+    per_slot = [getattr(kv, n) if n in base._fields else getattr(kv.extras, n) for n, (dims, dtype_) in
+                declared.items() if dims[0] == g.S and dtype_.is_floating_point]
 
     def lists(counts, lens, ids):
         indptr = torch.tensor([0] + counts).cumsum(0)
@@ -107,7 +109,8 @@ def make_pool(G, H, D, VG, bits, reqs, dtype, seed, gear=None, salient=0, rows=N
 
     kvi, kvx, kvl = lists(n_base, [b for b, _ in reqs], page_ids)
     ovi, ovx, ovl = lists(n_ov, [o for _, o in reqs], frame_ids)
-    # Past each context's end, a pool holds whatever was there: NaN here, which kernels must never let through.
+    # Past each context's end, a pool holds whatever was there: NaN here (in the frame, or in the per-slot scales
+    # of a partial last page), which kernels must never let through.
     for b in range(len(reqs)):
         if n_ov[b]:
             f = int(ovx[ovi[b + 1] - 1])
@@ -115,15 +118,8 @@ def make_pool(G, H, D, VG, bits, reqs, dtype, seed, gear=None, salient=0, rows=N
             kv.ov_v[f, int(ovl[b]):] = float("nan")
         elif n_base[b]:
             tail = slice(int(kvx[kvi[b + 1] - 1]) * G + int(kvl[b]), (int(kvx[kvi[b + 1] - 1]) + 1) * G)
-            if peer is not None:  # its float per-slot scales or norms
-                for t in kv.extras:
-                    if t.is_floating_point():
-                        t[tail] = float("nan")
-                continue
-            kv.v_scale[tail] = float("nan")
-            kv.v_zero[tail] = float("nan")
-            if corr is not None:
-                corr.v_out_val[tail] = float("nan")
+            for t in per_slot:
+                t[tail] = float("nan")
     return kv, PagedPlan(kvi, kvx, kvl, ovi, ovx, ovl)
 
 

@@ -33,7 +33,7 @@ def write(pool, r: int, pages: torch.Tensor, start: int, end: int, seed: int) ->
     bw = begin_batch(pool.store, locs, torch.full_like(pos, r), pos, torch.full_like(pos, end))
     for layer in range(L):
         k, v, q = kv_of(pos, layer, seed)
-        pool.store.write_layer(layer, bw, k, v, q=q if pool.cfg.format.needs_queries else None, sm_scale=SM)
+        pool.store.write_layer(layer, bw, k, v, q=q if pool.cfg.format.codec.needs_queries else None, sm_scale=SM)
 
 
 def read(pool, r: int, pages: torch.Tensor, n: int, q: torch.Tensor):

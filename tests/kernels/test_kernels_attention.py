@@ -20,6 +20,9 @@ from sgl_kvq.kernels import decode_attention as dec  # noqa: E402
 from sgl_kvq.kernels.extend_attention import extend_attention  # noqa: E402
 from sgl_kvq.attention_rotation import basis  # noqa: E402
 from sgl_kvq.kernels.merge_state import merge_state  # noqa: E402
+from sgl_kvq.formats.gear import GearParams  # noqa: E402
+from sgl_kvq.formats.logquant import LogQuantParams  # noqa: E402
+from sgl_kvq.formats.zipcache import ZipCacheParams  # noqa: E402
 from kernel_checks import DEVICE, DTYPES, assert_close_written, to_device  # noqa: E402
 from paged_pool import make_pool  # noqa: E402
 from slices import covering_pairs  # noqa: E402
@@ -182,10 +185,10 @@ def test_extend_under_sliding_windows_matches_reference(case):
                              torch.float32)
 
 
-def _check_decode_format(case, dtype, *, seed, **extras):
-    """Decode over 2-bit pages carrying a format's extras (make_pool's gear= / salient= / rows=) vs ref_decode."""
+def _check_decode_format(case, dtype, *, seed, fmt, params):
+    """Decode over 2-bit pages carrying a format's extras (family fmt at params) vs ref_decode."""
     G, H, group, D, VG, reqs = CASES[case]
-    kv, paged = make_pool(G, H, D, VG, 2, reqs, dtype, seed=seed, **extras)
+    kv, paged = make_pool(G, H, D, VG, 2, reqs, dtype, seed=seed, fmt=fmt, params=params)
     q = torch.randn(len(reqs), H * group, D, generator=torch.Generator().manual_seed(1)).to(dtype)
     ref = ref_decode(q, kv, paged, D ** -0.5)
     p = dec.plan(to_device(paged), num_qo_heads=H * group, num_kv_heads=H, head_dim=D, page_size=G,
@@ -195,10 +198,11 @@ def _check_decode_format(case, dtype, *, seed, **extras):
     assert_close_written(out, ref, dtype)
 
 
-def _check_extend_format(case, *, seed, **extras):
+def _check_extend_format(case, *, seed, fmt, params):
     """Extend over 2-bit pages carrying a format's extras vs ref_extend (fp32)."""
     G, H, group, D, VG, reqs = EXTEND_CASES[case]
-    kv, paged = make_pool(G, H, D, VG, 2, [(b, o) for b, o, _ in reqs], torch.float32, seed=seed, **extras)
+    kv, paged = make_pool(G, H, D, VG, 2, [(b, o) for b, o, _ in reqs], torch.float32, seed=seed, fmt=fmt,
+                          params=params)
     gen = torch.Generator().manual_seed(2)
     qo_indptr = torch.tensor([0] + [n for _, _, n in reqs]).cumsum(0).int()
     N = int(qo_indptr[-1])
@@ -210,80 +214,81 @@ def _check_extend_format(case, *, seed, **extras):
     assert_close_written(out, ref, torch.float32)
 
 
-# GEAR pages (rank, outliers per key channel NK, per value token NV): the correction in registers vs
-# gear_page.correct_keys / correct_values in the reference, over odd shapes (GQA 3 and 4, D 128 and 256, partial
-# last pages, contexts shorter than a page).
-GEAR = {"gear2": (2, 1, 1), "gearl2": (2, 0, 0), "rank3-nk2-nv3": (3, 2, 3)}
+# GEAR pages (family, parameters: rank and the outliers' share, which sets NK per key channel and NV per value
+# token): the correction in registers vs the codec's correct_keys / correct_values in the reference, over odd shapes
+# (GQA 3 and 4, D 128 and 256, partial last pages, contexts shorter than a page).
+GEAR = {"gear2": ("gear", GearParams()), "gearl2": ("gearl", GearParams()),
+        "rank3-more-outliers": ("gear", GearParams(rank=3, outliers=0.1))}
 
 
 @pytest.mark.parametrize("case,dtype", covering_pairs(list(CASES), DTYPES))
 @pytest.mark.parametrize("gear", list(GEAR))
 def test_decode_gear_matches_reference(case, gear, dtype):
-    _check_decode_format(case, dtype, seed=3, gear=GEAR[gear])
+    _check_decode_format(case, dtype, seed=3, fmt=GEAR[gear][0], params=GEAR[gear][1])
 
 
 @pytest.mark.parametrize("case", list(EXTEND_CASES))
 @pytest.mark.parametrize("gear", list(GEAR))
 def test_extend_gear_matches_reference(case, gear):
-    _check_extend_format(case, seed=4, gear=GEAR[gear])
+    _check_extend_format(case, seed=4, fmt=GEAR[gear][0], params=GEAR[gear][1])
 
 
 def test_gear_correction_layout_is_checked():
     G, H, group, D, VG, reqs = CASES["G16-mha-odd"]
-    kv, paged = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=3, gear=GEAR["gear2"])
+    kv, paged = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=3, fmt="gear")
     kv.extras = kv.extras._replace(k_w=kv.extras.k_w[:, :, :1])
     p = dec.plan(to_device(paged), num_qo_heads=H, num_kv_heads=H, head_dim=D, page_size=G)
     with pytest.raises(ValueError, match="PageCorrection.k_w"):
         dec.run(torch.zeros(len(reqs), H, D, device=DEVICE), to_device(kv), p, 0.125)
 
 
-# zipcache2 pages with NS salient rows per page-head: the 4-bit rows replaced and V times c in registers vs
-# zipcache_page.apply_salient in the reference, over the same odd shapes.
-SALIENT = [1, 7]
+# zipcache2 pages with a share of salient rows per page-head (NS = 1 and 7 at G = 16): the 4-bit rows replaced
+# and V times c in registers vs the codec's apply_salient in the reference, over the same odd shapes.
+SALIENT = [0.05, 0.45]
 
 
 @pytest.mark.parametrize("case,dtype", covering_pairs(list(CASES), DTYPES))
 @pytest.mark.parametrize("ns", SALIENT)
 def test_decode_zipcache_matches_reference(case, ns, dtype):
-    _check_decode_format(case, dtype, seed=5, salient=ns)
+    _check_decode_format(case, dtype, seed=5, fmt="zipcache", params=ZipCacheParams(ns))
 
 
 @pytest.mark.parametrize("case", list(EXTEND_CASES))
 @pytest.mark.parametrize("ns", SALIENT)
 def test_extend_zipcache_matches_reference(case, ns):
-    _check_extend_format(case, seed=6, salient=ns)
+    _check_extend_format(case, seed=6, fmt="zipcache", params=ZipCacheParams(ns))
 
 
 def test_zipcache_salient_layout_is_checked():
     G, H, group, D, VG, reqs = CASES["G16-mha-odd"]
-    kv, paged = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=3, salient=3)
+    kv, paged = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=3, fmt="zipcache")
     kv.extras = kv.extras._replace(s_v_scale=kv.extras.s_v_scale[:, :, :2])
     p = dec.plan(to_device(paged), num_qo_heads=H, num_kv_heads=H, head_dim=D, page_size=G)
     with pytest.raises(ValueError, match="SalientPlane.s_v_scale"):
         dec.run(torch.zeros(len(reqs), H, D, device=DEVICE), to_device(kv), p, 0.125)
 
 
-# LogQuant pages (M row slots, about a quarter empty, offsets anywhere in the page: partial last pages have rows past
-# their valid tokens): the rows replace the dequantized ones in registers vs logquant_page.apply_rows in the
-# reference, over the same odd shapes.
-ROWS = {"M1": 1, "M3": 3, "M8": 8}
+# LogQuant pages at windows W whose rule keeps the sink alone (W10: M = 1, every other slot empty) up to M = 8
+# rows at offsets across the page (W21; partial last pages have rows past their valid tokens): the rows replace the
+# dequantized ones in registers vs the codec's apply_rows in the reference, over the same odd shapes.
+ROWS = {"W3": 3, "W10": 10, "W21": 21}
 
 
 @pytest.mark.parametrize("case,dtype", covering_pairs(list(CASES), DTYPES))
 @pytest.mark.parametrize("rows", list(ROWS))
 def test_decode_logquant_rows_match_reference(case, rows, dtype):
-    _check_decode_format(case, dtype, seed=5, rows=ROWS[rows])
+    _check_decode_format(case, dtype, seed=5, fmt="logquant", params=LogQuantParams(ROWS[rows]))
 
 
 @pytest.mark.parametrize("case", list(EXTEND_CASES))
 @pytest.mark.parametrize("rows", list(ROWS))
 def test_extend_logquant_rows_match_reference(case, rows):
-    _check_extend_format(case, seed=6, rows=ROWS[rows])
+    _check_extend_format(case, seed=6, fmt="logquant", params=LogQuantParams(ROWS[rows]))
 
 
 def test_logquant_rows_layout_is_checked():
     G, H, group, D, VG, reqs = CASES["G16-mha-odd"]
-    kv, paged = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=3, rows=2)
+    kv, paged = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=3, fmt="logquant")
     kv.extras = kv.extras._replace(row_off=kv.extras.row_off.long())
     p = dec.plan(to_device(paged), num_qo_heads=H, num_kv_heads=H, head_dim=D, page_size=G)
     with pytest.raises(ValueError, match="PageRows.row_off"):

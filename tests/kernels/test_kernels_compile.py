@@ -50,7 +50,7 @@ SCRIPT = textwrap.dedent('''
     from sgl_kvq.formats import registry
 
     def fmt(name, sizes=()):  # the format's corrections, as the launchers pass them (kernels/format_extras.py)
-        return dict(EXTRAS=extras[name]), dict(CORRECT=registry.BY_FAMILY[name or "kivi"].kernel_corrections(),
+        return dict(EXTRAS=extras[name]), dict(CORRECT=registry.BY_FAMILY[name or "kivi"].kernel.corrections(),
                                                SIZES=sizes)
 
     plan = {n: "*i32" for n in ("num_splits", "qo_indptr")}

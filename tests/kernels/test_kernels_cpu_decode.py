@@ -117,7 +117,7 @@ def test_layout_check_names_the_buffer():
     strided = kv.__class__(**{**kv.__dict__, "v_codes": kv.v_codes.transpose(0, 1).contiguous().transpose(0, 1)})
     with pytest.raises(ValueError, match="v_codes: .*contiguous: False"):
         decode(q, strided, plan)
-    for extra in ({"gear": (2, 1, 1)}, {"rows": 2}, {"salient": 3}):
+    for extra in ({"fmt": "gear"}, {"fmt": "logquant"}, {"fmt": "zipcache"}):
         assert not cda.supports(make_pool(G, H, D, VG, 2, [(2 * G, 3)], torch.float32, seed=1, **extra)[0])
 
 

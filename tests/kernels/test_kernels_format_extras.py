@@ -44,7 +44,7 @@ def test_sizes_read_off_the_view_are_the_configs(dtype_name):
     kv, shape = layer_view(dtype_name)
     extras, consts = format_extras(kv, layer_geometry(kv))
     kind, sizes = shape.format_sizes()
-    correct_k, correct_v = shape.cfg.format.kernel_corrections()
+    correct_k, correct_v = shape.cfg.format.kernel.corrections()
     assert consts == dict(CORRECT=(correct_k, correct_v), SIZES=tuple(sizes.values()))
     assert correct_k.__name__ == f"_{kind}_kt" and correct_v.__name__ == f"_{kind}_v"
     assert type(extras).__name__ in ("PageCorrection", "PageRows", "SalientPlane")
@@ -55,7 +55,7 @@ def test_sizes_read_off_the_view_are_the_configs(dtype_name):
                                                       ("zipcache2", "s_idx", 0, "1..G-1 salient"),
                                                       ("zipcache2", "s_idx", 64, "1..G-1 salient")])
 def test_sizes_out_of_the_corrections_bounds_are_refused(dtype_name, field, bad, why):
-    """Each format reads its sizes off the view (Format.sizes_of) and refuses those its kernel correction cannot
+    """Each format reads its sizes off the view (KernelVariant.sizes_of) and refuses those its kernel correction cannot
     read, before any launch (rank 0; no salient token, or a whole page of them at G = 64)."""
     kv, _ = layer_view(dtype_name)
     t = getattr(kv.extras, field)

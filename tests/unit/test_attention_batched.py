@@ -12,6 +12,9 @@ import torch
 from paged_pool import SHAPES, make_pool, poison_unused, random_requests
 from sgl_kvq import attention_batched, padded
 from sgl_kvq.attention_ref import ref_decode
+from sgl_kvq.formats.gear import GearParams
+from sgl_kvq.formats.logquant import LogQuantParams
+from sgl_kvq.formats.zipcache import ZipCacheParams
 
 
 @pytest.mark.parametrize("B", range(1, 10))
@@ -66,12 +69,14 @@ def test_batched_decode_model_dtypes(dtype):
 
 
 @pytest.mark.parametrize("B", [1, 3, 8])
-@pytest.mark.parametrize("gear", [(2, 1, 1), (2, 0, 0), (3, 2, 3)], ids=["gear2", "gearl2", "rank3-more-outliers"])
-def test_batched_decode_with_gear_correction_matches_reference(B, gear):
-    rng = random.Random(B + 31 * gear[0] + gear[1])
+@pytest.mark.parametrize("fmt,params", [("gear", GearParams()), ("gearl", GearParams()),
+                                        ("gear", GearParams(rank=3, outliers=0.1))],
+                         ids=["gear2", "gearl2", "rank3-more-outliers"])
+def test_batched_decode_with_gear_correction_matches_reference(B, fmt, params):
+    rng = random.Random(B + 31 * params.rank + len(fmt))
     for G, H, D, VG in SHAPES:
         reqs = random_requests(rng, B, G)
-        kv, plan = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=B, gear=gear)
+        kv, plan = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=B, fmt=fmt, params=params)
         q = torch.randn(B, H * 2, D, generator=torch.Generator().manual_seed(B))
         ref = ref_decode(q, kv, plan, D ** -0.5)
         out = attention_batched.decode(q, kv, padded.prepare(plan, G, H), D ** -0.5)
@@ -81,12 +86,13 @@ def test_batched_decode_with_gear_correction_matches_reference(B, gear):
 
 @pytest.mark.parametrize("B", [1, 3, 8])
 @pytest.mark.parametrize("group", [1, 3])
-@pytest.mark.parametrize("ns", [1, 6])
-def test_batched_decode_with_zipcache_salient_rows_matches_reference(B, group, ns):
-    rng = random.Random(B + 31 * group + ns)
+@pytest.mark.parametrize("share", [0.05, 0.4])
+def test_batched_decode_with_zipcache_salient_rows_matches_reference(B, group, share):
+    rng = random.Random(B + 31 * group + int(100 * share))
     for G, H, D, VG in SHAPES:
         reqs = random_requests(rng, B, G)
-        kv, plan = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=B, salient=ns)
+        kv, plan = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=B, fmt="zipcache",
+                             params=ZipCacheParams(share))
         kv.extras.v_chan[0] = float("nan")  # dummy page 0 (padding reads it) may hold anything
         q = torch.randn(B, H * group, D, generator=torch.Generator().manual_seed(B))
         ref = ref_decode(q, kv, plan, D ** -0.5)
@@ -96,12 +102,13 @@ def test_batched_decode_with_zipcache_salient_rows_matches_reference(B, group, n
 
 
 @pytest.mark.parametrize("B", [1, 4, 9])
-@pytest.mark.parametrize("M", [1, 3, 8])
-def test_batched_decode_with_logquant_rows_matches_reference(B, M):
-    rng = random.Random(B * 13 + M)
+@pytest.mark.parametrize("W", [3, 10, 21])
+def test_batched_decode_with_logquant_rows_matches_reference(B, W):
+    rng = random.Random(B * 13 + W)
     for G, H, D, VG in SHAPES:
         reqs = random_requests(rng, B, G)
-        kv, plan = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=B + M, rows=M)
+        kv, plan = make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=B + W, fmt="logquant",
+                             params=LogQuantParams(W))
         q = torch.randn(B, H * 2, D, generator=torch.Generator().manual_seed(B))
         ref = ref_decode(q, kv, plan, D ** -0.5)
         out = attention_batched.decode(q, kv, padded.prepare(plan, G, H), D ** -0.5)
@@ -111,7 +118,9 @@ def test_batched_decode_with_logquant_rows_matches_reference(B, M):
         assert not torch.allclose(ref_decode(q, kv, plan, D ** -0.5), ref, atol=1e-4) or not plan.kv_indices.numel()
 
 
-PEERS = ["peer_fp8_e4m3", "peer_fp4_mx_block16", "peer_nvfp4", "peer_int4", "peer_tq3", "peer_tq4"]
+PEER_BITS = {"peer_fp8_e4m3": 8, "peer_fp4_mx_block16": 4, "peer_nvfp4": 4, "peer_int4": 4, "peer_tq3": 3,
+             "peer_tq4": 4}
+PEERS = list(PEER_BITS)
 
 
 @pytest.mark.parametrize("B", [1, 4, 9])
@@ -121,7 +130,7 @@ def test_batched_decode_of_peer_formats_matches_reference(B, peer):
     rng = random.Random(B * 17 + len(peer))
     for G, H, D, VG in SHAPES:
         reqs = random_requests(rng, B, G)
-        kv, plan = make_pool(G, H, D, VG, 4, reqs, torch.float32, seed=B, peer=peer)
+        kv, plan = make_pool(G, H, D, VG, PEER_BITS[peer], reqs, torch.float32, seed=B, fmt=peer)
         q = torch.randn(B, H * 2, D, generator=torch.Generator().manual_seed(B))
         ref = ref_decode(q, kv, plan, D ** -0.5)
         out = attention_batched.decode(q, kv, padded.prepare(plan, G, H), D ** -0.5)

@@ -96,7 +96,7 @@ def test_supports_only_plain_pages():
     G, H, D, VG = SHAPES[0]
     reqs = [(2 * G, 3)]
     assert attention_pages.supports(make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=1)[0])
-    for extra in ({"gear": (2, 1, 1)}, {"rows": 2}, {"salient": 3}):
+    for extra in ({"fmt": "gear"}, {"fmt": "logquant"}, {"fmt": "zipcache"}):
         assert not attention_pages.supports(make_pool(G, H, D, VG, 2, reqs, torch.float32, seed=1, **extra)[0])
 
 

@@ -56,9 +56,9 @@ def test_a_window_wider_than_the_context_changes_nothing_and_a_narrow_one_does()
 # make_pool's arguments for each kind of page: the window is masked alike at every width (kivi1 and kivi4 read as
 # kivi2 does; kivi3 has two code planes), per-page extras and a peer's own base go through the padded path
 FORMATS = {
-    "kivi2": dict(bits=2), "kivi3": dict(bits=3), "gear2": dict(bits=2, gear=(2, 1, 1)),
-    "zipcache2": dict(bits=2, salient=3), "logquant2": dict(bits=2, rows=3),
-    "peer_int4": dict(bits=4, peer="peer_int4"),
+    "kivi2": dict(bits=2), "kivi3": dict(bits=3), "gear2": dict(bits=2, fmt="gear"),
+    "zipcache2": dict(bits=2, fmt="zipcache"), "logquant2": dict(bits=2, fmt="logquant"),
+    "peer_int4": dict(bits=4, fmt="peer_int4"),
 }
 
 

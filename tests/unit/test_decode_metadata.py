@@ -119,7 +119,7 @@ def assert_same_pool(a: QuantizedKVStore, b: QuantizedKVStore):
         assert torch.equal(getattr(a, name)[:, skip:], getattr(b, name)[:, skip:]), name
     for name in ("ov_tag", "ov_gen", "pages_quantized"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
-    if a.cfg.format.needs_queries:  # the saliency accumulated so far, on every frame holding a page
+    if a.cfg.format.codec.needs_queries:  # the saliency accumulated so far, on every frame holding a page
         live = (a.ov_tag >= 0).nonzero().squeeze(1)
         assert torch.equal(a.ov_score[:, live], b.ov_score[:, live])
     frames = (a.ov_tag >= 0).nonzero().squeeze(1)

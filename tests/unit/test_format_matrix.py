@@ -158,7 +158,7 @@ def test_every_decode_path_that_reads_the_format_gives_the_reference(written):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} {path}: {m}")
         ran.append(path)
     assert decode_paths.PADDED in ran
-    assert (decode_paths.PAGES in ran) == cfg.format.plain_pages, (name, ran)
+    assert (decode_paths.PAGES in ran) == cfg.format.codec.plain_pages, (name, ran)
     if cfg.format.kernel is None:
         return
     from sgl_kvq.kernels import decode_attention as dec
@@ -182,5 +182,5 @@ def test_the_rule_picks_a_path_that_reads_the_format(name):
     for cpu_kernel in (False, True):
         path = decode_paths.choose(kv, plan, G, cpu_kernel)
         assert decode_paths.applies(path, kv) or (path == decode_paths.CPU_KERNEL and cpu_kernel), (name, path)
-        if not cfg.format.plain_pages:
+        if not cfg.format.codec.plain_pages:
             assert path == decode_paths.PADDED, (name, path)

@@ -41,7 +41,7 @@ def test_every_kernel_format_declares_shapes_and_reads_its_sizes_back():
     from sgl_kvq.pool_shape import PoolShape
     from sgl_kvq.kv_store import QuantizedKVStore
 
-    kernels = {f.kernel for f in registry.FORMATS if f.kernel}
+    kernels = {f.kernel.name for f in registry.FORMATS if f.kernel and f.kernel.name}
     assert kernels == set(registry.EXTRA_SHAPES)
     for name in DTYPE_NAMES:
         cfg = parse_kv_cache_dtype(name)
@@ -49,7 +49,7 @@ def test_every_kernel_format_declares_shapes_and_reads_its_sizes_back():
             continue
         shape = PoolShape(1, 2, 64, 4, cfg)
         view = QuantizedKVStore(cfg, shape, 2, torch.float32, "cpu").layer_view(0)
-        assert cfg.format.sizes_of(view.extras, shape.geometry) == cfg.format.sizes(cfg, shape.geometry), name
+        assert cfg.format.kernel.sizes_of(view.extras, shape.geometry) == cfg.format.sizes(cfg, shape.geometry), name
 
 
 # ---- a format served only through kvq_torch ----

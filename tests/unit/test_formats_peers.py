@@ -66,7 +66,7 @@ def test_pages_written_read_back_the_reference(name, G, H, D):
             continue
         got = getattr(store, STORED[ref_name])[1, slots]
         assert torch.equal(_bits(got), _bits(t.reshape(got.shape))), ref_name
-    kh, vh = cfg.format.read_pages(store.layer_view(1), pages)
+    kh, vh = cfg.format.codec.read_pages(store.layer_view(1), pages)
     assert torch.equal(kh.reshape(-1, H, D), r.k_hat) and torch.equal(vh.reshape(-1, H, D), r.v_hat)
 
 
@@ -80,8 +80,8 @@ def test_the_open_page_reads_as_its_packed_page_will(name, model_dtype):
     frame = (torch.randn(1, G, H, D) * 3).to(model_dtype)
     store.store_pages(0, torch.tensor([2]), frame, -frame)
     kv = store.layer_view(0)
-    kp, vp = cfg.format.read_pages(kv, torch.tensor([2]))
-    ko, vo = cfg.format.read_overlay(frame[0], -frame[0])
+    kp, vp = cfg.format.codec.read_pages(kv, torch.tensor([2]))
+    ko, vo = cfg.format.codec.read_overlay(frame[0], -frame[0])
     torch.testing.assert_close(ko, kp[0], rtol=0, atol=1e-6)
     torch.testing.assert_close(vo, vp[0], rtol=0, atol=1e-6)
     assert not torch.equal(ko, frame[0].float())  # quantized, not the fp16 token
@@ -128,7 +128,7 @@ def test_peer_config():
     for name in PEERS:
         cfg = parse_kv_cache_dtype(name)
         assert cfg.name == name and cfg.residual == 0 and cfg.ring_pages == 1  # no fp16 window
-        assert cfg.format.kernel is None and not cfg.format.plain_pages
+        assert cfg.format.kernel is None and not cfg.format.codec.plain_pages
     for name in ("peer_fp4_mx_block16", "peer_nvfp4"):
         with pytest.raises(KVQConfigError, match="blocks of 16"):
             parse_kv_cache_dtype(name).check_head_dim(40)

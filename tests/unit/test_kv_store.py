@@ -64,7 +64,8 @@ def test_a_page_is_quantized_when_a_batch_writes_its_last_slot_and_the_open_page
         store.write_layer(0, step.write, k[rows], v[rows])
     assert int(store.pages_quantized) == 1
     kv = store.layer_view(0)
-    k_base, v_base = cfg.format.read_pages(kv, torch.tensor([2]))  # the completed page, read as attention reads it
+    # the completed page, read as attention reads it
+    k_base, v_base = cfg.format.codec.read_pages(kv, torch.tensor([2]))
     k_ref, v_ref = kivi_page.dequantize_pages(kivi_page.pack_pages(k[None, :G], v[None, :G], 2, 16), 2)
     assert torch.equal(k_base, k_ref) and torch.equal(v_base, v_ref)
     assert not torch.equal(k_base[0], k[:G])  # 2-bit codes: the page is quantized, not copied

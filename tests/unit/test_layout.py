@@ -26,7 +26,7 @@ def test_pool_tensors_are_the_declared_base_plus_the_declared_extras(name):
     fmt, g = shape.cfg.format, shape.geometry
     base = fmt.base_shapes(g, shape.cfg.bits)
     if fmt.kernel is not None:  # what the kernels read
-        assert base == kivi_shapes(g, fmt.code_bits(shape.cfg.bits))
+        assert base == kivi_shapes(g, shape.cfg.bits)
     assert {"k_codes", "v_codes"} <= set(base)  # the pooled frames' bytes
     declared = {**base, **fmt.page_shapes(g, **fmt.sizes(shape.cfg, g))}
     assert shape.base_shapes() == {n: ((L, *dims), dt) for n, (dims, dt) in declared.items()}

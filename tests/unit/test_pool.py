@@ -79,19 +79,19 @@ def expected_context(tokens, n, layer, plan, b, cfg):
         vg = min(cfg.value_group, D)
         if cfg.method == "zipcache":
             qp = true_q(tokens[:full], layer).reshape(n_base_pages, G, HQ, D)
-            idx = zipcache_page.select_salient(page_scores(qp, kp, SM_SCALE), zipcache.salient_per_page(cfg))
+            idx = zipcache_page.select_salient(page_scores(qp, kp, SM_SCALE), zipcache.codec.salient_per_page(cfg))
             kq, vq = zipcache_page.dequantize_zipcache_pages(*zipcache_page.pack_zipcache_pages(
                 kp, vp, idx, cfg.bits, vg), cfg.bits)
         elif cfg.method in ("gear", "gearl"):
             kq, vq = gear_page.dequantize_gear_pages(*gear_page.pack_gear_pages(
-                kp, vp, cfg.bits, vg, cfg.params.rank, cfg.params.iters, cfg.format.outliers_per_row(cfg, G),
-                cfg.format.outliers_per_row(cfg, D)), cfg.bits)
+                kp, vp, cfg.bits, vg, cfg.params.rank, cfg.params.iters, cfg.format.codec.outliers_per_row(cfg, G),
+                cfg.format.codec.outliers_per_row(cfg, D)), cfg.bits)
         else:
             kq, vq = kivi_page.dequantize_pages(kivi_page.pack_pages(kp, vp, cfg.bits, vg), cfg.bits)
         # the rows LogQuant's rule keeps at each logical page's exit: a function of positions only
         if cfg.method == "logquant":
             off = logquant_page.offsets_table(cfg.params.window, G, cfg.ring_pages, n_base_pages,
-                                               logquant.rows_per_page(cfg))
+                                               logquant.codec.rows_per_page(cfg))
             kq, vq = logquant_page.apply_rows(kq, vq, logquant_page.PageRows(*logquant_page.gather_rows(kp, vp, off),
                                                                              off))
         k = torch.cat([kq.reshape(-1, H, D)[:nb], k[nb:]])
@@ -144,7 +144,7 @@ class Episode:
                          torch.full((locs.numel(),), end))
         for layer in range(L):
             k, v = true_kv(tokens[:end], layer)
-            q = true_q(tokens[:end], layer)[start:end] if self.cfg.format.needs_queries else None
+            q = true_q(tokens[:end], layer)[start:end] if self.cfg.format.codec.needs_queries else None
             store.write_layer(layer, bw, k[start:end], v[start:end], kernels=self.kernels, q=q, sm_scale=SM_SCALE)
             if self.pool.strategy_state is not None:
                 self.pool.strategy_state.host.write(layer, locs, k[start:end], v[start:end])

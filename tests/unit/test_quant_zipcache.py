@@ -9,7 +9,7 @@ import torch
 
 from sgl_kvq.attention_ref import gather_context
 from sgl_kvq.config import KVQConfig, KVQConfigError, parse_kv_cache_dtype
-from sgl_kvq.formats.zipcache import salient_per_page
+from sgl_kvq.formats.zipcache.codec import salient_per_page
 from sgl_kvq.kv_store import QuantizedKVStore
 from sgl_kvq.metadata import host
 from sgl_kvq.plan import PagedPlan

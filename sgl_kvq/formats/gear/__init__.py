@@ -9,10 +9,10 @@ from dataclasses import dataclass
 import torch
 
 from sgl_kvq.errors import KVQConfigError, LayoutError
-from sgl_kvq.formats.base import Format, PageWrite
+from sgl_kvq.formats.base import Format
+from sgl_kvq.formats.gear.codec import GearCodec, PageCorrection
+from sgl_kvq.formats.kernel_variant import KernelVariant
 from sgl_kvq.layout import PageGeometry, Shapes
-from sgl_kvq.formats.gear.codec import PageCorrection, add_low_rank, correct_keys, correct_values, outliers_per_row, \
-    pack_gear_pages, select_pages
 from sgl_kvq.quant.uniform import SCALE_DTYPE
 
 
@@ -39,23 +39,27 @@ class GearParams:
     outliers: float = 0.02
 
 
+class GearKernel(KernelVariant):
+    def sizes_of(self, c: PageCorrection, g: PageGeometry) -> dict[str, int]:
+        rank = c.k_u.shape[2]
+        if rank < 1:
+            raise LayoutError("sgl_kvq kernels: a GEAR correction needs rank >= 1")
+        return dict(rank=rank, nk=c.k_out_val.shape[2], nv=c.v_out_val.shape[-1])
+
+
+# the compression (power iteration, outliers) runs in torch on both backends
+KERNEL = GearKernel("gear", "sgl_kvq.formats.gear.kernel", quantize=False)
+
+
 class Gear(Format):
     bits = (2,)
     extras = PageCorrection
-    kernel = "gear"
-    # the compression (power iteration, outliers) runs in torch on both backends
-    quantize_kernel = False
-    plain_pages = False
+    kernel = KERNEL
     params = GearParams
     knobs = {"KVQ_GEAR_RANK": ("rank", int), "KVQ_GEAR_ITERS": ("iters", int), "KVQ_GEAR_OUTLIERS": ("outliers", float)}
 
     def __init__(self, family: str, outliers: bool):
-        self.family, self.outliers = family, outliers
-
-    def kernel_corrections(self) -> tuple:
-        from sgl_kvq.formats.gear.kernel import _gear_kt, _gear_v
-
-        return _gear_kt, _gear_v
+        self.family, self.codec = family, GearCodec(outliers)
 
     def check_params(self, params: GearParams, group_size: int) -> None:
         if not 1 <= params.rank <= group_size:
@@ -66,18 +70,9 @@ class Gear(Format):
             raise KVQConfigError(f"sgl_kvq: KVQ_GEAR_OUTLIERS={params.outliers} must be in (0, 0.5), e.g. 0.02 "
                                  "(for no outliers use gearl2)")
 
-    def outliers_per_row(self, cfg, row_length: int) -> int:
-        """fp16 outliers kept per row of `row_length` entries (0 for GEAR-L)."""
-        return outliers_per_row(cfg.params.outliers, row_length) if self.outliers else 0
-
     def sizes(self, cfg, g: PageGeometry) -> dict[str, int]:
-        return dict(rank=cfg.params.rank, nk=self.outliers_per_row(cfg, g.G), nv=self.outliers_per_row(cfg, g.D))
-
-    def sizes_of(self, c: PageCorrection, g: PageGeometry) -> dict[str, int]:
-        rank = c.k_u.shape[2]
-        if rank < 1:
-            raise LayoutError("sgl_kvq kernels: a GEAR correction needs rank >= 1")
-        return dict(rank=rank, nk=c.k_out_val.shape[2], nv=c.v_out_val.shape[-1])
+        return dict(rank=cfg.params.rank, nk=self.codec.outliers_per_row(cfg, g.G),
+                    nv=self.codec.outliers_per_row(cfg, g.D))
 
     def page_shapes(self, g: PageGeometry, **sizes) -> Shapes:
         return gear_shapes(g, **sizes)
@@ -85,33 +80,6 @@ class Gear(Format):
     def stats(self, cfg, sizes: dict[str, int]) -> dict:
         return {"gear_rank": sizes["rank"], "outliers_per_key_channel": sizes["nk"],
                 "outliers_per_value_token": sizes["nv"]}
-
-    def pack(self, cfg, value_group: int, k, v, w: PageWrite, tables: dict):
-        G, D = k.shape[1], k.shape[3]
-        return pack_gear_pages(k, v, cfg.bits, value_group, cfg.params.rank, cfg.params.iters,
-                               self.outliers_per_row(cfg, G), self.outliers_per_row(cfg, D),
-                               specache_one_bit=cfg.specache_one_bit)
-
-    def correct(self, k, v, extras, pages):
-        pc = select_pages(extras, pages)
-        return correct_keys(k, pc), correct_values(v, pc)
-
-    def correct_padded(self, k, v, c: PageCorrection, ctx) -> None:
-        """In correct_keys' order: low rank, then outliers replace their entries. Zeroed outside base
-        pages/tokens (the overlay copy overwrites those positions; padding must stay finite)."""
-        off_page = ~ctx.is_base_page[..., None, None, None]  # [B, U, 1, 1, 1]
-        for x, u, w in ((k, c.k_u, c.k_w), (v, c.v_u, c.v_w)):
-            add_low_rank(x, u[ctx.pages].float().masked_fill_(off_page, 0).permute(2, 0, 1, 3, 4),  # [H, B, U, r, G]
-                         w[ctx.pages].float().masked_fill_(off_page, 0).permute(2, 0, 1, 3, 4))  # [H, B, U, r, D]
-        if c.k_out_val.shape[2]:
-            idx = c.k_out_idx[ctx.pages].long().masked_fill_(off_page, 0).permute(2, 0, 1, 3, 4)  # [H, B, U, NK, D]
-            k.scatter_(3, idx, c.k_out_val[ctx.pages].float().masked_fill_(off_page, 0).permute(2, 0, 1, 3, 4))
-        if c.v_out_val.shape[-1]:
-            off_tok = ~ctx.is_base_tok[:, None, None]
-            idx = c.v_out_idx[ctx.slots].long().masked_fill_(off_tok, 0).transpose(0, 1)  # [H, B * T, NV]
-            val = c.v_out_val[ctx.slots].float().masked_fill_(off_tok, 0).transpose(0, 1)
-            H, D = v.shape[0], v.shape[-1]
-            v.view(H, -1, D).scatter_(2, idx, val)
 
 
 GEAR = Gear("gear", outliers=True)

@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import torch
 
+from sgl_kvq.formats.page_codec import PageCodec, PageWrite
 from sgl_kvq.quant import kivi_page
 from sgl_kvq.quant.uniform import SCALE_DTYPE
 
@@ -163,3 +164,42 @@ def dequantize_gear_pages(base: kivi_page.PackedPages, c: PageCorrection, bits: 
                                                                                             torch.Tensor]:
     k_hat, v_hat = kivi_page.dequantize_pages(base, bits)
     return correct_keys(k_hat, c), correct_values(v_hat, c)
+
+
+class GearCodec(PageCodec):
+    """gear2 (outliers=True) and gearl2 pages: KIVI's base of the filled page, then the low rank and outliers."""
+    plain_pages = False
+
+    def __init__(self, outliers: bool):
+        self.outliers = outliers
+
+    def outliers_per_row(self, cfg, row_length: int) -> int:
+        """fp16 outliers kept per row of `row_length` entries (0 for GEAR-L)."""
+        return outliers_per_row(cfg.params.outliers, row_length) if self.outliers else 0
+
+    def pack(self, cfg, value_group: int, k, v, w: PageWrite, tables: dict):
+        G, D = k.shape[1], k.shape[3]
+        return pack_gear_pages(k, v, cfg.bits, value_group, cfg.params.rank, cfg.params.iters,
+                               self.outliers_per_row(cfg, G), self.outliers_per_row(cfg, D),
+                               specache_one_bit=cfg.specache_one_bit)
+
+    def correct(self, k, v, extras, pages):
+        pc = select_pages(extras, pages)
+        return correct_keys(k, pc), correct_values(v, pc)
+
+    def correct_padded(self, k, v, c: PageCorrection, ctx) -> None:
+        """In correct_keys' order: low rank, then outliers replace their entries. Zeroed outside base
+        pages/tokens (the overlay copy overwrites those positions; padding must stay finite)."""
+        off_page = ~ctx.is_base_page[..., None, None, None]  # [B, U, 1, 1, 1]
+        for x, u, w in ((k, c.k_u, c.k_w), (v, c.v_u, c.v_w)):
+            add_low_rank(x, u[ctx.pages].float().masked_fill_(off_page, 0).permute(2, 0, 1, 3, 4),  # [H, B, U, r, G]
+                         w[ctx.pages].float().masked_fill_(off_page, 0).permute(2, 0, 1, 3, 4))  # [H, B, U, r, D]
+        if c.k_out_val.shape[2]:
+            idx = c.k_out_idx[ctx.pages].long().masked_fill_(off_page, 0).permute(2, 0, 1, 3, 4)  # [H, B, U, NK, D]
+            k.scatter_(3, idx, c.k_out_val[ctx.pages].float().masked_fill_(off_page, 0).permute(2, 0, 1, 3, 4))
+        if c.v_out_val.shape[-1]:
+            off_tok = ~ctx.is_base_tok[:, None, None]
+            idx = c.v_out_idx[ctx.slots].long().masked_fill_(off_tok, 0).transpose(0, 1)  # [H, B * T, NV]
+            val = c.v_out_val[ctx.slots].float().masked_fill_(off_tok, 0).transpose(0, 1)
+            H, D = v.shape[0], v.shape[-1]
+            v.view(H, -1, D).scatter_(2, idx, val)

@@ -43,3 +43,7 @@ def _gear_v(v, X, page, kvh, n_heads, offs_t, offs_d, n_valid, G: tl.constexpr, 
         val = tl.load(X.v_out_val + slot_heads * NV + j, mask=rows, other=0.0).to(tl.float32)
         v = tl.where((offs_d[None, :] == ch[:, None]) & rows[:, None], val[:, None], v)
     return v
+
+
+# what the kernels call (KernelVariant.corrections)
+CORRECT = (_gear_kt, _gear_v)

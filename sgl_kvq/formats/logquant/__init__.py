@@ -10,11 +10,10 @@ from dataclasses import dataclass
 import torch
 
 from sgl_kvq.errors import KVQConfigError, LayoutError
-from sgl_kvq.formats.base import Format, PageWrite
+from sgl_kvq.formats.base import Format
+from sgl_kvq.formats.kernel_variant import KernelVariant
+from sgl_kvq.formats.logquant.codec import LogQuantCodec, PageRows, rows_of, rows_per_page
 from sgl_kvq.layout import PageGeometry, Shapes
-from sgl_kvq.quant import kivi_page
-from sgl_kvq.formats.logquant.codec import EMPTY, PageRows, apply_rows, gather_rows, max_rows, offsets_table, \
-    select_pages
 from sgl_kvq.quant.uniform import SCALE_DTYPE
 
 
@@ -26,11 +25,6 @@ def logquant_shapes(g: PageGeometry, rows: int) -> Shapes:
     }
 
 
-def rows_per_page(cfg) -> int:
-    """M: the most rows one page keeps at its exit from the fp16 window."""
-    return max_rows(cfg.params.window, cfg.group_size, cfg.ring_pages)
-
-
 @dataclass(frozen=True)
 class LogQuantParams:
     # LogQuant's window W. The rule keeps the sink and a band of about 6W recent positions; W = 10 (band ~ R) keeps
@@ -38,19 +32,27 @@ class LogQuantParams:
     window: int = 10
 
 
+class LogQuantKernel(KernelVariant):
+    def sizes_of(self, r: PageRows, g: PageGeometry) -> dict[str, int]:
+        rows = r.row_off.shape[-1]
+        if not (rows >= 1 and g.G <= 128):
+            raise LayoutError(f"sgl_kvq kernels: LogQuant rows need M >= 1 slots and G <= 128 (255 marks empty), "
+                              f"got {rows}, {g.G}")
+        return dict(rows=rows)
+
+    def written_extras(self, pages, lpages, pages_kv, tables: dict):
+        # every row's frame gives its rows (static shapes, no sync); rows that complete no page write dummy page 0
+        return rows_of(lpages, *pages_kv(), tables)
+
+
 class LogQuant(Format):
     family = "logquant"
     bits = (2,)
     extras = PageRows
-    kernel = "logquant"
-    plain_pages = False
+    codec = LogQuantCodec()
+    kernel = LogQuantKernel("logquant", "sgl_kvq.formats.logquant.kernel")
     params = LogQuantParams
     knobs = {"KVQ_LOGQUANT_WINDOW": ("window", int)}
-
-    def kernel_corrections(self) -> tuple:
-        from sgl_kvq.formats.logquant.kernel import _logquant_kt, _logquant_v
-
-        return _logquant_kt, _logquant_v
 
     def check_params(self, params: LogQuantParams, group_size: int) -> None:
         if params.window < 1:
@@ -64,49 +66,11 @@ class LogQuant(Format):
     def sizes(self, cfg, g: PageGeometry) -> dict[str, int]:
         return dict(rows=rows_per_page(cfg))
 
-    def sizes_of(self, r: PageRows, g: PageGeometry) -> dict[str, int]:
-        rows = r.row_off.shape[-1]
-        if not (rows >= 1 and g.G <= 128):
-            raise LayoutError(f"sgl_kvq kernels: LogQuant rows need M >= 1 slots and G <= 128 (255 marks empty), "
-                              f"got {rows}, {g.G}")
-        return dict(rows=rows)
-
     def page_shapes(self, g: PageGeometry, **sizes) -> Shapes:
         return logquant_shapes(g, **sizes)
 
     def stats(self, cfg, sizes: dict[str, int]) -> dict:
         return {"logquant_window": cfg.params.window, "logquant_rows_per_page": sizes["rows"]}
-
-    def tables(self, cfg, g: PageGeometry, device: torch.device) -> dict[str, torch.Tensor]:
-        # the row offsets per logical page: a request's logical pages never outnumber the pool's pages
-        return {"row_table": offsets_table(cfg.params.window, cfg.group_size, cfg.ring_pages, g.P,
-                                           rows_per_page(cfg), device)}
-
-    def _rows(self, lpages, k, v, tables: dict) -> PageRows:
-        if lpages is None:
-            raise ValueError("sgl_kvq: logquant2 pages need their logical page indices (lpages) to pick their rows")
-        off = tables["row_table"][lpages.long()]
-        return PageRows(*gather_rows(k, v, off), off)
-
-    def pack(self, cfg, value_group: int, k, v, w: PageWrite, tables: dict):
-        base = kivi_page.pack_pages(k, v, cfg.bits, value_group, specache_one_bit=cfg.specache_one_bit)
-        return base, self._rows(w.lpages, k, v, tables)
-
-    def kernel_extras(self, pages, lpages, pages_kv, tables: dict):
-        # every row's frame gives its rows (static shapes, no sync); rows that complete no page write dummy page 0
-        return self._rows(lpages, *pages_kv(), tables)
-
-    def correct(self, k, v, extras, pages):
-        return apply_rows(k, v, select_pages(extras, pages))
-
-    def correct_padded(self, k, v, r: PageRows, ctx) -> None:
-        """The stored rows written over their positions, base pages only (apply_rows' rule)."""
-        off = r.row_off[ctx.pages]  # [B, U, M]
-        b, u, j = ((off != EMPTY) & ctx.is_base_page[..., None]).nonzero(as_tuple=True)
-        t = off[b, u, j].long()
-        pg = ctx.pages[b, u]
-        k[:, b, u, t] = r.k_rows[pg, j].float().transpose(0, 1)  # [H, n, D]
-        v[:, b, u, t] = r.v_rows[pg, j].float().transpose(0, 1)
 
 
 FORMAT = LogQuant()

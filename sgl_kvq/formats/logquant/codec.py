@@ -27,6 +27,8 @@ from typing import NamedTuple
 
 import torch
 
+from sgl_kvq.formats.page_codec import PageCodec, PageWrite
+from sgl_kvq.quant import kivi_page
 from sgl_kvq.quant.uniform import SCALE_DTYPE
 
 EMPTY = 255  # row_off of an unused slot (uint8); G <= 128, so no offset equals it
@@ -131,3 +133,41 @@ def apply_rows(k_hat: torch.Tensor, v_hat: torch.Tensor, r: PageRows) -> tuple[t
     k_hat[pg, t] = r.k_rows[pg, slot].float()
     v_hat[pg, t] = r.v_rows[pg, slot].float()
     return k_hat, v_hat
+
+
+def rows_per_page(cfg) -> int:
+    """M: the most rows one page keeps at its exit from the fp16 window."""
+    return max_rows(cfg.params.window, cfg.group_size, cfg.ring_pages)
+
+
+def rows_of(lpages: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, tables: dict) -> PageRows:
+    """The rows LogQuant's rule keeps of pages k, v [N, G, H, D] at logical page indices lpages [N]."""
+    if lpages is None:
+        raise ValueError("sgl_kvq: logquant2 pages need their logical page indices (lpages) to pick their rows")
+    off = tables["row_table"][lpages.long()]
+    return PageRows(*gather_rows(k, v, off), off)
+
+
+class LogQuantCodec(PageCodec):
+    plain_pages = False
+
+    def tables(self, cfg, g, device: torch.device) -> dict[str, torch.Tensor]:
+        # the row offsets per logical page: a request's logical pages never outnumber the pool's pages
+        return {"row_table": offsets_table(cfg.params.window, cfg.group_size, cfg.ring_pages, g.P,
+                                           rows_per_page(cfg), device)}
+
+    def pack(self, cfg, value_group: int, k, v, w: PageWrite, tables: dict):
+        base = kivi_page.pack_pages(k, v, cfg.bits, value_group, specache_one_bit=cfg.specache_one_bit)
+        return base, rows_of(w.lpages, k, v, tables)
+
+    def correct(self, k, v, extras, pages):
+        return apply_rows(k, v, select_pages(extras, pages))
+
+    def correct_padded(self, k, v, r: PageRows, ctx) -> None:
+        """The stored rows written over their positions, base pages only (apply_rows' rule)."""
+        off = r.row_off[ctx.pages]  # [B, U, M]
+        b, u, j = ((off != EMPTY) & ctx.is_base_page[..., None]).nonzero(as_tuple=True)
+        t = off[b, u, j].long()
+        pg = ctx.pages[b, u]
+        k[:, b, u, t] = r.k_rows[pg, j].float().transpose(0, 1)  # [H, n, D]
+        v[:, b, u, t] = r.v_rows[pg, j].float().transpose(0, 1)

@@ -29,3 +29,7 @@ def _logquant_v(v, X, page, kvh, n_heads, offs_t, offs_d, n_valid, G: tl.constex
         row = tl.load(X.v_rows + ((page * NROWS + j) * n_heads + kvh) * D + offs_d).to(tl.float32)
         v = tl.where(((offs_t == off) & (offs_t < n_valid))[:, None], row[None, :], v)
     return v
+
+
+# what the kernels call (KernelVariant.corrections)
+CORRECT = (_logquant_kt, _logquant_v)

@@ -25,7 +25,8 @@ from typing import NamedTuple
 import torch
 
 from sgl_kvq.errors import KVQConfigError
-from sgl_kvq.formats.base import Format, PageWrite
+from sgl_kvq.formats.base import Format
+from sgl_kvq.formats.page_codec import PageCodec, PageWrite
 from sgl_kvq.layout import PageGeometry, Shapes
 from sgl_kvq.padded import gather_rows
 from sgl_kvq.formats.peers import codecs
@@ -36,55 +37,17 @@ class PeerBase(NamedTuple):
     v_codes: torch.Tensor
 
 
-class PeerFormat(Format):
-    kernel = None
-    quantize_kernel = False
+class PeerCodec(PageCodec):
+    """Each token's row quantized by the peer's own key and value arithmetic, whole pages at a time."""
     plain_pages = False
 
-    def __init__(self, family: str, bits: int, k: codecs.Codec, v: codecs.Codec, *, block: int = 1):
-        """family: the dtype name (each peer format is one width); bits: the codes' width; block: channels per
-        scale block (16 for the FP4 formats), of which head_dim must be a multiple."""
-        self.family, self.bits, self.k, self.v, self.block = family, (bits,), k, v, block
-        # The extras' NamedTuple, one type per format: a layer view's extras type names its format.
-        fields = [f"{x}_{n}" for x, c in (("k", k), ("v", v)) for n in list(c.tails(64))[1:]]
-        self.extras = NamedTuple(f"{family.title().replace('_', '')}Pages", [(n, torch.Tensor) for n in fields])
+    def __init__(self, k: codecs.Codec, v: codecs.Codec, extras: type):
+        self.k, self.v, self.extras = k, v, extras
 
-    def dtype_name(self, bits: int) -> str:
-        return self.family
-
-    def default_knobs(self, bits: int) -> dict:
-        return {**super().default_knobs(bits), "residual": 0}  # the engines keep no fp16 window
-
-    def check(self, cfg) -> None:
-        if cfg.rotate != "none":
-            raise KVQConfigError(f"sgl_kvq: {cfg.name} is the peer's own arithmetic (its rotation, if any, is part of "
-                                 f"it); KVQ_ROTATE={cfg.rotate} would make it another format. Unset KVQ_ROTATE")
-
-    def check_head_dim(self, cfg, head_dim: int) -> None:
-        if head_dim % self.block:
-            raise KVQConfigError(f"sgl_kvq: {cfg.name} scales blocks of {self.block} channels; head_dim={head_dim} "
-                                 "is not a multiple")
-
-    def code_bits(self, bits: int) -> int:
-        return bits
-
-    def _tensors(self, g: PageGeometry) -> Shapes:
-        return {f"{x}_{n}": ((g.S, g.H, *dims), dtype)
-                for x, c in (("k", self.k), ("v", self.v)) for n, (dims, dtype) in c.tails(g.D).items()}
-
-    def base_shapes(self, g: PageGeometry, bits: int) -> Shapes:
-        shapes = self._tensors(g)
-        return {name: shapes[name] for name in PeerBase._fields}
-
-    def page_shapes(self, g: PageGeometry, **sizes) -> Shapes:
-        return {n: s for n, s in self._tensors(g).items() if n not in PeerBase._fields}
-
-    # ---- writes: each token's row, whole pages at a time ----
     def pack(self, cfg, value_group: int, k, v, w: PageWrite, tables: dict):
         (kc, *ks), (vc, *vs) = self.k.quantize(k), self.v.quantize(v)
         return PeerBase(kc, vc), self.extras(*ks, *vs)
 
-    # ---- reads ----
     def _split(self, extras) -> tuple[list, list]:
         nk = len(self.k.tails(64)) - 1
         return list(extras[:nk]), list(extras[nk:])
@@ -110,6 +73,46 @@ class PeerFormat(Format):
 
     def read_overlay(self, k, v):
         return self.k.round_trip(k), self.v.round_trip(v)
+
+
+class PeerFormat(Format):
+    kernel = None
+
+    def __init__(self, family: str, bits: int, k: codecs.Codec, v: codecs.Codec, *, block: int = 1):
+        """family: the dtype name (each peer format is one width); bits: the codes' width; block: channels per
+        scale block (16 for the FP4 formats), of which head_dim must be a multiple."""
+        self.family, self.bits, self.k, self.v, self.block = family, (bits,), k, v, block
+        # The extras' NamedTuple, one type per format: a layer view's extras type names its format.
+        fields = [f"{x}_{n}" for x, c in (("k", k), ("v", v)) for n in list(c.tails(64))[1:]]
+        self.extras = NamedTuple(f"{family.title().replace('_', '')}Pages", [(n, torch.Tensor) for n in fields])
+        self.codec = PeerCodec(k, v, self.extras)
+
+    def dtype_name(self, bits: int) -> str:
+        return self.family
+
+    def default_knobs(self, bits: int) -> dict:
+        return {**super().default_knobs(bits), "residual": 0}  # the engines keep no fp16 window
+
+    def check(self, cfg) -> None:
+        if cfg.rotate != "none":
+            raise KVQConfigError(f"sgl_kvq: {cfg.name} is the peer's own arithmetic (its rotation, if any, is part of "
+                                 f"it); KVQ_ROTATE={cfg.rotate} would make it another format. Unset KVQ_ROTATE")
+
+    def check_head_dim(self, cfg, head_dim: int) -> None:
+        if head_dim % self.block:
+            raise KVQConfigError(f"sgl_kvq: {cfg.name} scales blocks of {self.block} channels; head_dim={head_dim} "
+                                 "is not a multiple")
+
+    def _tensors(self, g: PageGeometry) -> Shapes:
+        return {f"{x}_{n}": ((g.S, g.H, *dims), dtype)
+                for x, c in (("k", self.k), ("v", self.v)) for n, (dims, dtype) in c.tails(g.D).items()}
+
+    def base_shapes(self, g: PageGeometry, bits: int) -> Shapes:
+        shapes = self._tensors(g)
+        return {name: shapes[name] for name in PeerBase._fields}
+
+    def page_shapes(self, g: PageGeometry, **sizes) -> Shapes:
+        return {n: s for n, s in self._tensors(g).items() if n not in PeerBase._fields}
 
 
 FP8_E4M3 = PeerFormat("peer_fp8_e4m3", 8, codecs.Fp8E4M3(), codecs.Fp8E4M3())

@@ -14,12 +14,13 @@ from dataclasses import dataclass
 import torch
 
 from sgl_kvq.errors import KVQConfigError, LayoutError
-from sgl_kvq.formats.base import Format, PageWrite
+from sgl_kvq.formats.base import Format
+from sgl_kvq.formats.kernel_variant import KernelVariant
+from sgl_kvq.formats.zipcache.codec import SALIENT_BITS, SalientPlane, ZipCacheCodec, salient_count, \
+    salient_per_page
 from sgl_kvq.layout import PageGeometry, Shapes
-from sgl_kvq.formats.zipcache import codec as zipcache_page
 from sgl_kvq.quant.pack import packed_dim
 from sgl_kvq.quant.uniform import SCALE_DTYPE
-from sgl_kvq.formats.zipcache.codec import SALIENT_BITS, SalientPlane, salient_count, salient_rows
 
 
 def zipcache_shapes(g: PageGeometry, salient: int, salient_bits: int) -> Shapes:
@@ -34,29 +35,6 @@ def zipcache_shapes(g: PageGeometry, salient: int, salient_bits: int) -> Shapes:
     }
 
 
-def salient_per_page(cfg) -> int:
-    """NS: salient tokens per page and KV head."""
-    return salient_count(cfg.params.salient, cfg.group_size)
-
-
-def _page_queries(n: int, G: int, tile: torch.Tensor, offs: torch.Tensor, q: torch.Tensor):
-    """q rows [M, Hq, D] at (tile [M], offs [M]) -> by page offset [n, G, Hq, D] and which are present [n, G]."""
-    qp = q.new_zeros(n, G, *q.shape[1:])
-    qp[tile, offs] = q
-    present = torch.zeros(n, G, dtype=torch.bool, device=q.device)
-    present[tile, offs] = True
-    return qp, present
-
-
-def _received(n: int, G: int, tile, offs, q, k, sm_scale, earlier):
-    """Attention n pages' tokens received: this batch's queries q at (tile, offs) over the pages' keys k [n, G, H, D],
-    plus `earlier` [n, G, H] where no page starts (offset 0 written) in this batch."""
-    qp, present = _page_queries(n, G, tile, offs, q)
-    recv = zipcache_page.received_attention(qp, present, k, sm_scale)
-    starts = torch.zeros(n, dtype=torch.int32, device=q.device).index_add_(0, tile, (offs == 0).int()) > 0
-    return torch.where(starts[:, None, None], 0.0, earlier) + recv
-
-
 @dataclass(frozen=True)
 class ZipCacheParams:
     # Share of each page's G tokens (per KV head) kept at 4 bit, NS = round(ratio * G). 0.4 puts zipcache2 at about
@@ -64,22 +42,23 @@ class ZipCacheParams:
     salient: float = 0.4
 
 
+class ZipCacheKernel(KernelVariant):
+    def sizes_of(self, s: SalientPlane, g: PageGeometry) -> dict[str, int]:
+        salient = s.s_idx.shape[-1]
+        if not 1 <= salient < g.G:
+            raise LayoutError(f"sgl_kvq kernels: zipcache2 needs 1..G-1 salient tokens per page, got {salient}")
+        return dict(salient=salient, salient_bits=SALIENT_BITS)
+
+
 class ZipCache(Format):
     family = "zipcache"
     bits = (2,)
     extras = SalientPlane
-    kernel = "zipcache"
+    codec = ZipCacheCodec()
     # saliency and the median fill run in torch on both backends
-    quantize_kernel = False
-    needs_queries = True
-    plain_pages = False
+    kernel = ZipCacheKernel("zipcache", "sgl_kvq.formats.zipcache.kernel", quantize=False)
     params = ZipCacheParams
     knobs = {"KVQ_ZIPCACHE_SALIENT": ("salient", float)}
-
-    def kernel_corrections(self) -> tuple:
-        from sgl_kvq.formats.zipcache.kernel import _zipcache_kt, _zipcache_v
-
-        return _zipcache_kt, _zipcache_v
 
     def check_params(self, params: ZipCacheParams, group_size: int) -> None:
         g = group_size
@@ -89,12 +68,6 @@ class ZipCache(Format):
 
     def sizes(self, cfg, g: PageGeometry) -> dict[str, int]:
         return dict(salient=salient_per_page(cfg), salient_bits=SALIENT_BITS)
-
-    def sizes_of(self, s: SalientPlane, g: PageGeometry) -> dict[str, int]:
-        salient = s.s_idx.shape[-1]
-        if not 1 <= salient < g.G:
-            raise LayoutError(f"sgl_kvq kernels: zipcache2 needs 1..G-1 salient tokens per page, got {salient}")
-        return dict(salient=salient, salient_bits=SALIENT_BITS)
 
     def page_shapes(self, g: PageGeometry, **sizes) -> Shapes:
         return zipcache_shapes(g, **sizes)
@@ -106,52 +79,6 @@ class ZipCache(Format):
 
     def stats(self, cfg, sizes: dict[str, int]) -> dict:
         return {"salient_per_page": sizes["salient"], "salient_bits": sizes["salient_bits"]}
-
-    def pack(self, cfg, value_group: int, k, v, w: PageWrite, tables: dict):
-        idx = zipcache_page.select_salient(zipcache_page.normalize(w.received, w.group), salient_per_page(cfg))
-        return zipcache_page.pack_zipcache_pages(k, v, idx, cfg.bits, value_group,
-                                                 specache_one_bit=cfg.specache_one_bit)
-
-    def page_write(self, store, layer, bw, q, kp, sm_scale, w: PageWrite) -> PageWrite:
-        # earlier batches' share from the pages' frame accumulators, read before this batch updates them
-        received = _received(w.pages.numel(), store.G, bw.done_tok_page, bw.done_tok_off, q[bw.done_tok_rows], kp,
-                             sm_scale, store.ov_score[layer, bw.done_frames])
-        return w._replace(received=received, group=q.shape[1] // kp.shape[2])
-
-    def _accumulate(self, store, layer, frames, tile, offs, q, sm_scale) -> torch.Tensor:
-        """Add what queries q [M, Hq, D] (already written to frames[tile] at offs) paid their pages' tokens to
-        those frames' ov_score, which is reset first where offset 0 is written (a page starts). -> the totals."""
-        total = _received(frames.numel(), store.G, tile, offs, q, store.ov_k[layer, frames], sm_scale,
-                          store.ov_score[layer, frames])
-        store.ov_score[layer, frames] = total
-        return total
-
-    def batch_frames_written(self, store, layer, bw, q, sm_scale) -> None:
-        frames, inv = torch.unique(bw.frame_ids, return_inverse=True)
-        self._accumulate(store, layer, frames, inv, bw.frame_offs, q[bw.frame_rows], sm_scale)
-
-    def decode_frames_written(self, store, layer, dw, q, sm_scale) -> torch.Tensor:
-        # every row's frame total is its page's score when the row completes it
-        frames = dw.frame_ids.long()
-        rows = torch.arange(frames.numel(), device=frames.device)
-        return self._accumulate(store, layer, frames, rows, dw.frame_offs.long(), q, sm_scale)
-
-    def correct(self, k, v, extras, pages):
-        return zipcache_page.apply_salient(k, v, zipcache_page.select_pages(extras, pages))
-
-    def correct_padded(self, k, v, s: SalientPlane, ctx) -> None:
-        """The salient rows replace theirs, then values are multiplied by their page's channel scale c, in
-        apply_salient's order. Zeroed outside base pages (page 0 may hold anything; the overlay copy overwrites
-        those positions, padding must stay finite)."""
-        off = ~ctx.is_base_page[..., None, None, None]  # [B, U, 1, 1, 1]
-        plane = SalientPlane(*(t[ctx.pages] for t in s))  # [B, U, H, ...]
-        ks, vs = salient_rows(SalientPlane(*(t.flatten(0, 1) for t in plane)))  # [B * U, H, NS, D]
-        B, U = ctx.pages.shape
-        ks, vs = (x.view(B, U, *x.shape[1:]).masked_fill_(off, 0).permute(2, 0, 1, 3, 4) for x in (ks, vs))
-        idx = plane.s_idx.long().masked_fill_(off[..., 0], 0).permute(2, 0, 1, 3)[..., None].expand_as(ks)
-        k.scatter_(3, idx, ks)
-        v.scatter_(3, idx, vs)
-        v.mul_(plane.v_chan.float().masked_fill_(off[..., 0], 0).permute(2, 0, 1, 3)[:, :, :, None])
 
 
 FORMAT = ZipCache()

@@ -1,6 +1,6 @@
 """ZipCache on one page of G tokens: the exact format of a zipcache2 base page (see sgl_kvq/layout.py).
 
-Per page and KV head, with NS = salient tokens per page (sgl_kvq/formats/zipcache/ salient_per_page) picked by
+Per page and KV head, with NS = salient tokens per page (salient_per_page below) picked by
 saliency (below):
     c   sqrt(max_t |V[t, d]|) per channel over the page's G tokens, fp16 (ZipCache's channel-separable token-wise
         value quantization: V / c is quantized per token, read back times c; floored at 1e-3 so a zero channel
@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import torch
 
+from sgl_kvq.formats.page_codec import PageCodec, PageWrite
 from sgl_kvq.quant import kivi_page, pack, uniform
 from sgl_kvq.quant.uniform import SCALE_DTYPE
 
@@ -140,3 +141,76 @@ def dequantize_zipcache_pages(base: kivi_page.PackedPages, s: SalientPlane, bits
 def select_pages(pool: SalientPlane, pages: torch.Tensor) -> SalientPlane:
     """The pool's plane of one layer -> that of pool pages `pages` [N]."""
     return SalientPlane(*(t[pages] for t in pool))
+
+
+def salient_per_page(cfg) -> int:
+    """NS: salient tokens per page and KV head."""
+    return salient_count(cfg.params.salient, cfg.group_size)
+
+
+def _page_queries(n: int, G: int, tile: torch.Tensor, offs: torch.Tensor, q: torch.Tensor):
+    """q rows [M, Hq, D] at (tile [M], offs [M]) -> by page offset [n, G, Hq, D] and which are present [n, G]."""
+    qp = q.new_zeros(n, G, *q.shape[1:])
+    qp[tile, offs] = q
+    present = torch.zeros(n, G, dtype=torch.bool, device=q.device)
+    present[tile, offs] = True
+    return qp, present
+
+
+def _received(n: int, G: int, tile, offs, q, k, sm_scale, earlier):
+    """Attention n pages' tokens received: this batch's queries q at (tile, offs) over the pages' keys k [n, G, H, D],
+    plus `earlier` [n, G, H] where no page starts (offset 0 written) in this batch."""
+    qp, present = _page_queries(n, G, tile, offs, q)
+    recv = received_attention(qp, present, k, sm_scale)
+    starts = torch.zeros(n, dtype=torch.int32, device=q.device).index_add_(0, tile, (offs == 0).int()) > 0
+    return torch.where(starts[:, None, None], 0.0, earlier) + recv
+
+
+class ZipCacheCodec(PageCodec):
+    needs_queries = True
+    plain_pages = False
+
+    def pack(self, cfg, value_group: int, k, v, w: PageWrite, tables: dict):
+        idx = select_salient(normalize(w.received, w.group), salient_per_page(cfg))
+        return pack_zipcache_pages(k, v, idx, cfg.bits, value_group, specache_one_bit=cfg.specache_one_bit)
+
+    def page_write(self, store, layer, bw, q, kp, sm_scale, w: PageWrite) -> PageWrite:
+        # earlier batches' share from the pages' frame accumulators, read before this batch updates them
+        received = _received(w.pages.numel(), store.G, bw.done_tok_page, bw.done_tok_off, q[bw.done_tok_rows], kp,
+                             sm_scale, store.ov_score[layer, bw.done_frames])
+        return w._replace(received=received, group=q.shape[1] // kp.shape[2])
+
+    def _accumulate(self, store, layer, frames, tile, offs, q, sm_scale) -> torch.Tensor:
+        """Add what queries q [M, Hq, D] (already written to frames[tile] at offs) paid their pages' tokens to
+        those frames' ov_score, which is reset first where offset 0 is written (a page starts). -> the totals."""
+        total = _received(frames.numel(), store.G, tile, offs, q, store.ov_k[layer, frames], sm_scale,
+                          store.ov_score[layer, frames])
+        store.ov_score[layer, frames] = total
+        return total
+
+    def batch_frames_written(self, store, layer, bw, q, sm_scale) -> None:
+        frames, inv = torch.unique(bw.frame_ids, return_inverse=True)
+        self._accumulate(store, layer, frames, inv, bw.frame_offs, q[bw.frame_rows], sm_scale)
+
+    def decode_frames_written(self, store, layer, dw, q, sm_scale) -> torch.Tensor:
+        # every row's frame total is its page's score when the row completes it
+        frames = dw.frame_ids.long()
+        rows = torch.arange(frames.numel(), device=frames.device)
+        return self._accumulate(store, layer, frames, rows, dw.frame_offs.long(), q, sm_scale)
+
+    def correct(self, k, v, extras, pages):
+        return apply_salient(k, v, select_pages(extras, pages))
+
+    def correct_padded(self, k, v, s: SalientPlane, ctx) -> None:
+        """The salient rows replace theirs, then values are multiplied by their page's channel scale c, in
+        apply_salient's order. Zeroed outside base pages (page 0 may hold anything; the overlay copy overwrites
+        those positions, padding must stay finite)."""
+        off = ~ctx.is_base_page[..., None, None, None]  # [B, U, 1, 1, 1]
+        plane = SalientPlane(*(t[ctx.pages] for t in s))  # [B, U, H, ...]
+        ks, vs = salient_rows(SalientPlane(*(t.flatten(0, 1) for t in plane)))  # [B * U, H, NS, D]
+        B, U = ctx.pages.shape
+        ks, vs = (x.view(B, U, *x.shape[1:]).masked_fill_(off, 0).permute(2, 0, 1, 3, 4) for x in (ks, vs))
+        idx = plane.s_idx.long().masked_fill_(off[..., 0], 0).permute(2, 0, 1, 3)[..., None].expand_as(ks)
+        k.scatter_(3, idx, ks)
+        v.scatter_(3, idx, vs)
+        v.mul_(plane.v_chan.float().masked_fill_(off[..., 0], 0).permute(2, 0, 1, 3)[:, :, :, None])

@@ -48,3 +48,7 @@ def _zipcache_v(v, X, page, kvh, n_heads, offs_t, offs_d, n_valid, G: tl.constex
         v = tl.where((offs_t[:, None] == tok) & rows[:, None], row[None, :], v)
     c = tl.load(X.v_chan + ph * D + offs_d).to(tl.float32)
     return v * c[None, :]
+
+
+# what the kernels call (KernelVariant.corrections)
+CORRECT = (_zipcache_kt, _zipcache_v)
