@@ -199,8 +199,11 @@ class ServerProcess:
 
     command = [sys.executable, "-m", "bench.cli", "serve"]
 
-    def __init__(self, args: list[str], log_path: str | os.PathLike | None = None, startup_timeout: float = 600):
+    def __init__(self, args: list[str], log_path: str | os.PathLike | None = None, startup_timeout: float = 600,
+                 env: dict[str, str] | None = None):
+        """env: variables set for this server beside this process's environment (e.g. a KVQ_* knob)."""
         self.args = list(args)
+        self.env = env
         self.log_path = Path(log_path) if log_path else None
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen | None = None
@@ -226,7 +229,8 @@ class ServerProcess:
     def _start(self) -> "ServerProcess":
         log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
         argv = self.args + ["--host", "127.0.0.1", "--port", str(self.port)]
-        self.proc = start_process_group([*self.command, *argv], stdout=log, stderr=subprocess.STDOUT)
+        self.proc = start_process_group([*self.command, *argv], stdout=log, stderr=subprocess.STDOUT,
+                                        env={**os.environ, **self.env} if self.env else None)
         deadline = time.time() + self.startup_timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:

@@ -53,11 +53,16 @@ def pd_argv(args: list[str], mode: str, bootstrap_port: int) -> list[str]:
 class PDPair:
     """Both servers (`sgl-kvq serve ARGS` each, on 127.0.0.1), started together. Use as a context manager."""
 
-    def __init__(self, args: list[str], log_dir: str | Path | None = None, startup_timeout: float = 900):
+    def __init__(self, args: list[str], log_dir: str | Path | None = None, startup_timeout: float = 900,
+                 env: dict[str, dict[str, str]] | None = None):
+        """env: variables for one side ({"prefill": {...}, "decode": {...}}) beside this process's environment."""
         self.bootstrap_port = free_port()
         logs = {m: (Path(log_dir) / f"{m}.log" if log_dir else None) for m in ("prefill", "decode")}
-        self.prefill = ServerProcess(pd_argv(args, "prefill", self.bootstrap_port), logs["prefill"], startup_timeout)
-        self.decode = ServerProcess(pd_argv(args, "decode", self.bootstrap_port), logs["decode"], startup_timeout)
+        env = env or {}
+        self.prefill = ServerProcess(pd_argv(args, "prefill", self.bootstrap_port), logs["prefill"], startup_timeout,
+                                     env.get("prefill"))
+        self.decode = ServerProcess(pd_argv(args, "decode", self.bootstrap_port), logs["decode"], startup_timeout,
+                                    env.get("decode"))
         self._stack = ExitStack()
 
     def __enter__(self) -> "PDPair":

@@ -5,6 +5,12 @@ CUDA event when its mooncake sender `supports_host_tensor_indices` (prefill.py `
 dies with "pin_memory=True requires a CUDA or other accelerator backend" on the first request, bf16 included. On a
 machine without CUDA the sender takes SGLang's other branch (plain `kv_to_page_indices`), whatever the KV dtype.
 
+kv_manager_init, ensure_parallel_info: both sides publish the packed pool's fingerprint (KVQConfig.fingerprint:
+dtype, G, value group, R, rotation, the format's parameters) as SGLang's kv_layout, which the decode side compares
+with the prefill side's when it first contacts it and refuses the pair if they differ: pages written under one
+fingerprint would be read as another's (two servers with different KVQ_ROTATE would decode garbage). The refusal
+names both fingerprints and the parts that differ.
+
 prefill_early_send: with a radix hit SGLang sends the cached prefix's pages before the forward, after recording a
 CUDA event on the forward stream ("Tried to instantiate dummy base class Event" without CUDA, on the second request
 that shares a prefix). Without CUDA that optional early send is skipped: the final send covers the prefix too.
@@ -12,6 +18,7 @@ that shares a prefix). Without CUDA that optional early send is skipped: the fin
 
 from __future__ import annotations
 
+import re
 import threading
 
 # Bytes this process's mooncake engine wrote to a peer, KV (pages and request state) and aux (the first token,
@@ -21,6 +28,51 @@ import threading
 SENT = {"kv_bytes": 0, "aux_bytes": 0, "batches": 0, "requests": 0}
 _lock = threading.Lock()
 _in_aux = threading.local()
+
+
+# The packed pool's fingerprint in this process (a scheduler process holds one pool), set where the pool is built
+# (patches/pool_build.py); None: this process serves SGLang's own pool.
+_FINGERPRINT: dict[str, str | None] = {"local": None}
+LAYOUT_PREFIX = "sgl_kvq:"
+
+
+class KVQPDMismatch(RuntimeError):
+    pass
+
+
+def publish_fingerprint(fingerprint: str) -> None:
+    _FINGERPRINT["local"] = fingerprint
+
+
+def kv_manager_init(manager, args, *rest, **kwargs):
+    """Both sides, as the KV manager is built: the fingerprint travels as the manager's kv_layout (published to the
+    bootstrap server by the prefill side, compared by the decode side)."""
+    fingerprint = _FINGERPRINT["local"]
+    if fingerprint is not None and getattr(args, "kv_layout", None) is None:
+        args.kv_layout = LAYOUT_PREFIX + fingerprint
+
+
+def fingerprint_mismatch(prefill: str, decode: str) -> str:
+    """The refusal of a PD pair whose packed pools differ: both fingerprints and the parts that differ."""
+    a, b = (x.removeprefix(LAYOUT_PREFIX).split("_") for x in (prefill, decode))
+    differ = [f"{x} vs {y}" for x, y in zip(a, b) if x != y] + [f"{x} vs -" for x in a[len(b):]] + \
+        [f"- vs {y}" for y in b[len(a):]]
+    return (f"sgl_kvq: the prefill server stores KV pages as {prefill.removeprefix(LAYOUT_PREFIX)}, the decode "
+            f"server as {decode.removeprefix(LAYOUT_PREFIX)} (they differ in {'; '.join(differ)}): the decode server "
+            "would read the prefill's pages in another format. Start both with the same --kv-cache-dtype and KVQ_* "
+            "variables")
+
+
+def ensure_parallel_info(orig, manager, bootstrap_addr, *args, **kwargs):
+    """Decode side: SGLang's own comparison of the two kv_layouts, refused in sgl_kvq's words when both are
+    packed pools."""
+    try:
+        return orig(manager, bootstrap_addr, *args, **kwargs)
+    except RuntimeError as e:
+        match = re.search(r"prefill server has kv_layout=(\S+), but decode server has kv_layout=(\S+)\.", str(e))
+        if match and match[1].startswith(LAYOUT_PREFIX) and match[2].startswith(LAYOUT_PREFIX):
+            raise KVQPDMismatch(fingerprint_mismatch(match[1], match[2])) from e
+        raise
 
 
 def mooncake_sender_init(result, sender, *args, **kwargs):

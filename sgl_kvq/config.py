@@ -132,6 +132,23 @@ class KVQConfig:
         return self.format.dtype_name(self.bits)
 
     @property
+    def fingerprint(self) -> str:
+        """Everything that decides what a stored page's bytes mean and what a request's frames hold: the dtype, G,
+        the value group, R, the rotation, the 1-bit zero/scale, and the family's parameters that change its pages
+        (all of them unless its params class names them in STORED). Two processes with different fingerprints must
+        never read each other's pages: prefill/decode disaggregation refuses the pair (patches/pd.py) and HiCache's
+        storage tiers key pages on it (host_pool.py). Made of [A-Za-z0-9._-] only, so it can name a file."""
+        parts = [self.name, f"G{self.group_size}", f"VG{self.value_group}", f"R{self.residual}",
+                 f"rotate-{self.rotate}"]
+        if self.bits == 1:
+            parts.append("zero-specache" if self.specache_one_bit else "zero-minmax")
+        if self.params is not None:
+            stored = getattr(self.params, "STORED", None)
+            parts += [f"{f.name}-{getattr(self.params, f.name)}" for f in dataclasses.fields(self.params)
+                      if stored is None or f.name in stored]
+        return "_".join(parts)
+
+    @property
     def page_size(self) -> int:
         return self.group_size
 

@@ -43,9 +43,9 @@ class KVQTokenToKVPoolHost(HostKVCache):
         # rows of each buffer per page: 1 for page-indexed buffers, G for slot-indexed ones
         self.rows = {n: (1 if dims[1] == shape.P else shape.G) for n, (dims, _) in shape.base_shapes().items()}
         self.page_bytes = sum(self._page_numel(n) * dtype.itemsize for n, (_, dtype) in shape.base_shapes().items())
-        # what a storage backend's pages must match to be reused; rotated pages (KVQ_ROTATE) are another basis
-        rotated = "" if shape.cfg.rotate == "none" else f"-{shape.cfg.rotate}"
-        self.storage_format_tag = f"sgl_kvq-{shape.cfg.name}-{shape.cfg.group_size}-{self.page_bytes}{rotated}"
+        # What a storage backend's stored pages must match to be read (SGLang keys them on the model name tagged with
+        # it): the config's fingerprint (rotation, parameters, ...) and the page's bytes (the model's geometry).
+        self.storage_format_tag = f"sgl_kvq-{shape.cfg.fingerprint}-{self.page_bytes}"
         super().__init__(dtype=torch.uint8, device_capacity_tokens=device_pool.size,
                          size_per_token=self.get_size_per_token(), start_layer=device_pool.start_layer,
                          end_layer=device_pool.end_layer, host_to_device_ratio=host_to_device_ratio,

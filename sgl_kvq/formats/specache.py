@@ -5,6 +5,7 @@ pages are KIVI's; what differs is the decode strategy (sgl_kvq/specache/strategy
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from sgl_kvq.errors import KVQConfigError
 from sgl_kvq.formats.base import Format
@@ -18,6 +19,8 @@ PREFIX_SOURCES = ("host", "device")
 
 @dataclass(frozen=True)
 class SpeCacheParams:
+    # None of these changes a stored page (KIVI's) or a frame: they are not in the fingerprint (KVQConfig.fingerprint).
+    STORED: ClassVar[tuple[str, ...]] = ()
     # Host rows each decode step reads in 16 bits per (request, layer, KV head), picked by the speculative lane's
     # attention (the paper's top-64; each width's default is SPECACHE_TOP_K's).
     top_k: int = 64

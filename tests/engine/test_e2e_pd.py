@@ -10,9 +10,12 @@ pool, the byte baseline) and the other non-SpeCache dtypes."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import threading
+import time
+import urllib.request
 
 import pytest
 
@@ -21,6 +24,7 @@ from bench.launch import ServerProcess, baseline_page_size
 from sgl_kvq.pool_shape import PoolShape
 from bench.models import tiny_llama
 from bench.pd_launch import PDPair, Router, mooncake_available, router_available
+from slices import matrix_only
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -42,6 +46,14 @@ def server_args(dtype: str) -> list[str]:
     if is_kvq_dtype(dtype):
         return args + ["--kv-cache-dtype", dtype]
     return args + ["--kv-cache-dtype", dtype, "--page-size", str(baseline_page_size())]
+
+
+def bootstrap_info(pd: PDPair) -> dict:
+    """What the prefill server registered with its bootstrap server, as SGLang's decode side fetches it."""
+    url = (f"http://127.0.0.1:{pd.bootstrap_port}/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&"
+           "target_pp_rank=-1")
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return json.loads(r.read())
 
 
 def answers(generate) -> list[tuple[list[int], list[float]]]:
@@ -119,6 +131,8 @@ def test_pd_continues_exactly_as_one_server(dtype, tmp_path, monkeypatch):
                 return generate
 
             got = answers(measured(pd.generate))
+            if is_kvq_dtype(dtype):  # what the decode side compares with its own (patches/pd.py)
+                assert bootstrap_info(pd)["kv_layout"] == "sgl_kvq:" + parse_kv_cache_dtype(dtype).fingerprint
             # the same prompts again (now radix hits on the prefill side) through SGLang's own PD router
             if router_available():
                 with Router(pd, tmp_path / "router.log") as router:
@@ -140,3 +154,32 @@ def test_pd_continues_exactly_as_one_server(dtype, tmp_path, monkeypatch):
     print(f"{dtype}: mooncake wrote {sent[0]} B for a {lengths[0]}-token prompt: pages {pages} B "
           f"({pages / lengths[0]:.1f} B/token, bf16 pool's pages {bf16} B: {bf16 / pages:.2f}x fewer) + state "
           f"{state_bytes(dtype)} B")
+
+
+@matrix_only("tests/unit/test_pd_transfer.py runs SGLang's comparison through the hook, and "
+             "test_pd_continues_exactly_as_one_server reads the fingerprint the prefill server publishes")
+def test_a_pair_whose_pools_differ_is_refused(tmp_path, monkeypatch):
+    """Two servers whose packed pages mean different things (here the prefill side stores values unrotated, the
+    decode side rotated: KVQ_ROTATE) are refused when the decode side first contacts the prefill side, with both
+    fingerprints in the error (patches/pd.py): no request is answered from pages read in the wrong basis."""
+    monkeypatch.setenv("KVQ_FRAMES", "static")
+    missing = mooncake_available()
+    if missing:
+        pytest.skip(missing)
+    cfg = parse_kv_cache_dtype("kivi2")
+    assert cfg.rotate == "values"
+    env = {"prefill": {"KVQ_ROTATE": "none"}, "decode": {"KVQ_ROTATE": "values"}}
+    answered = []
+    with PDPair(server_args("kivi2"), log_dir=tmp_path, env=env) as pd:
+        # the prefill server would wait for the decode server's bootstrap until its timeout: route in the background
+        threading.Thread(target=lambda: answered.append(pd.generate(
+            {"input_ids": prompts()[0], "sampling_params": {"max_new_tokens": 4}}, timeout=300)), daemon=True).start()
+        deadline = time.time() + 300
+        while pd.decode.proc.poll() is None and time.time() < deadline:
+            time.sleep(1)
+        assert pd.decode.proc.poll() is not None, "the decode server accepted the pair"
+    assert not answered
+    log = (tmp_path / "decode.log").read_text(errors="replace")
+    fingerprint = cfg.fingerprint
+    assert f"the prefill server stores KV pages as {fingerprint.replace('values', 'none')}, the decode server as " \
+           f"{fingerprint}" in log, log[-3000:]

@@ -148,3 +148,21 @@ def test_head_dims_the_pages_cannot_hold_are_refused(head_dim, match):
         cfg.check_head_dim(head_dim)
     cfg.check_head_dim(32)  # the value group is clipped to the head dim
     assert cfg.value_group_for(32) == 32 and cfg.value_group_for(128) == 64
+
+
+def test_the_fingerprint_names_everything_that_changes_stored_pages():
+    """KVQConfig.fingerprint (compared across a PD pair, HiCache storage's key): every knob that changes what a page
+    or frame holds changes it; one that does not (SpeCache's top-k, the prefill mode) leaves it; a file can be named
+    after it."""
+    import re
+    from dataclasses import replace
+
+    kivi, gear, spec = (parse_kv_cache_dtype(n) for n in ("kivi2", "gear2", "specache1"))
+    changed = [replace(kivi, rotate="none"), replace(kivi, group_size=32), replace(kivi, value_group=32),
+               replace(kivi, residual=128), parse_kv_cache_dtype("kivi4"), replace(gear, params=replace(gear.params,
+               outliers=0.05)), replace(spec, specache_one_bit=False)]
+    prints = [c.fingerprint for c in (kivi, gear, spec, *changed)]
+    assert len(set(prints)) == len(prints)
+    assert replace(kivi, prefill="paged").fingerprint == kivi.fingerprint
+    assert replace(spec, params=replace(spec.params, top_k=7)).fingerprint == spec.fingerprint
+    assert all(re.fullmatch(r"[A-Za-z0-9._-]+", p) for p in prints)

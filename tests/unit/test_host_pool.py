@@ -95,3 +95,23 @@ def test_host_tier_holds_more_tokens_than_bf16(name, min_ratio):
     ratio = bf16 / (host.nbytes() / host.size)
     print(f"{name}: host {host.nbytes() / host.size:.1f} B/token, bf16 {bf16} B/token: {ratio:.2f}x the tokens")
     assert ratio >= min_ratio
+
+
+def test_storage_keys_pages_on_the_fingerprint():
+    """SGLang's storage backends key pages on the model name tagged with the host pool's storage_format_tag
+    (cache_controller.storage_model_name): a page stored under one rotation or GEAR rank is never read under another,
+    and one stored under the same config is."""
+    from dataclasses import replace
+
+    from sglang.srt.managers.cache_controller import storage_model_name
+
+    def tag(cfg):
+        pool = KVQTokenToKVPool(8 * cfg.group_size, PoolShape(L, H, D, 8, cfg), "cpu", torch.float32,
+                                num_req_slots=2)
+        return storage_model_name("m", KVQTokenToKVPoolHost(pool, 2.0, 0, cfg.group_size, "page_first"))
+
+    gear = parse_kv_cache_dtype("gear2")
+    names = {tag(gear), tag(replace(gear, rotate="none")), tag(replace(gear, params=replace(gear.params, rank=3))),
+             tag(parse_kv_cache_dtype("kivi2"))}
+    assert len(names) == 4 and all(n.startswith("m-sgl_kvq-") for n in names)
+    assert tag(gear) == tag(parse_kv_cache_dtype("gear2"))

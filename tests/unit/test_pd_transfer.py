@@ -120,3 +120,44 @@ def test_bytes_per_transferred_token_against_bf16(name, min_ratio):
     print(f"{name}: {sent / (L * H):.2f} B per token per layer-head sent, bf16 {sent_bf16 / (L * H):.0f}: "
           f"{sent_bf16 / sent:.2f}x fewer")
     assert sent_bf16 / sent >= min_ratio
+
+
+def test_a_pd_pair_with_different_fingerprints_is_refused(monkeypatch):
+    """Both sides publish their pool's fingerprint as SGLang's kv_layout (patches/pd.kv_manager_init); SGLang's own
+    decode-side check (CommonKVManager.try_ensure_parallel_info, run here against a prefill server's answer) refuses
+    the pair, in sgl_kvq's words, with both fingerprints and what differs; equal fingerprints pass."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from sglang.srt.disaggregation.common import conn
+
+    from sgl_kvq.patches import pd
+
+    cfg = parse_kv_cache_dtype("kivi2")
+    decode_side, prefill_side = cfg.fingerprint, replace(cfg, rotate="none").fingerprint
+    monkeypatch.setitem(pd._FINGERPRINT, "local", decode_side)
+    args = SimpleNamespace(kv_layout=None)
+    pd.kv_manager_init(None, args)
+    assert args.kv_layout == pd.LAYOUT_PREFIX + decode_side
+
+    def manager():
+        return SimpleNamespace(prefill_info_table={}, kv_args=SimpleNamespace(page_size=64),
+                               kv_cache_dtype_str="kivi2", kv_layout=args.kv_layout, attn_tp_size=1)
+
+    def prefill_answers(layout):
+        info = dict(attn_tp_size=1, attn_cp_size=1, dp_size=1, pp_size=1, page_size=64, kv_cache_dtype="kivi2",
+                    follow_bootstrap_room=True, kv_layout=layout)
+        monkeypatch.setattr(conn.requests, "get", lambda *a, **k: SimpleNamespace(status_code=200, json=lambda: info))
+
+    prefill_answers(pd.LAYOUT_PREFIX + prefill_side)
+    with pytest.raises(pd.KVQPDMismatch) as e:
+        pd.ensure_parallel_info(conn.CommonKVManager.try_ensure_parallel_info, manager(), "127.0.0.1:1")
+    assert prefill_side in str(e.value) and decode_side in str(e.value)
+    assert "rotate-none vs rotate-values" in str(e.value)
+    prefill_answers(pd.LAYOUT_PREFIX + decode_side)
+    try:  # the same fingerprint passes the layout check (the fake manager lacks what SGLang reads after it)
+        pd.ensure_parallel_info(conn.CommonKVManager.try_ensure_parallel_info, manager(), "127.0.0.1:1")
+    except pd.KVQPDMismatch:
+        pytest.fail("equal fingerprints were refused")
+    except Exception as e:  # noqa: BLE001
+        assert "layout mismatch" not in str(e), e
