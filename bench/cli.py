@@ -1,4 +1,4 @@
-"""`sgl-kvq model | serve | eval | bench | demo`.
+"""`sgl-kvq model | serve | eval | bench | calibrate | demo`.
 
 Each command lives in its own module under bench/commands/ with `add_arguments(parser)` and `run(args) -> int`;
 modules import lazily so `sgl-kvq model smollm2` never pays for importing sglang.
@@ -16,6 +16,8 @@ COMMANDS = {
               "run SGLang's launch_server with ARGS (CPU engine settings added without a GPU)"),
     "eval": ("bench.commands.eval", "quality evaluations: attention, niah, ppl, agree"),
     "bench": ("bench.commands.bench", "benchmarks: multiturn, kernels"),
+    "calibrate": ("bench.commands.calibrate",
+                  "per-layer K / V sensitivity to the code width, and the widths that meet a mean --bits"),
     "demo": ("bench.commands.demo",
              "the main job: bf16 vs kivi4 vs kivi2 on a multi-turn ShareGPT workload"),
 }

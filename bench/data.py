@@ -85,3 +85,22 @@ def sharegpt_conversations(n: int, min_turns: int = 2, max_turns: int = 4, max_c
             if len(convs) == n:
                 break
     return convs
+
+
+# ShareGPT records from here on are read by no evaluation or benchmark (they take the first few hundred): the
+# calibration text (`sgl-kvq calibrate`), so that no reported number is measured on what chose a recipe.
+CALIBRATION_FIRST_RECORD = 15_000
+
+
+def calibration_text(min_chars: int) -> str:
+    """ShareGPT conversations from CALIBRATION_FIRST_RECORD on, their turns joined, until at least min_chars."""
+    out, n = [], 0
+    for rec in sharegpt()[CALIBRATION_FIRST_RECORD:]:
+        for turn in rec.get("conversations", []):
+            value = turn.get("value", "").strip()
+            if value:
+                out.append(value)
+                n += len(value)
+        if n >= min_chars:
+            return "\n\n".join(out)
+    raise ValueError(f"the calibration records hold {n} characters, fewer than {min_chars}")

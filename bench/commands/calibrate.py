@@ -1,0 +1,101 @@
+"""`sgl-kvq calibrate`: each layer's key and value sensitivity to its code width, measured in the model on a
+calibration text no evaluation reads, and the allocation of widths that meets --bits at the least measured KL
+(bench/calibrate.py says how).
+
+    sgl-kvq calibrate --model smollm2 --bits 3.0 --json bench/results/calibration/smollm2.json
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="smollm2", help="smollm2 | gemma3 | tiny | a model folder (default smollm2)")
+    p.add_argument("--bits", type=float, action="append",
+                   help="mean code width of the allocation (repeat for several; default 3.0)")
+    p.add_argument("--widths", default="1,2,3,4", help="code widths a tensor may get (default 1,2,3,4)")
+    p.add_argument("--tokens", type=int, default=1024, help="calibration tokens (default 1024)")
+    p.add_argument("--group-size", type=int, default=64, help="G: page / key group (default 64)")
+    p.add_argument("--residual", type=int, default=64, help="R: fp16 window, a multiple of G (default 64)")
+    p.add_argument("--json", type=Path, help="write the result to PATH")
+
+
+def config_hash(folder: str) -> str:
+    """sha256 of the model's config.json: what a recipe is bound to besides its geometry."""
+    return hashlib.sha256((Path(folder) / "config.json").read_bytes()).hexdigest()[:16]
+
+
+def run(args) -> int:
+    import torch
+
+    from bench import calibrate as cal
+    from bench.data import calibration_text
+    from bench.eval.attention import load_model
+
+    torch.manual_seed(0)
+    widths = sorted({int(w) for w in args.widths.split(",")})
+    if not widths or any(w not in (1, 2, 3, 4) for w in widths):
+        raise SystemExit(f"sgl-kvq calibrate: --widths {args.widths}: choose among 1,2,3,4")
+    targets = args.bits or [3.0]
+    if args.residual % args.group_size:
+        raise SystemExit(f"sgl-kvq calibrate: --residual {args.residual} must be a multiple of G={args.group_size}")
+    model, tok, folder = load_model(args.model)
+    text_cfg = getattr(model.config, "text_config", model.config)
+    L, H = text_cfg.num_hidden_layers, text_cfg.num_key_value_heads
+    D = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
+    ids = tok(calibration_text(8 * args.tokens), return_tensors="pt", add_special_tokens=False).input_ids
+    ids = ids[:, :args.tokens]
+    if ids.shape[1] < cal.first_read_position(cal.Reader({}, args.group_size, 64, args.residual)) + args.group_size:
+        raise SystemExit(f"sgl-kvq calibrate: --tokens {args.tokens} reads no packed page at G={args.group_size}, "
+                         f"R={args.residual}")
+
+    def reader(w):
+        return cal.Reader(w, group_size=args.group_size, residual=args.residual)
+
+    t0 = time.time()
+    with torch.no_grad():
+        native = model(input_ids=ids).logits
+    cached = cal.LayerOutputs(model, ids)  # nothing quantized
+    reference = cached.logits
+    check = float((reference - native).abs().max())  # the simulated read, nothing quantized, is the model's own
+    sens: dict[tuple[int, str], dict[int, float]] = {}
+    for layer in range(L):
+        for kind in cal.KINDS:
+            sens[(layer, kind)] = {b: cal.model_kl(model, ids, reader({(layer, kind): b}), reference, cached)
+                                   for b in widths}
+        print(f"layer {layer}: " + "  ".join(f"{k}{b} {sens[(layer, k)][b]:.4f}" for k in cal.KINDS
+                                              for b in widths) + f"  ({time.time() - t0:.0f}s)", file=sys.stderr)
+
+    def measured(w):
+        return {"mean_bits": sum(w.values()) / len(w), "bytes_per_token": cal.bytes_per_token(w, H, D, reader(w)),
+                "kl": cal.model_kl(model, ids, reader(w), reference)}
+
+    uniform = {f"kivi{b}": measured({key: b for key in sens}) for b in widths}
+    recipes = {}
+    for target in targets:
+        w = cal.allocate(sens, target)
+        recipes[f"{target:g}"] = {**measured(w), "k_bits": [w[(i, "k")] for i in range(L)],
+                                  "v_bits": [w[(i, "v")] for i in range(L)],
+                                  "predicted_kl": sum(sens[key][b] for key, b in w.items())}
+    result = {
+        "command": "sgl-kvq calibrate " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["calibrate"] else None,
+        "model": {"name": args.model, "layers": L, "kv_heads": H, "head_dim": D, "config_sha256": config_hash(folder)},
+        "calibration": {"text": "ShareGPT records from bench.data.CALIBRATION_FIRST_RECORD", "tokens": ids.shape[1],
+                        "group_size": args.group_size, "residual": args.residual,
+                        "read_check_max_abs_logit_diff": check, "seconds": round(time.time() - t0)},
+        "sensitivity_kl": {f"{k}{layer}": {str(b): v for b, v in s.items()} for (layer, k), s in sens.items()},
+        "uniform": uniform,
+        "recipes": recipes,
+    }
+    text = json.dumps(result, indent=1)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text + "\n")
+    for name, r in {**uniform, **{f"recipe {t}": r for t, r in recipes.items()}}.items():
+        print(f"{name:12s} {r['mean_bits']:.2f} bits  {r['bytes_per_token']:8.0f} B/token  KL {r['kl']:.4f}")
+    return 0
