@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from paged_pool import SHAPES, make_pool, poison_unused, random_requests
+from slices import ci_slice
 from sgl_kvq import attention_batched, padded
 from sgl_kvq.attention_ref import ref_decode
 from sgl_kvq.formats.gear import GearParams
@@ -102,7 +103,7 @@ def test_batched_decode_with_zipcache_salient_rows_matches_reference(B, group, s
 
 
 @pytest.mark.parametrize("B", [1, 4, 9])
-@pytest.mark.parametrize("W", [3, 10, 21])
+@pytest.mark.parametrize("W", ci_slice([3, 10, 21], [10, 21]))  # W = 3 in the matrix (W = 21 keeps more rows)
 def test_batched_decode_with_logquant_rows_matches_reference(B, W):
     rng = random.Random(B * 13 + W)
     for G, H, D, VG in SHAPES:
