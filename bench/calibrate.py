@@ -26,6 +26,7 @@ import torch
 from bench.quant.kivi_bits import kivi_bits
 from sgl_kvq.attention_rotation import block_hadamard
 from sgl_kvq.formats.rotation import VALUES_ROTATED
+from sgl_kvq.layout import PageGeometry, counts_as_value, kivi_shapes
 
 KINDS = ("k", "v")
 NAME = "kvq_calibration"
@@ -175,14 +176,16 @@ def model_kl(model, ids: torch.Tensor, reader: Reader, reference: torch.Tensor,
 
 
 def bytes_per_token(widths: dict[tuple[int, str], int], heads: int, head_dim: int, r: Reader) -> float:
-    """Packed bytes per token of the widths (codes, fp16 scale and zero: keys per page and channel, values per token
-    and value group), summed over the layers and K / V they name."""
-    vg = min(r.value_group, head_dim)
-    total = 0.0
-    for (_, kind), b in widths.items():
-        scales = 2 * 2 * (head_dim / r.group_size if kind == "k" else head_dim / vg)
-        total += heads * (head_dim * b / 8 + scales)
-    return total
+    """Packed bytes per token of the widths, from KIVI's pages as the layout declares them (layout.kivi_shapes: one
+    page's codes, scales and zeros over its G tokens, keys and values split as the pool counts them), summed over
+    the layers and K / V they name."""
+    g = PageGeometry(P=1, G=r.group_size, H=heads, D=head_dim, NG=head_dim // min(r.value_group, head_dim))
+
+    def per_token(bits: int, kind: str) -> float:
+        return sum(math.prod(dims) * dtype.itemsize for name, (dims, dtype) in kivi_shapes(g, bits).items()
+                   if counts_as_value(name) == (kind == "v")) / r.group_size
+
+    return sum(per_token(b, kind) for (_, kind), b in widths.items())
 
 
 def allocate(sensitivity: dict[tuple[int, str], dict[int, float]], target_bits: float) -> dict[tuple[int, str], int]:

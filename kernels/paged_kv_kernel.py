@@ -5,8 +5,8 @@ an online softmax.
 Codes are packed along D (sgl_kvq/quant/unpack_kernel.py; 3 bits: two planes, each unpacked like the power-of-two
 widths). Keys dequantize per channel with the page's scale/zero, values per token and VG-channel group. POOL is the
 layer's pool group (arg_groups.PoolArgs); EXTRAS and SIZES are the format's extras, applied by its jitted
-corrections CORRECT (a constexpr pair of functions, K's and V's, that its declaration gives:
-Format.kernel_corrections; launcher side: format_extras.py).
+corrections CORRECT (a constexpr pair of functions, K's and V's, that its kernel variant gives:
+KernelVariant.corrections; launcher side: format_extras.py).
 """
 
 import triton

@@ -5,7 +5,7 @@ CUDA event when its mooncake sender `supports_host_tensor_indices` (prefill.py `
 dies with "pin_memory=True requires a CUDA or other accelerator backend" on the first request, bf16 included. On a
 machine without CUDA the sender takes SGLang's other branch (plain `kv_to_page_indices`), whatever the KV dtype.
 
-kv_manager_init, ensure_parallel_info: both sides publish the packed pool's fingerprint (KVQConfig.fingerprint:
+setup_state_kv_args, ensure_parallel_info: both sides publish the packed pool's fingerprint (KVQConfig.fingerprint:
 dtype, G, value group, R, rotation, the format's parameters) as SGLang's kv_layout, which the decode side compares
 with the prefill side's when it first contacts it and refuses the pair if they differ: pages written under one
 fingerprint would be read as another's (two servers with different KVQ_ROTATE would decode garbage). The refusal
@@ -30,9 +30,6 @@ _lock = threading.Lock()
 _in_aux = threading.local()
 
 
-# The packed pool's fingerprint in this process (a scheduler process holds one pool), set where the pool is built
-# (patches/pool_build.py); None: this process serves SGLang's own pool.
-_FINGERPRINT: dict[str, str | None] = {"local": None}
 LAYOUT_PREFIX = "sgl_kvq:"
 
 
@@ -40,16 +37,11 @@ class KVQPDMismatch(RuntimeError):
     pass
 
 
-def publish_fingerprint(fingerprint: str) -> None:
-    _FINGERPRINT["local"] = fingerprint
-
-
-def kv_manager_init(manager, args, *rest, **kwargs):
-    """Both sides, as the KV manager is built: the fingerprint travels as the manager's kv_layout (published to the
-    bootstrap server by the prefill side, compared by the decode side)."""
-    fingerprint = _FINGERPRINT["local"]
-    if fingerprint is not None and getattr(args, "kv_layout", None) is None:
-        args.kv_layout = LAYOUT_PREFIX + fingerprint
+def publish_layout(kv_args, pool) -> None:
+    """The pool's fingerprint as the KV manager's kv_layout (published to the bootstrap server by the prefill side,
+    compared by the decode side)."""
+    if getattr(kv_args, "kv_layout", None) is None:
+        kv_args.kv_layout = LAYOUT_PREFIX + pool.cfg.fingerprint
 
 
 def fingerprint_mismatch(prefill: str, decode: str) -> str:
@@ -97,11 +89,13 @@ def _kvq_pool(pool):
 
 
 def setup_state_kv_args(result, kv_args, token_to_kv_pool, *args, **kwargs):
-    """Both sides: the packed pool's request state (its overlay frames and pd_window counts) is one REQUEST_ROW
-    component, which SGLang sends from the prefill's request slot to the decode's (sgl_kvq/pd_transfer.py)."""
+    """Both sides, before the KV manager is built from kv_args: the packed pool's request state (its overlay frames
+    and pd_window counts) is one REQUEST_ROW component, which SGLang sends from the prefill's request slot to the
+    decode's (sgl_kvq/pd_transfer.py), and its fingerprint is the kv_layout (publish_layout)."""
     pool = _kvq_pool(token_to_kv_pool)
     if pool is None:
         return
+    publish_layout(kv_args, pool)
     from sglang.srt.disaggregation.base.conn import StateType
     from sglang.srt.disaggregation.utils import append_state_component
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from sgl_kvq.config import KVQConfigError, is_kvq_dtype
-from sgl_kvq.patches.pd import publish_fingerprint
 from sgl_kvq.patches.sizing import budget_split, kvq_pool_shape
 
 
@@ -37,5 +36,4 @@ def build_token_to_kv_pool(orig, self, *, sizes, is_dsa_model, is_dsv4_model, re
                             end_layer=self.layer_info.end_layer, frames_pooled=split.frames_pooled)
     if split.frames_pooled:
         register_slot_pool(req_to_token_pool, pool)
-    publish_fingerprint(cfg.fingerprint)  # compared across a prefill/decode pair (patches/pd.py)
     return pool

@@ -41,7 +41,6 @@ HOOKS = (
     ("sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.maybe_send_cached_prefix_chunk", "pd",
      "prefill_early_send", "AROUND"),
     ("sglang.srt.disaggregation.utils.setup_state_kv_args", "pd", "setup_state_kv_args", "AFTER"),
-    ("sglang.srt.disaggregation.common.conn.CommonKVManager.__init__", "pd", "kv_manager_init", "BEFORE"),
     ("sglang.srt.disaggregation.common.conn.CommonKVManager.try_ensure_parallel_info", "pd", "ensure_parallel_info",
      "AROUND"),
     ("sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.send_kv_chunk", "pd",

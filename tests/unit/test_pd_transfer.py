@@ -123,7 +123,7 @@ def test_bytes_per_transferred_token_against_bf16(name, min_ratio):
 
 
 def test_a_pd_pair_with_different_fingerprints_is_refused(monkeypatch):
-    """Both sides publish their pool's fingerprint as SGLang's kv_layout (patches/pd.kv_manager_init); SGLang's own
+    """Both sides publish their pool's fingerprint as SGLang's kv_layout (patches/pd.publish_layout); SGLang's own
     decode-side check (CommonKVManager.try_ensure_parallel_info, run here against a prefill server's answer) refuses
     the pair, in sgl_kvq's words, with both fingerprints and what differs; equal fingerprints pass."""
     from dataclasses import replace
@@ -135,9 +135,9 @@ def test_a_pd_pair_with_different_fingerprints_is_refused(monkeypatch):
 
     cfg = parse_kv_cache_dtype("kivi2")
     decode_side, prefill_side = cfg.fingerprint, replace(cfg, rotate="none").fingerprint
-    monkeypatch.setitem(pd._FINGERPRINT, "local", decode_side)
     args = SimpleNamespace(kv_layout=None)
-    pd.kv_manager_init(None, args)
+    pd.publish_layout(args, KVQTokenToKVPool(8 * 64, PoolShape(L, H, D, 8, cfg), "cpu", torch.float32,
+                                             num_req_slots=2))
     assert args.kv_layout == pd.LAYOUT_PREFIX + decode_side
 
     def manager():
