@@ -34,11 +34,13 @@ NAME = "kvq_calibration"
 
 @dataclass
 class Reader:
-    """What the simulated decode read quantizes: {(layer, kind): bits}; the page geometry."""
+    """What the simulated decode read quantizes: {(layer, kind): bits}; the page geometry; every `stride`-th
+    position that reads a packed page is scored (a large vocabulary's softmax per position is most of a KL's cost)."""
     widths: dict[tuple[int, str], int]
     group_size: int = 64
     value_group: int = 64
     residual: int = 64
+    stride: int = 1
 
 
 def _quantized(x: torch.Tensor, bits: int, kind: str, r: Reader) -> torch.Tensor:
@@ -109,10 +111,10 @@ def install(model, reader: Reader) -> None:
             m.config._attn_implementation = NAME
 
 
-def kl(logits_ref: torch.Tensor, logits: torch.Tensor, start: int) -> float:
-    """Mean KL(ref || other) of the next-token distributions at positions >= start."""
-    a = torch.log_softmax(logits_ref[0, start:].float(), -1)
-    b = torch.log_softmax(logits[0, start:].float(), -1)
+def kl(logits_ref: torch.Tensor, logits: torch.Tensor) -> float:
+    """Mean KL(ref || other) of the next-token distributions, logits [1, scored positions, vocab]."""
+    a = torch.log_softmax(logits_ref[0].float(), -1)
+    b = torch.log_softmax(logits[0].float(), -1)
     return float((a.exp() * (a - b)).sum(-1).mean())
 
 
@@ -121,11 +123,18 @@ def first_read_position(r: Reader) -> int:
     return r.group_size * (1 + r.residual // r.group_size)
 
 
+def scored_positions(r: Reader, tokens: int) -> torch.Tensor:
+    """The positions a KL scores: every stride-th one from the first that reads a packed page (the model's
+    logits_to_keep)."""
+    return torch.arange(first_read_position(r), tokens, r.stride)
+
+
 class LayerOutputs:
     """The decoder layers' outputs of one reference pass, to skip the layers before the first quantized one: they
     compute the same whatever the layers after them read."""
 
-    def __init__(self, model, ids: torch.Tensor):
+    def __init__(self, model, ids: torch.Tensor, keep: torch.Tensor):
+        """keep: the positions whose logits are kept (scored_positions)."""
         install(model, Reader({}))
         self.layers = decoder_layers(model)
         self.out: list = [None] * len(self.layers)
@@ -133,7 +142,7 @@ class LayerOutputs:
                  for i, layer in enumerate(self.layers)]
         try:
             with torch.no_grad():
-                self.logits = model(input_ids=ids).logits
+                self.logits = model(input_ids=ids, logits_to_keep=keep).logits
         finally:
             for h in hooks:
                 h.remove()
@@ -162,17 +171,18 @@ def decoder_layers(model) -> list:
 
 def model_kl(model, ids: torch.Tensor, reader: Reader, reference: torch.Tensor,
              cached: LayerOutputs | None = None) -> float:
-    """KL of the model reading as `reader` says against the reference logits; with `cached`, the layers before the
-    first one it quantizes are not recomputed."""
+    """KL of the model reading as `reader` says against the reference logits (at scored_positions); with `cached`,
+    the layers before the first one it quantizes are not recomputed."""
     install(model, reader)
     first = min((layer for layer, _ in reader.widths), default=0) if cached is not None else 0
+    keep = scored_positions(reader, ids.shape[1])
     with torch.no_grad():
         if first:
             with cached.skipping(first):
-                logits = model(input_ids=ids).logits
+                logits = model(input_ids=ids, logits_to_keep=keep).logits
         else:
-            logits = model(input_ids=ids).logits
-    return kl(reference, logits, first_read_position(reader))
+            logits = model(input_ids=ids, logits_to_keep=keep).logits
+    return kl(reference, logits)
 
 
 def bytes_per_token(widths: dict[tuple[int, str], int], heads: int, head_dim: int, r: Reader) -> float:

@@ -90,7 +90,7 @@ def build(B, ctx, Hq, Hkv, D, bits, dtype, device, gen):
         k_scale=(rnd(P, Hkv, D).abs() * 0.1).half(), k_zero=(rnd(P, Hkv, D) * 0.1).half(),
         v_codes=torch.randint(0, 256, (P * G, Hkv, Dp), dtype=torch.uint8, device=device, generator=gen),
         v_scale=(rnd(P * G, Hkv, D // VG).abs() * 0.1).half(), v_zero=(rnd(P * G, Hkv, D // VG) * 0.1).half(),
-        ov_k=rnd(F, G, Hkv, D).to(dtype), ov_v=rnd(F, G, Hkv, D).to(dtype), bits=bits)
+        ov_k=rnd(F, G, Hkv, D).to(dtype), ov_v=rnd(F, G, Hkv, D).to(dtype), k_bits=bits, v_bits=bits)
     i32 = dict(dtype=torch.int32, device=device)
     paged = PagedPlan(
         kv_indptr=torch.arange(B + 1, **i32) * nb,
@@ -159,7 +159,7 @@ def bench_config(model, Hq, Hkv, D, B, ctx, bits_list, dtype, device, copy_bw, c
                     torch.zeros(1, Hkv, D, dtype=torch.half, device=device),
                     torch.zeros(G, Hkv, D // 4, dtype=torch.uint8, device=device),
                     torch.zeros(G, Hkv, 1, dtype=torch.half, device=device),
-                    torch.zeros(G, Hkv, 1, dtype=torch.half, device=device), k_pages, v_pages, bits=2)
+                    torch.zeros(G, Hkv, 1, dtype=torch.half, device=device), k_pages, v_pages, k_bits=2, v_bits=2)
     last = ctx - (n - 1) * G
     paged = PagedPlan(empty, torch.zeros(0, **i32), torch.zeros(B, **i32), torch.arange(B + 1, **i32) * n,
                       torch.arange(B * n, **i32), torch.full((B,), last, **i32))

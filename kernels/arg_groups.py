@@ -13,8 +13,9 @@ from sgl_kvq.plan import LayerKV, PagedPlan
 
 
 class PoolArgs(NamedTuple):
-    """One layer's packed base pages and fp16 overlay frames (checks.check_layer: k/v codes share strides, so do
-    scale and zero) with the strides the kernels index them by; every last dim is contiguous."""
+    """One layer's packed base pages and fp16 overlay frames (checks.check_layer: scale and zero share strides; key
+    and value codes may differ in width, each has its own) with the strides the kernels index them by; every last
+    dim is contiguous."""
     k_codes: torch.Tensor
     k_scale: torch.Tensor
     k_zero: torch.Tensor
@@ -25,20 +26,24 @@ class PoolArgs(NamedTuple):
     ov_v: torch.Tensor
     stride_kc_slot: int
     stride_kc_head: int
+    stride_vc_slot: int
+    stride_vc_head: int
     stride_ks_page: int
     stride_ks_head: int
     stride_vs_slot: int
     stride_vs_head: int
     stride_ov_frame: int
+    stride_ovv_frame: int  # ov_v's: pooled frames over a recipe layer's narrower value codes lie closer together
     stride_ov_tok: int
     stride_ov_head: int
 
 
 def pool_args(kv: LayerKV) -> PoolArgs:
     return PoolArgs(kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes, kv.v_scale, kv.v_zero, kv.ov_k, kv.ov_v,
-                    kv.k_codes.stride(0), kv.k_codes.stride(1), kv.k_scale.stride(0), kv.k_scale.stride(1),
-                    kv.v_scale.stride(0), kv.v_scale.stride(1), kv.ov_k.stride(0), kv.ov_k.stride(1),
-                    kv.ov_k.stride(2))
+                    kv.k_codes.stride(0), kv.k_codes.stride(1), kv.v_codes.stride(0), kv.v_codes.stride(1),
+                    kv.k_scale.stride(0), kv.k_scale.stride(1),
+                    kv.v_scale.stride(0), kv.v_scale.stride(1), kv.ov_k.stride(0), kv.ov_v.stride(0),
+                    kv.ov_k.stride(1), kv.ov_k.stride(2))
 
 
 class PageLists(NamedTuple):

@@ -46,12 +46,13 @@ def check_layer(kv: LayerKV) -> tuple[int, int, int, int]:
     """Returns (H, D, G, VG) after checking every buffer of the layer view."""
     F, G, H, D = kv.ov_k.shape
     NG = kv.v_scale.shape[-1]
-    require(kv.bits in (1, 2, 3, 4), f"bits must be 1, 2, 3 or 4, got {kv.bits}")
+    for what, b in (("k_bits", kv.k_bits), ("v_bits", kv.v_bits)):
+        require(b in (1, 2, 3, 4), f"{what} must be 1, 2, 3 or 4, got {b}")
     require(is_pow2(D) and D >= 16, f"head_dim {D} must be a power of two >= 16")
     require(is_pow2(G) and G >= 16, f"page size G={G} must be a power of two >= 16 (tl.dot tiles)")
     require(kv.k_codes.shape[0] % G == 0, f"k_codes has {kv.k_codes.shape[0]} slots, not a multiple of G={G}")
     require(NG > 0 and D % NG == 0 and is_pow2(D // NG), f"v_scale last dim {NG} does not divide head_dim {D}")
-    want = {**kivi_shapes(layer_geometry(kv), kv.bits), "ov_v": (tuple(kv.ov_k.shape), kv.ov_k.dtype)}
+    want = {**kivi_shapes(layer_geometry(kv), kv.k_bits, kv.v_bits), "ov_v": (tuple(kv.ov_k.shape), kv.ov_k.dtype)}
     require(kv.ov_k.dtype in MODEL_DTYPES, f"ov_k dtype {kv.ov_k.dtype} is not a model dtype")
     for name, (shape, dtype) in want.items():
         t = getattr(kv, name)
@@ -63,8 +64,9 @@ def check_layer(kv: LayerKV) -> tuple[int, int, int, int]:
         require(t.stride(-1) == 1, f"{name} must be contiguous in its last dim")
     require(kv.k_scale.stride() == kv.k_zero.stride(), "k_scale and k_zero strides differ")
     require(kv.v_scale.stride() == kv.v_zero.stride(), "v_scale and v_zero strides differ")
-    require(kv.k_codes.stride() == kv.v_codes.stride(), "k_codes and v_codes strides differ")
-    require(kv.ov_k.stride() == kv.ov_v.stride(), "ov_k and ov_v strides differ")
+    # frames may lie apart by different strides (pooled over a recipe layer's key and value codes); within a frame
+    # they agree
+    require(kv.ov_k.stride()[1:] == kv.ov_v.stride()[1:], "ov_k and ov_v strides within a frame differ")
     return H, D, G, D // NG
 
 

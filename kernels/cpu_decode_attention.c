@@ -6,14 +6,16 @@
  *   q, out     [B, Hq, D]      fp32 / fp16 / bf16 (dtype code 0 / 1 / 2), contiguous
  *   k_codes    [S, H, D*b/8]   uint8, b-bit codes packed along D (sgl_kvq/quant/pack.py: element i in byte
  *   v_codes                    i / (8/b) at bit (i % (8/b)) * b; b = 3: a 2-bit plane of D/4 bytes, then a
- *                              1-bit plane of D/8 bytes, code = low | high << 2)
+ *                              1-bit plane of D/8 bytes, code = low | high << 2); keys at k_bits, values at
+ *                              v_bits (a recipe's layer may store them at different widths)
  *   k_scale    [P, H, D]       fp16 per page and channel: key = code * scale + zero
  *   k_zero
  *   v_scale    [S, H, NG]      fp16 per token and group of D / NG channels: value = code * scale + zero
  *   v_zero
  *   ov_k, ov_v [F, G, H, D]    fp32 / fp16 / bf16 overlay frames (the model's dtype), as stored; frame f starts
- *                              at element f * ov_stride (pooled kivi3 frames lie k pages' codes apart, more than
- *                              a frame), each frame contiguous
+ *                              at element f * ov_stride of ov_k, f * ov_v_stride of ov_v (pooled kivi3 frames lie
+ *                              k pages' codes apart, more than a frame; under a recipe a layer's key and value
+ *                              codes differ in width), each frame contiguous
  *   plan       kv_indptr [B+1], kv_indices, kv_last [B]; ov_indptr [B+1], ov_indices, ov_last [B]: int32
  * Request b's context is its base pages then its overlay frames; the last page of each list holds *_last tokens.
  * window: a sliding layer's W (-1: none): the query, at the context's last position i, sees i - W .. i; the tokens
@@ -74,7 +76,7 @@ typedef struct {
     const uint16_t *ov_k, *ov_v;
     const int32_t *kv_indptr, *kv_indices, *kv_last, *ov_indptr, *ov_indices, *ov_last;
     int H, Hq, D, G, NG, q_dtype, ov_dtype;
-    long ov_stride;
+    long ov_stride, ov_v_stride;
     float sm_scale;
     int window; /* a sliding layer's W (the query at position i sees i - W .. i), -1 for none */
 } Args;
@@ -157,8 +159,9 @@ static inline void axpy(float *restrict y, const float *restrict x, float a, int
 /* A base page's tokens t0 .. n - 1 of KV head h for the g query rows qh (already scaled by sm_scale). */
 static inline void base_page(const Args *a, int page, int t0, int n, int h, const float *restrict qh,
                              float *restrict m, float *restrict l, float *restrict acc, float *restrict s,
-                             const int b) {
-    const int D = a->D, H = a->H, G = a->G, NG = a->NG, g = a->Hq / a->H, Dp = D * b / 8, VG = D / NG;
+                             const int kb, const int vb) {
+    const int D = a->D, H = a->H, G = a->G, NG = a->NG, g = a->Hq / a->H, VG = D / NG;
+    const int Dpk = D * kb / 8, Dpv = D * vb / 8;
     float qs[g * D], qz[g], c[D], v[D];
     const long kp = ((long)page * H + h) * D;
     for (int j = 0; j < g; j++) {
@@ -170,13 +173,13 @@ static inline void base_page(const Args *a, int page, int t0, int n, int h, cons
         qz[j] = z;
     }
     for (int t = t0; t < n; t++) {
-        unpack_row(a->k_codes + ((long)(page * G + t) * H + h) * Dp, c, D, b);
+        unpack_row(a->k_codes + ((long)(page * G + t) * H + h) * Dpk, c, D, kb);
         for (int j = 0; j < g; j++) s[j * G + t] = dot(qs + j * D, c, D) + qz[j];
     }
     softmax_step(s, m, l, acc, g, t0, n, G, D);
     for (int t = t0; t < n; t++) {
         const long row = (long)(page * G + t) * H + h;
-        unpack_row(a->v_codes + row * Dp, c, D, b);
+        unpack_row(a->v_codes + row * Dpv, c, D, vb);
         for (int grp = 0; grp < NG; grp++) {
             const float sc = f16_to_f32(a->v_scale[row * NG + grp]), zr = f16_to_f32(a->v_zero[row * NG + grp]);
             for (int d = grp * VG; d < (grp + 1) * VG; d++) v[d] = c[d] * sc + zr;
@@ -197,7 +200,7 @@ static inline void overlay_frame(const Args *a, int frame, int t0, int n, int h,
     }
     softmax_step(s, m, l, acc, g, t0, n, G, D);
     for (int t = t0; t < n; t++) {
-        const long row = frame * a->ov_stride + ((long)t * H + h) * D;
+        const long row = frame * a->ov_v_stride + ((long)t * H + h) * D;
         for (int d = 0; d < D; d++) c[d] = load(a->ov_v, row + d, a->ov_dtype);
         for (int j = 0; j < g; j++) axpy(acc + j * D, c, s[j * G + t], D);
     }
@@ -225,7 +228,7 @@ static inline void window_start(const Args *a, int b, int *unit, int *tok) {
 
 /* Units [u0, u1) of request b for KV head h into one partial state; unit u0 from token t0 on. */
 static inline void run_task(const Args *a, int b, int h, int u0, int t0, int u1, float *restrict part,
-                            const int bits) {
+                            const int kb, const int vb) {
     const int D = a->D, G = a->G, g = a->Hq / a->H;
     const int np = a->kv_indptr[b + 1] - a->kv_indptr[b], nf = a->ov_indptr[b + 1] - a->ov_indptr[b];
     float qh[g * D], s[g * G];
@@ -241,7 +244,7 @@ static inline void run_task(const Args *a, int b, int h, int u0, int t0, int u1,
         const int from = u == u0 ? t0 : 0;
         if (u < np) {
             const int n = u == np - 1 ? a->kv_last[b] : G;
-            base_page(a, a->kv_indices[a->kv_indptr[b] + u], from, n, h, qh, m, l, acc, s, bits);
+            base_page(a, a->kv_indices[a->kv_indptr[b] + u], from, n, h, qh, m, l, acc, s, kb, vb);
         } else {
             const int f = u - np, n = f == nf - 1 ? a->ov_last[b] : G;
             overlay_frame(a, a->ov_indices[a->ov_indptr[b] + f], from, n, h, qh, m, l, acc, s);
@@ -254,12 +257,12 @@ int kvq_cpu_decode(const void *q, void *out, const uint8_t *k_codes, const uint8
                    const uint16_t *k_scale, const uint16_t *k_zero, const uint16_t *v_scale, const uint16_t *v_zero,
                    const uint16_t *ov_k, const uint16_t *ov_v, const int32_t *kv_indptr, const int32_t *kv_indices,
                    const int32_t *kv_last, const int32_t *ov_indptr, const int32_t *ov_indices,
-                   const int32_t *ov_last, int B, int H, int Hq, int D, int G, int bits, int NG, int q_dtype,
-                   int ov_dtype, long ov_stride, float sm_scale, int window, int chunk, int threads,
-                   float *partial) {
+                   const int32_t *ov_last, int B, int H, int Hq, int D, int G, int k_bits, int v_bits, int NG,
+                   int q_dtype, int ov_dtype, long ov_stride, long ov_v_stride, float sm_scale, int window, int chunk,
+                   int threads, float *partial) {
     const Args a = {q, out, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, ov_k, ov_v, kv_indptr, kv_indices,
-                    kv_last, ov_indptr, ov_indices, ov_last, H, Hq, D, G, NG, q_dtype, ov_dtype, ov_stride, sm_scale,
-                    window};
+                    kv_last, ov_indptr, ov_indices, ov_last, H, Hq, D, G, NG, q_dtype, ov_dtype, ov_stride,
+                    ov_v_stride, sm_scale, window};
     /* partial [tasks, g, D + 2]: per query head of a task its weighted values, then max and sum */
     const int g = Hq / H, stride = g * (D + 2);
     /* request b's tasks are first[b] .. first[b + 1] - 1, H x its chunks of the units its window sees (from unit
@@ -286,12 +289,14 @@ int kvq_cpu_decode(const void *q, void *out, const uint8_t *k_codes, const uint8
         const int units = units_of(&a, b), u0 = u_lo[b] + c * chunk, u1 = u0 + chunk < units ? u0 + chunk : units;
         const int t0 = c == 0 ? t_lo[b] : 0;
         float *part = partial + (long)t * stride;
-        switch (bits) {
-            case 1: run_task(&a, b, h, u0, t0, u1, part, 1); break;
-            case 2: run_task(&a, b, h, u0, t0, u1, part, 2); break;
-            case 3: run_task(&a, b, h, u0, t0, u1, part, 3); break;
-            case 4: run_task(&a, b, h, u0, t0, u1, part, 4); break;
-            default: run_task(&a, b, h, u0, t0, u1, part, 8); break;
+        /* one width for keys and values: unpacking specialized per width; a recipe's mixed layer: generic */
+        switch (k_bits == v_bits ? k_bits : 0) {
+            case 1: run_task(&a, b, h, u0, t0, u1, part, 1, 1); break;
+            case 2: run_task(&a, b, h, u0, t0, u1, part, 2, 2); break;
+            case 3: run_task(&a, b, h, u0, t0, u1, part, 3, 3); break;
+            case 4: run_task(&a, b, h, u0, t0, u1, part, 4, 4); break;
+            case 8: run_task(&a, b, h, u0, t0, u1, part, 8, 8); break;
+            default: run_task(&a, b, h, u0, t0, u1, part, k_bits, v_bits); break;
         }
     }
     /* merge each (request, KV head)'s chunks; a request without units (none in a decode batch) gets zeros */

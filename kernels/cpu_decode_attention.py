@@ -96,8 +96,9 @@ def _load() -> None:
         return
     fn = lib.kvq_cpu_decode
     fn.restype = ctypes.c_int
-    fn.argtypes = ([ctypes.c_void_p] * 16 + [ctypes.c_int] * 9
-                   + [ctypes.c_long, ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p])
+    fn.argtypes = ([ctypes.c_void_p] * 16 + [ctypes.c_int] * 10
+                   + [ctypes.c_long, ctypes.c_long, ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_void_p])
     _lib = lib
 
 
@@ -128,16 +129,18 @@ def check_layer(kv: LayerKV) -> None:
     frames may lie apart (pooled kivi3 frames), each contiguous, ov_k and ov_v alike."""
     F, G, H, D = kv.ov_k.shape
     _require(supports(kv), "the layer view has per-page extras or is not on the CPU")
-    _require(kv.bits in (1, 2, 3, 4, 8), f"bits must be 1, 2, 3, 4 or 8, got {kv.bits}")
-    S, Dp, NG = kv.k_codes.shape[0], packed_dim(D, kv.bits), kv.v_scale.shape[-1]
+    for what, b in (("k_bits", kv.k_bits), ("v_bits", kv.v_bits)):
+        _require(b in (1, 2, 3, 4, 8), f"{what} must be 1, 2, 3, 4 or 8, got {b}")
+    S, NG = kv.k_codes.shape[0], kv.v_scale.shape[-1]
     _require(S % G == 0, f"k_codes has {S} slots, not a multiple of G={G}")
     _require(NG > 0 and D % NG == 0, f"v_scale's last dim {NG} does not divide head_dim {D}")
     _require(kv.ov_k.dtype in _DTYPE_CODE, f"overlay dtype {kv.ov_k.dtype}: fp32, fp16 or bf16")
-    want = {"k_codes": ((S, H, Dp), torch.uint8), "v_codes": ((S, H, Dp), torch.uint8),
+    want = {"k_codes": ((S, H, packed_dim(D, kv.k_bits)), torch.uint8),
+            "v_codes": ((S, H, packed_dim(D, kv.v_bits)), torch.uint8),
             "k_scale": ((S // G, H, D), SCALE_DTYPE), "k_zero": ((S // G, H, D), SCALE_DTYPE),
             "v_scale": ((S, H, NG), SCALE_DTYPE), "v_zero": ((S, H, NG), SCALE_DTYPE),
             "ov_k": ((F, G, H, D), kv.ov_k.dtype), "ov_v": ((F, G, H, D), kv.ov_k.dtype)}
-    _require(kv.ov_v.stride() == kv.ov_k.stride(), "ov_k and ov_v strides differ")
+    _require(kv.ov_v.stride()[1:] == kv.ov_k.stride()[1:], "ov_k and ov_v strides within a frame differ")
     for name, (shape, dtype) in want.items():
         t = getattr(kv, name)
         whole = t[0] if name.startswith("ov_") else t  # frames may lie apart, each contiguous
@@ -184,8 +187,8 @@ def decode_attention(q: torch.Tensor, kv: LayerKV, plan: PagedPlan, sm_scale: fl
     rc = _lib.kvq_cpu_decode(q.data_ptr(), out.data_ptr(), kv.k_codes.data_ptr(), kv.v_codes.data_ptr(),
                              kv.k_scale.data_ptr(), kv.k_zero.data_ptr(), kv.v_scale.data_ptr(),
                              kv.v_zero.data_ptr(), kv.ov_k.data_ptr(), kv.ov_v.data_ptr(), *_plan_args(plan),
-                             B, H, Hq, D, G, kv.bits, kv.v_scale.shape[-1], _DTYPE_CODE[q.dtype],
-                             _DTYPE_CODE[kv.ov_k.dtype], kv.ov_k.stride(0), sm_scale, window, chunk, threads,
-                             partial.data_ptr())
+                             B, H, Hq, D, G, kv.k_bits, kv.v_bits, kv.v_scale.shape[-1], _DTYPE_CODE[q.dtype],
+                             _DTYPE_CODE[kv.ov_k.dtype], kv.ov_k.stride(0), kv.ov_v.stride(0), sm_scale, window,
+                             chunk, threads, partial.data_ptr())
     _require(rc == 0, "out of memory for the task table")
     return out

@@ -107,7 +107,8 @@ def decode_attention(q: torch.Tensor, kv: LayerKV, p: DecodePlan, sm_scale: floa
         _decode_attention_kernel[(p.batch_size, H, p.max_splits)](
             q, pool_args(kv), extras, page_lists(p.paged), p.num_splits, split_parts(p.o_partial, p.lse_partial), H,
             sm_scale * LOG2E, q.stride(0), q.stride(1), window,
-            GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=D, G=G, BITS=kv.bits, VG=VG,
+            GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=D, G=G, KBITS=kv.k_bits,
+            VBITS=kv.v_bits, VG=VG,
             DOT_FP32=dot_in_fp32(q.dtype), **extras_consts,
         )
     return merge_state(p.o_partial, p.lse_partial, p.num_splits, out=out, lse_out=lse_out, out_rotation=out_rotation)

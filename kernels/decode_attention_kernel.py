@@ -19,8 +19,8 @@ from .paged_kv_kernel import _base_page_step, _frame_step, _window_valid
 @triton.jit
 def _decode_attention_kernel(
     Q, POOL, EXTRAS, PAGES, num_splits, PARTS, n_heads, sm_scale_log2, stride_qb, stride_qh, window,
-    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
-    VG: tl.constexpr, CORRECT: tl.constexpr, SIZES: tl.constexpr, DOT_FP32: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr,
+    VBITS: tl.constexpr, VG: tl.constexpr, CORRECT: tl.constexpr, SIZES: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -59,7 +59,7 @@ def _decode_attention_kernel(
             n_valid = tl.where(j == n_base - 1, last_base, G)
             valid = _window_valid(offs_t, j * G, n_valid, lo)
             m, l, acc = _base_page_step(q, m, l, acc, POOL, EXTRAS, page, n_valid, valid, kvh, n_heads, offs_t,
-                                        offs_d, sm_scale_log2, G, D, BITS, VG, CORRECT, SIZES, DOT_FP32)
+                                        offs_d, sm_scale_log2, G, D, KBITS, VBITS, VG, CORRECT, SIZES, DOT_FP32)
 
         for j in range(tl.maximum(p_start, n_base), p_end):
             frame = tl.load(PAGES.ov_indices + ov_lo + j - n_base).to(tl.int64)

@@ -51,7 +51,7 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         q, k_new, v_new, out, qo_indptr, pool_args(kv), extras, page_lists(paged), H, sm_scale * LOG2E,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         out.stride(0), out.stride(1), window,
-        GROUP=group, GP=gp, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, D=D, G=G, BITS=kv.bits, VG=VG,
+        GROUP=group, GP=gp, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, D=D, G=G, KBITS=kv.k_bits, VBITS=kv.v_bits, VG=VG,
         DOT_FP32=dot_in_fp32(q.dtype), **extras_consts,
     )
     return out

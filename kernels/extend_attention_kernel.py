@@ -21,7 +21,7 @@ def _extend_attention_kernel(
     Q, K_new, V_new, O, qo_indptr, POOL, EXTRAS, PAGES, n_heads, sm_scale_log2,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, window,
     GROUP: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-    G: tl.constexpr, BITS: tl.constexpr, VG: tl.constexpr, CORRECT: tl.constexpr,
+    G: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr, CORRECT: tl.constexpr,
     SIZES: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
@@ -62,7 +62,7 @@ def _extend_attention_kernel(
             n_valid = tl.where(j == n_base - 1, last_base, G)
             valid = _window_valid(offs_t, j * G, n_valid, row_first[:, None])
             m, l, acc = _base_page_step(q, m, l, acc, POOL, EXTRAS, page, n_valid, valid, kvh, n_heads, offs_t,
-                                        offs_d, sm_scale_log2, G, D, BITS, VG, CORRECT, SIZES, DOT_FP32)
+                                        offs_d, sm_scale_log2, G, D, KBITS, VBITS, VG, CORRECT, SIZES, DOT_FP32)
 
         for j in range(tl.maximum(lo - base_len, 0) // G, n_ov):
             frame = tl.load(PAGES.ov_indices + ov_lo + j).to(tl.int64)

@@ -48,7 +48,7 @@ def _base_page_v(POOL, page, kvh, offs_t, offs_d, n_valid, G: tl.constexpr, D: t
     # context may hold garbage scales (NaN/inf), and p = 0 times NaN would still poison p @ V.
     slots = page * G + offs_t
     rows = (offs_t < n_valid)[:, None]
-    starts = POOL.v_codes + slots[:, None] * POOL.stride_kc_slot + kvh * POOL.stride_kc_head
+    starts = POOL.v_codes + slots[:, None] * POOL.stride_vc_slot + kvh * POOL.stride_vc_head
     if BITS == 3:
         codes = _unpack3(tl.load(starts + (offs_d // 4)[None, :], mask=rows, other=0),
                          tl.load(starts + (D // 4 + offs_d // 8)[None, :], mask=rows, other=0), offs_d[None, :])
@@ -95,13 +95,14 @@ def _softmax_step(qk, valid, m, l, acc, v, DOT_FP32: tl.constexpr):
 
 @triton.jit
 def _base_page_step(q, m, l, acc, POOL, EXTRAS, page, n_valid, valid, kvh, n_heads, offs_t, offs_d, sm_scale_log2,
-                    G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, VG: tl.constexpr, CORRECT: tl.constexpr,
-                    SIZES: tl.constexpr, DOT_FP32: tl.constexpr):
-    # One packed base page into the online softmax of q [M, D] (already in the dot dtype): -> updated (m, l, acc).
+                    G: tl.constexpr, D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr,
+                    CORRECT: tl.constexpr, SIZES: tl.constexpr, DOT_FP32: tl.constexpr):
+    # One packed base page (keys at KBITS, values at VBITS) into the online softmax of q [M, D] (already in the dot
+    # dtype): -> updated (m, l, acc).
     # valid [M or 1, G]: the keys each row sees (tokens < n_valid, within a sliding window: _window_valid).
-    kt = _page_kt(POOL, EXTRAS, page, kvh, n_heads, offs_t, offs_d, G, D, BITS, VG, CORRECT, SIZES)
+    kt = _page_kt(POOL, EXTRAS, page, kvh, n_heads, offs_t, offs_d, G, D, KBITS, VG, CORRECT, SIZES)
     qk = _dot(q, kt.to(q.dtype), DOT_FP32) * sm_scale_log2
-    v = _page_v(POOL, EXTRAS, page, kvh, n_heads, offs_t, offs_d, n_valid, G, D, BITS, VG, CORRECT, SIZES)
+    v = _page_v(POOL, EXTRAS, page, kvh, n_heads, offs_t, offs_d, n_valid, G, D, VBITS, VG, CORRECT, SIZES)
     return _softmax_step(qk, valid, m, l, acc, v.to(q.dtype), DOT_FP32)
 
 
@@ -113,7 +114,8 @@ def _frame_step(q, m, l, acc, POOL, frame, n_valid, valid, kvh, offs_t, offs_d, 
     kt = tl.load(POOL.ov_k + base + offs_t[None, :] * POOL.stride_ov_tok + offs_d[:, None])
     qk = _dot(q, kt.to(q.dtype), DOT_FP32) * sm_scale_log2
     # rows past the frame's last token are never loaded: they may hold NaN (see _base_page_v)
-    v = tl.load(POOL.ov_v + base + offs_t[:, None] * POOL.stride_ov_tok + offs_d[None, :],
+    v_base = frame * POOL.stride_ovv_frame + kvh * POOL.stride_ov_head
+    v = tl.load(POOL.ov_v + v_base + offs_t[:, None] * POOL.stride_ov_tok + offs_d[None, :],
                 mask=(offs_t < n_valid)[:, None], other=0.0)
     return _softmax_step(qk, valid, m, l, acc, v.to(q.dtype), DOT_FP32)
 

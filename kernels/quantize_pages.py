@@ -21,7 +21,9 @@ def quantize_pages(k: torch.Tensor, v: torch.Tensor, dst_pages: torch.Tensor, kv
     require(k.dim() == 4 and k.shape == v.shape and tuple(k.shape[1:]) == (G, H, D),
             f"k, v must be [N, G={G}, H={H}, D={D}], got {tuple(k.shape)} {tuple(v.shape)}")
     require(k.dtype in MODEL_DTYPES and v.dtype == k.dtype, f"k/v dtype {k.dtype}/{v.dtype}")
-    require(k.stride() == v.stride() and k.stride(-1) == 1, "k and v must share strides, last dim contiguous")
+    # pooled frames over a recipe layer's key and value codes lie apart by different strides; within a page they agree
+    require(k.stride()[1:] == v.stride()[1:] and k.stride(-1) == 1,
+            "k and v must share strides within a page, last dim contiguous")
     require(k.device == kv.k_codes.device and v.device == k.device, "k/v and the pool are on different devices")
     require(dst_pages.dim() == 1 and dst_pages.device == k.device, "dst_pages must be a 1-D tensor on k's device")
     require(not dst_pages.is_floating_point(), "dst_pages must be integer page ids")
@@ -35,10 +37,10 @@ def quantize_pages(k: torch.Tensor, v: torch.Tensor, dst_pages: torch.Tensor, kv
     _quantize_pages_kernel[(n, H)](
         k, v, src_ids, dst_pages,
         kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes, kv.v_scale, kv.v_zero,
-        k.stride(0), k.stride(1), k.stride(2),
-        kv.k_codes.stride(0), kv.k_codes.stride(1), kv.k_scale.stride(0), kv.k_scale.stride(1),
-        kv.v_scale.stride(0), kv.v_scale.stride(1),
-        G=G, D=D, VG=VG, BITS=kv.bits, SPECACHE_ONE_BIT=specache_one_bit,
+        k.stride(0), v.stride(0), k.stride(1), k.stride(2),
+        kv.k_codes.stride(0), kv.k_codes.stride(1), kv.v_codes.stride(0), kv.v_codes.stride(1),
+        kv.k_scale.stride(0), kv.k_scale.stride(1), kv.v_scale.stride(0), kv.v_scale.stride(1),
+        G=G, D=D, VG=VG, KBITS=kv.k_bits, VBITS=kv.v_bits, SPECACHE_ONE_BIT=specache_one_bit,
         # bit-exactness: no fma contraction of 3 * lo + hi or of the encode arithmetic
         enable_fp_fusion=False,
     )

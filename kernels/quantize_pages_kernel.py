@@ -70,10 +70,11 @@ def _store_codes(ptr, rows, codes, ROWS: tl.constexpr, D: tl.constexpr, BITS: tl
 def _quantize_pages_kernel(
     K, V, src_ids, dst_pages,
     KC, KS, KZ, VC, VS, VZ,
-    stride_src_page, stride_src_tok, stride_src_head,
-    stride_kc_slot, stride_kc_head, stride_ks_page, stride_ks_head,
+    stride_src_page, stride_srcv_page, stride_src_tok, stride_src_head,
+    stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head, stride_ks_page, stride_ks_head,
     stride_vs_slot, stride_vs_head,
-    G: tl.constexpr, D: tl.constexpr, VG: tl.constexpr, BITS: tl.constexpr, SPECACHE_ONE_BIT: tl.constexpr,
+    G: tl.constexpr, D: tl.constexpr, VG: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
+    SPECACHE_ONE_BIT: tl.constexpr,
 ):
     # One program per (page, KV head): the whole [G, D] tile of keys and of values is in registers.
     n = tl.program_id(0)
@@ -85,23 +86,22 @@ def _quantize_pages_kernel(
         NG: tl.constexpr = D // VG
         offs_t = tl.arange(0, G)
         offs_d = tl.arange(0, D)
-        src_off = src * stride_src_page + offs_t[:, None] * stride_src_tok + h * stride_src_head + offs_d[None, :]
+        row = offs_t[:, None] * stride_src_tok + h * stride_src_head + offs_d[None, :]
         slots = dst * G + offs_t
 
         # keys: per channel over the page's G tokens
-        k = tl.load(K + src_off).to(tl.float32)
-        k_scale, k_zero = _scale_zero(tl.min(k, axis=0), tl.max(k, axis=0), BITS, SPECACHE_ONE_BIT)
-        k_codes = _encode(k, k_scale[None, :], k_zero[None, :], BITS)
-        kc_rows = slots * stride_kc_slot + h * stride_kc_head
-        _store_codes(KC, kc_rows, k_codes, G, D, BITS)
+        k = tl.load(K + src * stride_src_page + row).to(tl.float32)
+        k_scale, k_zero = _scale_zero(tl.min(k, axis=0), tl.max(k, axis=0), KBITS, SPECACHE_ONE_BIT)
+        k_codes = _encode(k, k_scale[None, :], k_zero[None, :], KBITS)
+        _store_codes(KC, slots * stride_kc_slot + h * stride_kc_head, k_codes, G, D, KBITS)
         tl.store(KS + dst * stride_ks_page + h * stride_ks_head + offs_d, k_scale)
         tl.store(KZ + dst * stride_ks_page + h * stride_ks_head + offs_d, k_zero)
 
         # values: per token, groups of VG channels
-        v = tl.reshape(tl.load(V + src_off).to(tl.float32), (G, NG, VG))
-        v_scale, v_zero = _scale_zero(tl.min(v, axis=2), tl.max(v, axis=2), BITS, SPECACHE_ONE_BIT)
-        v_codes = tl.reshape(_encode(v, v_scale[:, :, None], v_zero[:, :, None], BITS), (G, D))
-        _store_codes(VC, kc_rows, v_codes, G, D, BITS)
+        v = tl.reshape(tl.load(V + src * stride_srcv_page + row).to(tl.float32), (G, NG, VG))
+        v_scale, v_zero = _scale_zero(tl.min(v, axis=2), tl.max(v, axis=2), VBITS, SPECACHE_ONE_BIT)
+        v_codes = tl.reshape(_encode(v, v_scale[:, :, None], v_zero[:, :, None], VBITS), (G, D))
+        _store_codes(VC, slots * stride_vc_slot + h * stride_vc_head, v_codes, G, D, VBITS)
         vs_off = slots[:, None] * stride_vs_slot + h * stride_vs_head + tl.arange(0, NG)[None, :]
         tl.store(VS + vs_off, v_scale)
         tl.store(VZ + vs_off, v_zero)

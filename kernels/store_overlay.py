@@ -34,6 +34,6 @@ def store_overlay(k: torch.Tensor, v: torch.Tensor, frames: torch.Tensor, offset
     _store_overlay_kernel[(T,)](
         k, v, frames, offsets, kv.ov_k, kv.ov_v, v_rotation if rotate else kv.ov_v,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        kv.ov_k.stride(0), kv.ov_k.stride(1), kv.ov_k.stride(2),
+        kv.ov_k.stride(0), kv.ov_v.stride(0), kv.ov_k.stride(1), kv.ov_k.stride(2),
         H=H, D=D, BLOCK_H=max(16 if rotate else 1, triton.next_power_of_2(H)), ROTATE_V=rotate,
     )

@@ -87,6 +87,10 @@ def validate(server_args, view, cfg) -> None:
     refusal = strategy.refusal("hicache", cfg.name)
     if getattr(view, "enable_hierarchical_cache", None) and refusal:
         raise KVQConfigError(f"sgl_kvq: {refusal}")
+    if getattr(view, "enable_hierarchical_cache", None) and cfg.format.layers_differ(cfg):
+        # the host tier mirrors the device base as [L, ...] buffers (host_pool.py); a recipe's layers differ in shape
+        raise KVQConfigError(f"sgl_kvq: HiCache's host tier does not hold {cfg.name} pages whose layers differ in "
+                             "width yet; drop --enable-hierarchical-cache or serve a kivi dtype")
     from sgl_kvq.host_pool import LAYOUTS
 
     layout = getattr(view, "hicache_mem_layout", None)
@@ -116,7 +120,8 @@ def validate(server_args, view, cfg) -> None:
     from sglang.srt.arg_groups.overrides import model_config_of
 
     model_config = model_config_of(server_args)
-    check_hf_config(model_config.hf_config, cfg, hybrid_swa=model_config.is_hybrid_swa)
+    check_hf_config(model_config.hf_config, cfg, hybrid_swa=model_config.is_hybrid_swa,
+                    model_path=model_config.model_path)
     _check_pinned_budget(cfg, model_config, view, server_args.max_running_requests)
     if (backend or kvq_backend_for(view.device, cfg)) == "kvq_triton":
         _check_triton_shapes(cfg, model_config.head_dim)

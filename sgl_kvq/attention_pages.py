@@ -107,8 +107,8 @@ def decode(q: torch.Tensor, kv: LayerKV, idx: PageIndex, sm_scale: float, ws: Wo
     page_req, frame_req = idx.unit_req[:NP], idx.unit_req[NP:]
     qg = (q.float() * sm_scale).view(B, H, g, D).transpose(0, 1)  # [H, B, g, D]: query head i reads KV head i // g
 
-    def fp32(codes, name):  # [H, NP, G, D] fp32 codes of the batch's base slots, in ws's buffer when given
-        c = unpacked_codes(codes, idx.slot_rows, kv.bits).view(H, NP, G, D)
+    def fp32(codes, bits, name):  # [H, NP, G, D] fp32 codes of the batch's base slots, in ws's buffer when given
+        c = unpacked_codes(codes, idx.slot_rows, bits).view(H, NP, G, D)
         return c.float() if ws is None else ws.take(name, c.shape, c.device).copy_(c)
 
     # Scores [H, unit, g, G]: base pages with the key scale folded into the query, then the overlay frames as stored.
@@ -116,7 +116,7 @@ def decode(q: torch.Tensor, kv: LayerKV, idx: PageIndex, sm_scale: float, ws: Wo
     qp = qu[:, :NP]
     ks = gather_rows(kv.k_scale, idx.page_rows, H).float()[:, :, None]  # [H, NP, 1, D]
     kz = gather_rows(kv.k_zero, idx.page_rows, H).float()[:, :, None]
-    s_base = torch.matmul(qp * ks, fp32(kv.k_codes, "k").transpose(-1, -2))  # [H, NP, g, G]
+    s_base = torch.matmul(qp * ks, fp32(kv.k_codes, kv.k_bits, "k").transpose(-1, -2))  # [H, NP, g, G]
     s_base += (qp * kz).sum(-1, keepdim=True)
     ov_k = frame_rows(kv.ov_k, idx.frame_rows).view(H, NF, G, D).float()
     s = torch.cat([s_base, torch.matmul(qu[:, NP:], ov_k.transpose(-1, -2))], 1)  # [H, NU, g, G]
@@ -135,7 +135,7 @@ def decode(q: torch.Tensor, kv: LayerKV, idx: PageIndex, sm_scale: float, ws: Wo
     groups = kv.v_scale.shape[-1]
     vs, vz = (gather_rows(x, idx.slot_rows, H).float().index_fill_(1, idx.base_tail, 0).view(H, NP, G, groups)
               for x in (kv.v_scale, kv.v_zero))
-    vf = fp32(kv.v_codes, "v")
+    vf = fp32(kv.v_codes, kv.v_bits, "v")
     if groups == 1:
         o_base = torch.matmul(e_base * vs.view(H, NP, 1, G), vf)[:, :, :, None]  # [H, NP, g, 1, D]
     else:

@@ -23,11 +23,14 @@ from sgl_kvq.formats.base import Format
 
 # Each format family's dtype names, bit widths and what its pages add are declared by its module in
 # sgl_kvq/formats/; the registry maps a name to its format.
-METHOD_BITS = {f.family: f.bits for f in registry.FORMATS}
+METHOD_BITS = {f.family: f.bits for f in registry.ALL_FORMATS}
 METHODS = tuple(METHOD_BITS)
 BITS = (1, 2, 3, 4)
-# The dtype names SGLang's --kv-cache-dtype gains. Every one is served by the same pool and backends.
+# The dtype names SGLang's --kv-cache-dtype gains. Every one is served by the same pool and backends; a recipe's
+# (kivimix) needs KVQ_RECIPE besides its name.
 DTYPE_NAMES = registry.DTYPE_NAMES
+RECIPE_DTYPE_NAMES = registry.RECIPE_DTYPE_NAMES
+ALL_DTYPE_NAMES = DTYPE_NAMES + RECIPE_DTYPE_NAMES
 
 # Every KVQ_* variable sgl_kvq's config reads: the core knobs (KVQConfig's fields) and each format family's own
 # (Format.knobs: fields of its params).
@@ -40,7 +43,9 @@ FRAME_MODES = ("pooled", "static")
 @dataclass(frozen=True)
 class KVQConfig:
     method: str  # a METHOD_BITS key
-    bits: int  # code width of keys and values in the packed base: 1, 2, 3 or 4 (specache: 1 or 2)
+    # code width of keys and values in the packed base: 1, 2, 3 or 4 (specache: 1 or 2); kivimix: 4, the widest a
+    # layer may take, each layer's keys and values at its recipe's widths (layer_bits)
+    bits: int
     group_size: int = 64  # G: tokens per page = key quantization group (keys per-channel over a page)
     value_group: int = 64  # channels per value quantization group (values per-token); clipped to head_dim
     residual: int = 64  # R: most recent complete tokens kept fp16 in the overlay, a multiple of G
@@ -140,13 +145,17 @@ class KVQConfig:
         storage tiers key pages on it (host_pool.py). Made of [A-Za-z0-9._-] only, so it can name a file."""
         parts = [self.name, f"G{self.group_size}", f"VG{self.value_group}", f"R{self.residual}",
                  f"rotate-{self.rotate}"]
-        if self.bits == 1:
+        if 1 in self.format.widths(self):
             parts.append("zero-specache" if self.specache_one_bit else "zero-minmax")
         if self.params is not None:
             stored = getattr(self.params, "STORED", None)
             parts += [f"{f.name}-{getattr(self.params, f.name)}" for f in dataclasses.fields(self.params)
                       if stored is None or f.name in stored]
         return "_".join(parts)
+
+    def layer_bits(self, layer: int) -> tuple[int, int]:
+        """(key, value) code widths of pool layer `layer` (a recipe's, or bits for both)."""
+        return self.format.layer_bits(self, layer)
 
     @property
     def page_size(self) -> int:
@@ -162,8 +171,9 @@ class KVQConfig:
 
     def check_head_dim(self, head_dim: int, v_head_dim: int | None = None) -> None:
         for what, d in (("head_dim", head_dim), ("v_head_dim", v_head_dim or head_dim)):
-            if d % 8 or (d * self.bits) % 8:
-                raise KVQConfigError(f"sgl_kvq: {what}={d} cannot be packed at {self.bits} bit (needs a multiple of 8)")
+            for b in sorted(self.format.widths(self)):
+                if d % 8 or (d * b) % 8:
+                    raise KVQConfigError(f"sgl_kvq: {what}={d} cannot be packed at {b} bit (needs a multiple of 8)")
             if d % self.value_group_for(d):
                 raise KVQConfigError(
                     f"sgl_kvq: {what}={d} is not a multiple of the value group {self.value_group_for(d)}")
@@ -176,7 +186,7 @@ def knob_names() -> tuple[str, ...]:
 
 
 def is_kvq_dtype(name: object) -> bool:
-    return isinstance(name, str) and name in DTYPE_NAMES
+    return isinstance(name, str) and name in ALL_DTYPE_NAMES
 
 
 def looks_like_kvq_dtype(name: object) -> bool:
@@ -199,17 +209,17 @@ def default_config(name: str) -> KVQConfig:
 
 @functools.lru_cache(maxsize=None)
 def _parse(name: str, knob_values: tuple) -> KVQConfig:
-    return _build(name, env.knobs(env.CORE_KNOBS), {f.family: env.knobs(f.knobs) for f in registry.FORMATS})
+    return _build(name, env.knobs(env.CORE_KNOBS), {f.family: env.knobs(f.knobs) for f in registry.ALL_FORMATS})
 
 
 def _build(name: str, knobs: dict, family_knobs: dict) -> KVQConfig:
     """knobs: the core knobs set (CORE_KNOBS' fields); family_knobs: family -> its params' fields set."""
     if name not in registry.BY_NAME:
-        raise KVQConfigError(f"sgl_kvq: unknown kv cache dtype {name!r}; choose one of {', '.join(DTYPE_NAMES)}")
+        raise KVQConfigError(f"sgl_kvq: unknown kv cache dtype {name!r}; choose one of {', '.join(ALL_DTYPE_NAMES)}")
     fmt, bits = registry.BY_NAME[name]
     knobs = {**fmt.default_knobs(bits), **knobs}
     group_size = knobs.get("group_size", KVQConfig.group_size)
-    for other in registry.FORMATS:  # every family's knobs are checked: the environment is shared
+    for other in registry.ALL_FORMATS:  # every family's knobs are checked: the environment is shared
         if other.params is not None and other is not fmt and family_knobs.get(other.family):
             other.check_params(dataclasses.replace(other.default_params(other.bits[0]),
                                                    **family_knobs[other.family]), group_size)

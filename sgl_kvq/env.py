@@ -56,6 +56,8 @@ def knobs(table: dict) -> dict:
             continue
         try:
             out[field] = parse(raw)
+        except KVQConfigError:  # a parser's own error (a recipe file's) names its cause
+            raise
         except ValueError:
             raise KVQConfigError(f"sgl_kvq: {var}={raw!r} is not a {'number' if parse is float else 'integer'}") \
                 from None

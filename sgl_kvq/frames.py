@@ -42,12 +42,13 @@ def can_pool(shape: PoolShape, model_dtype: torch.dtype) -> bool:
 
 def frame_view(codes: torch.Tensor, num_frames: int, G: int, H: int, D: int,
                model_dtype: torch.dtype) -> torch.Tensor:
-    """Pooled frames over a pool's codes [L, S, H, Dp] (uint8, num_frames * k whole pages) -> [L, F, G, H, D] in the
-    model dtype: frame f at the start of its k pages' bytes. Contiguous where a frame fills its pages; at 3 bits
-    (k pages hold more than a frame) frames are k pages' bytes apart and each frame is contiguous."""
-    L = codes.shape[0]
+    """Pooled frames over a pool's codes [L, S, H, Dp] (or one layer's [S, H, Dp]; uint8, num_frames * k whole
+    pages) -> [L, F, G, H, D] (or [F, G, H, D]) in the model dtype: frame f at the start of its k pages' bytes.
+    Contiguous where a frame fills its pages; at 3 bits (k pages hold more than a frame) frames are k pages' bytes
+    apart and each frame is contiguous."""
+    lead = tuple(codes.shape[:-3])
     frame_bytes = G * H * D * torch.empty((), dtype=model_dtype).element_size()
-    return codes.view(L, num_frames, -1)[:, :, :frame_bytes].view(model_dtype).view(L, num_frames, G, H, D)
+    return codes.view(*lead, num_frames, -1)[..., :frame_bytes].view(model_dtype).view(*lead, num_frames, G, H, D)
 
 
 def pooled_frames(shape: PoolShape, model_dtype: torch.dtype, disaggregation_mode: str) -> bool:

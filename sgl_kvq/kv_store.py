@@ -25,6 +25,7 @@ import torch
 from sgl_kvq.config import KVQConfig
 from sgl_kvq.formats.page_codec import PageWrite
 from sgl_kvq.frames import FrameTable, frame_view
+from sgl_kvq.layer_tensors import LayerTensors
 from sgl_kvq.plan import BatchWrite, DecodeWrite, LayerKV
 from sgl_kvq.pool_shape import PoolShape
 
@@ -42,17 +43,22 @@ class QuantizedKVStore:
         self.model_dtype = model_dtype
         self.device = torch.device(device)
         self.num_req_slots = num_req_slots  # SGLang's req_pool_idx range, slot 0 included
-        for name, (dims, dtype) in shape.base_shapes().items():
-            setattr(self, name, torch.zeros(dims, dtype=dtype, device=self.device))
         L, H, D = shape.layers, shape.heads, shape.head_dim
+        for name, (dims, dtype) in shape.layer_shapes(0).items():
+            per_layer = [shape.layer_shapes(layer)[name][0] for layer in range(L)]
+            if all(d == dims for d in per_layer):
+                setattr(self, name, torch.zeros((L, *dims), dtype=dtype, device=self.device))
+            else:  # a recipe's code widths: one tensor per layer, indexed as [L, ...] is
+                setattr(self, name, LayerTensors.zeros(per_layer, dtype, self.device))
         self.frames_pooled = frames_pooled
         if frames_pooled:
             k = shape.pages_per_frame(model_dtype)
             if shape.P % k:
                 raise AssertionError(f"sgl_kvq: {shape.P} pool pages are not whole frames of {k} pages")
             F = shape.P // k
-            self.ov_k = frame_view(self.k_codes, F, self.G, H, D, model_dtype)
-            self.ov_v = frame_view(self.v_codes, F, self.G, H, D, model_dtype)
+            self.ov_k, self.ov_v = (frame_view(c, F, self.G, H, D, model_dtype) if isinstance(c, torch.Tensor)
+                                    else LayerTensors([frame_view(t, F, self.G, H, D, model_dtype) for t in c.layers])
+                                    for c in (self.k_codes, self.v_codes))
         else:
             F = num_req_slots * self.ring
             self.ov_k = torch.zeros((L, F, self.G, H, D), dtype=model_dtype, device=self.device)
@@ -71,12 +77,12 @@ class QuantizedKVStore:
             setattr(self, name, torch.zeros((L, F, *dims), dtype=dtype, device=self.device))
         self.extra_names = tuple(shape.extra_shapes())
         # extras stored per token slot ([S, ...]) rather than per page
-        self.per_slot = {n for n, (dims, _) in shape.base_shapes().items() if dims[1] != shape.P}
+        self.per_slot = {n for n, (dims, _) in shape.layer_shapes(0).items() if dims[0] != shape.P}
         self.tables = self.format.codec.tables(cfg, shape.geometry, self.device)
 
     # ---- byte accounting (what is really allocated) ----
     def base_bytes(self) -> int:
-        return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in self.shape.base_shapes())
+        return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in self.shape.base_names())
 
     def overlay_bytes(self) -> int:
         """Bytes allocated for the overlay beyond the base (pooled frames are the base's own pages)."""
@@ -171,6 +177,7 @@ class QuantizedKVStore:
         self._store(layer, k, v, PageWrite(pages, lpages, received, group))
 
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, w: PageWrite) -> None:
+        w = w._replace(bits=self.shape.layer_bits(layer))
         base, extras = self.format.codec.pack(self.cfg, self.shape.VG, k, v, w, self.tables)
         self._store_named(layer, w.pages, base._fields, base)
         if extras is not None:
@@ -205,5 +212,4 @@ class QuantizedKVStore:
 
         return LayerKV(self.k_codes[layer], kivi("k_scale"), kivi("k_zero"), self.v_codes[layer],
                        kivi("v_scale"), kivi("v_zero"), self.ov_k[layer], self.ov_v[layer],
-                       self.cfg.bits,
-                       extras)
+                       *self.shape.layer_bits(layer), extras)

@@ -4,7 +4,8 @@ A page is G = cfg.group_size consecutive token positions of ONE request (SGLang'
 in-page offset p % G) and is also the key quantization group. Token slot s lives in page s // G at offset s % G.
 Page 0 (slots 0..G-1) is SGLang's dummy page for padded writes. L layers, H KV heads, D head dim, b bits,
 VG = value channel group, Dp = D * b // 8 packed bytes per token-head (b = 3: a 2-bit plane of D // 4 bytes, then a
-1-bit plane of D // 8 bytes; sgl_kvq.quant.pack).
+1-bit plane of D // 8 bytes; sgl_kvq.quant.pack). Under a recipe (kivimix, sgl_kvq/recipe.py) each layer's keys and
+values have their own b, so k_codes and v_codes are one [S, H, Dp] tensor per layer (sgl_kvq/layer_tensors.py).
 
 Base (complete pages, immutable once quantized; shared by the radix tree):
     k_codes  [L, S, H, Dp]      uint8   keys, b-bit codes packed along D (sgl_kvq.quant.pack)
@@ -95,14 +96,14 @@ class PageGeometry:
         return self.P * self.G
 
 
-def kivi_shapes(g: PageGeometry, bits: int) -> Shapes:
-    """KIVI's base tensors of one layer (the layer dim removed), which every served format stores."""
-    Dp = packed_dim(g.D, bits)
+def kivi_shapes(g: PageGeometry, bits: int, v_bits: int | None = None) -> Shapes:
+    """KIVI's base tensors of one layer (the layer dim removed), which every served format stores: keys at `bits`,
+    values at `v_bits` (None: `bits`; a recipe's layer may differ, sgl_kvq/recipe.py)."""
     return {
-        "k_codes": ((g.S, g.H, Dp), torch.uint8),
+        "k_codes": ((g.S, g.H, packed_dim(g.D, bits)), torch.uint8),
         "k_scale": ((g.P, g.H, g.D), SCALE_DTYPE),
         "k_zero": ((g.P, g.H, g.D), SCALE_DTYPE),
-        "v_codes": ((g.S, g.H, Dp), torch.uint8),
+        "v_codes": ((g.S, g.H, packed_dim(g.D, v_bits or bits)), torch.uint8),
         "v_scale": ((g.S, g.H, g.NG), SCALE_DTYPE),
         "v_zero": ((g.S, g.H, g.NG), SCALE_DTYPE),
     }

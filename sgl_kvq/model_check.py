@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from sgl_kvq.config import KVQConfig, KVQConfigError
+from sgl_kvq.recipe import config_sha256
 from sgl_kvq.strategies import strategy_of
 
 # Attention shapes the pool does not model: latent (MLA) KV, linear/state-space layers.
@@ -21,10 +22,11 @@ def has_sliding_windows(hf_config) -> bool:
         or "sliding_attention" in (getattr(text, "layer_types", None) or ())
 
 
-def check_hf_config(hf_config, cfg: KVQConfig, hybrid_swa: bool = False) -> None:
+def check_hf_config(hf_config, cfg: KVQConfig, hybrid_swa: bool = False, model_path: str | None = None) -> None:
     """Raise KVQConfigError, before any weight loads, for a model `cfg` cannot serve; hybrid_swa: SGLang would give
-    its sliding-window layers a pool of their own. Sliding windows are masked by both kvq backends' every path,
-    SpeCache's lanes included (backends/base.py sliding_windows); a strategy may still refuse them (refusal)."""
+    its sliding-window layers a pool of their own; model_path: its folder, whose config.json a recipe is bound to.
+    Sliding windows are masked by both kvq backends' every path, SpeCache's lanes included (backends/base.py
+    sliding_windows); a strategy may still refuse them (refusal)."""
     text = _text(hf_config)
     arch = ",".join(getattr(hf_config, "architectures", None) or []) or type(hf_config).__name__
     if any(getattr(text, k, None) for k in _MLA_KEYS):
@@ -47,3 +49,5 @@ def check_hf_config(hf_config, cfg: KVQConfig, hybrid_swa: bool = False) -> None
     if head_dim is None:
         raise KVQConfigError(f"sgl_kvq: cannot tell the head_dim of {arch}")
     cfg.check_head_dim(head_dim)
+    cfg.format.check_model(cfg, text.num_hidden_layers, getattr(text, "num_key_value_heads", None) or heads, head_dim,
+                           config_sha256(model_path) if model_path else None, arch)

@@ -142,7 +142,7 @@ def kivi_padded(kv: LayerKV, ctx: BatchedContext, ws: Workspace | None = None) -
     positions (PageCodec.read_padded's default)."""
     G, H, D = kv.G, kv.ov_k.shape[2], kv.ov_k.shape[3]
     B, units = ctx.pages.shape
-    kc, vc = (unpacked_codes(c, ctx.slot_rows, kv.bits) for c in (kv.k_codes, kv.v_codes))
+    kc, vc = (unpacked_codes(c, ctx.slot_rows, b) for c, b in ((kv.k_codes, kv.k_bits), (kv.v_codes, kv.v_bits)))
     # Keys: per page and channel, broadcast over the page's G tokens. Zero scale/zero outside base pages, so
     # padding holds zeros and overlay positions hold nothing until the overlay is copied over them.
     off = ~ctx.is_base_page[None, :, :, None]

@@ -38,7 +38,7 @@ def base_entries(store) -> list[torch.Tensor]:
     """One page-indexed tensor per (base buffer, layer), buffer-major. An odd count (e.g. LogQuant's 9 buffers
     over an odd number of layers) repeats the smallest entry: SGLang's MHA pairing splits the list in two halves,
     and sending the same bytes twice is harmless."""
-    entries = [getattr(store, name)[layer] for name in store.shape.base_shapes()
+    entries = [getattr(store, name)[layer] for name in store.shape.base_names()
                for layer in range(store.shape.layers)]
     if len(entries) % 2:
         entries.append(min(entries, key=lambda t: t.nbytes))

@@ -30,16 +30,17 @@ import torch
 @dataclass
 class LayerKV:
     """One layer's view of the pool (sgl_kvq/layout.py with the layer dim removed)."""
-    k_codes: torch.Tensor  # [S, H, Dp] uint8 keys, b-bit codes packed along D
+    k_codes: torch.Tensor  # [S, H, Dp] uint8 keys, k_bits-bit codes packed along D
     # The four below are None for a format whose base is not KIVI's (Format.base_shapes): its scales are extras.
     k_scale: torch.Tensor | None  # [P, H, D] fp16 per page and channel
     k_zero: torch.Tensor | None  # [P, H, D] fp16
-    v_codes: torch.Tensor  # [S, H, Dp] uint8 values, b-bit codes packed along D
+    v_codes: torch.Tensor  # [S, H, Dp] uint8 values, v_bits-bit codes packed along D
     v_scale: torch.Tensor | None  # [S, H, D // VG] fp16 per token and channel group
     v_zero: torch.Tensor | None  # [S, H, D // VG] fp16
     ov_k: torch.Tensor  # [F, G, H, D] model dtype: the fp16 overlay frames
     ov_v: torch.Tensor  # [F, G, H, D]
-    bits: int  # code width b of k_codes and v_codes
+    k_bits: int  # code width of k_codes
+    v_bits: int  # code width of v_codes (a recipe's layer may differ from its keys': sgl_kvq/recipe.py)
     # The tensors the format adds to each page (its Format.extras NamedTuple, shaped as its page_shapes declare:
     # GEAR's PageCorrection, LogQuant's PageRows, ZipCache's SalientPlane); None for KIVI's pages alone. Its type
     # names the format (formats.registry.of_extras).

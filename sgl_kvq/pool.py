@@ -86,7 +86,7 @@ class KVQTokenToKVPool(KVCache):
         s = self.store
 
         # pooled frames are the codes' own bytes; offsets and per-frame state count with the keys
-        names = [*self.shape.base_shapes(), *([] if s.frames_pooled else ["ov_k", "ov_v"]), *s.frame_state]
+        names = [*self.shape.base_names(), *([] if s.frames_pooled else ["ov_k", "ov_v"]), *s.frame_state]
         k = v = 0
         for n in names:
             t = getattr(s, n)

@@ -4,6 +4,7 @@ sgl_kvq/layout.py; this module sits above the config because it asks the config'
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,8 +38,19 @@ class PoolShape:
 
     @property
     def Dp(self) -> int:
-        """Bytes of one token-head's key codes, as the format declares k_codes (pooled frames are their bytes)."""
-        return self.cfg.format.base_shapes(self.geometry, self.cfg.bits)["k_codes"][0][-1]
+        """Bytes of the narrowest token-head code row over every layer's k_codes and v_codes, as the format
+        declares them (pooled frames are their bytes)."""
+        return min(self.layer_shapes(layer)[name][0][-1] for layer in range(self.layers)
+                   for name in ("k_codes", "v_codes"))
+
+    def layer_bits(self, layer: int) -> tuple[int, int]:
+        return self.cfg.layer_bits(layer)
+
+    @functools.cached_property
+    def uniform(self) -> bool:
+        """Whether every layer stores the same tensors (no recipe, or one width throughout): the pool's tensors are
+        then [L, ...]; else the code tensors are one per layer (sgl_kvq/layer_tensors.py)."""
+        return len({self.layer_bits(layer) for layer in range(self.layers)}) == 1
 
     @property
     def VG(self) -> int:
@@ -59,9 +71,19 @@ class PoolShape:
         fmt = self.cfg.format
         return fmt.page_shapes(self.geometry, **fmt.sizes(self.cfg, self.geometry))
 
+    def layer_shapes(self, layer: int) -> Shapes:
+        """Layer `layer`'s base and extra tensors, the layer dim removed."""
+        k_bits, v_bits = self.layer_bits(layer)
+        return {**self.cfg.format.base_shapes(self.geometry, k_bits, v_bits), **self.extra_shapes()}
+
+    def base_names(self) -> tuple[str, ...]:
+        return tuple(self.layer_shapes(0))
+
     def base_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        shapes = {**self.cfg.format.base_shapes(self.geometry, self.cfg.bits), **self.extra_shapes()}
-        return {name: ((self.layers, *shape), dtype) for name, (shape, dtype) in shapes.items()}
+        """Every base tensor as the pool allocates it, [L, ...], where every layer's shapes agree (uniform)."""
+        if not self.uniform:
+            raise AssertionError("sgl_kvq: a recipe's layers differ in shape; read layer_shapes(layer)")
+        return {name: ((self.layers, *shape), dtype) for name, (shape, dtype) in self.layer_shapes(0).items()}
 
     def frame_state_shapes(self) -> Shapes:
         """The per-request state the served format keeps with each overlay frame, allocated [L, F, ...]."""
@@ -70,18 +92,16 @@ class PoolShape:
     def base_bytes_per_token(self) -> float:
         """Bytes the base stores per token over all layers (codes + scales/zeros), page 0 not counted."""
         total = 0
-        for shape, dtype in self.base_shapes().values():
-            per = 1
-            for s in shape[2:]:
-                per *= s
-            per *= shape[0] * torch.empty((), dtype=dtype).element_size()
-            total += per / (self.G if shape[1] == self.P else 1)
+        for layer in range(self.layers):
+            for shape, dtype in self.layer_shapes(layer).values():
+                total += _numel(shape[1:]) * dtype.itemsize / (self.G if shape[0] == self.P else 1)
         return total
 
     def pages_per_frame(self, model_dtype: torch.dtype) -> int:
         """k: pool pages whose packed codes hold one model-dtype frame (a frame's K over k pages' k_codes, its V
-        over their v_codes). Rounded up where a frame is no whole number of pages (3 bits: a 128-byte bf16 row of
-        64 channels over 24-byte code rows, 5.33 pages: k = 6, the last page's remaining bytes unused)."""
+        over their v_codes) in every layer: the narrowest code row decides. Rounded up where a frame is no whole
+        number of pages (3 bits: a 128-byte bf16 row of 64 channels over 24-byte code rows, 5.33 pages: k = 6, the
+        last page's remaining bytes unused; under a recipe a wider layer's frame leaves more of its pages unused)."""
         frame_row = self.head_dim * torch.empty((), dtype=model_dtype).element_size()
         return -(-frame_row // self.Dp)
 

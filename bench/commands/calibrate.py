@@ -2,12 +2,15 @@
 calibration text no evaluation reads, and the allocation of widths that meets --bits at the least measured KL
 (bench/calibrate.py says how).
 
-    sgl-kvq calibrate --model smollm2 --bits 3.0 --json bench/results/calibration/smollm2.json
+    sgl-kvq calibrate --model smollm2 --bits 3.0 --json bench/results/calibration/smollm2.json \
+        --recipe-dir sgl_kvq/recipes
+
+--recipe-dir writes each allocation as a recipe the kivimix dtype serves (sgl_kvq/recipe.py), named
+<model>-<bits>.json; recipes_from re-writes them from a result file.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 import time
@@ -22,12 +25,29 @@ def add_arguments(p) -> None:
     p.add_argument("--tokens", type=int, default=1024, help="calibration tokens (default 1024)")
     p.add_argument("--group-size", type=int, default=64, help="G: page / key group (default 64)")
     p.add_argument("--residual", type=int, default=64, help="R: fp16 window, a multiple of G (default 64)")
+    p.add_argument("--stride", type=int, default=1,
+                   help="score every N-th position (default 1; Gemma 3's 262k-entry softmax makes 4 worth it)")
     p.add_argument("--json", type=Path, help="write the result to PATH")
+    p.add_argument("--recipe-dir", type=Path, help="write each allocation as a recipe file (KVQ_RECIPE) into DIR")
 
 
-def config_hash(folder: str) -> str:
-    """sha256 of the model's config.json: what a recipe is bound to besides its geometry."""
-    return hashlib.sha256((Path(folder) / "config.json").read_bytes()).hexdigest()[:16]
+def recipes_from(result: dict, out_dir: Path) -> list[Path]:
+    """Each allocation of a calibration result as a recipe file in out_dir, <model>-<bits>.json."""
+    from sgl_kvq.recipe import ModelBinding, Recipe
+
+    m = result["model"]
+    binding = ModelBinding(m["layers"], m["kv_heads"], m["head_dim"], m["config_sha256"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for target, r in result["recipes"].items():
+        made = {"command": result["command"], "text": result["calibration"]["text"],
+                "tokens": result["calibration"]["tokens"], "mean_bits": r["mean_bits"],
+                "bytes_per_token": r["bytes_per_token"], "kl": r["kl"]}
+        t = float(target)
+        path = out_dir / f"{m['name']}-{t:.1f}.json" if round(t, 1) == t else out_dir / f"{m['name']}-{t:g}.json"
+        path.write_text(Recipe(binding, tuple(r["k_bits"]), tuple(r["v_bits"])).to_json(made))
+        paths.append(path)
+    return paths
 
 
 def run(args) -> int:
@@ -36,6 +56,7 @@ def run(args) -> int:
     from bench import calibrate as cal
     from bench.data import calibration_text
     from bench.eval.attention import load_model
+    from sgl_kvq.recipe import config_sha256
 
     torch.manual_seed(0)
     widths = sorted({int(w) for w in args.widths.split(",")})
@@ -54,13 +75,15 @@ def run(args) -> int:
         raise SystemExit(f"sgl-kvq calibrate: --tokens {args.tokens} reads no packed page at G={args.group_size}, "
                          f"R={args.residual}")
 
+    keep = cal.scored_positions(cal.Reader({}, args.group_size, 64, args.residual, args.stride), ids.shape[1])
+
     def reader(w):
-        return cal.Reader(w, group_size=args.group_size, residual=args.residual)
+        return cal.Reader(w, group_size=args.group_size, residual=args.residual, stride=args.stride)
 
     t0 = time.time()
     with torch.no_grad():
-        native = model(input_ids=ids).logits
-    cached = cal.LayerOutputs(model, ids)  # nothing quantized
+        native = model(input_ids=ids, logits_to_keep=keep).logits
+    cached = cal.LayerOutputs(model, ids, keep)  # nothing quantized
     reference = cached.logits
     check = float((reference - native).abs().max())  # the simulated read, nothing quantized, is the model's own
     sens: dict[tuple[int, str], dict[int, float]] = {}
@@ -84,7 +107,8 @@ def run(args) -> int:
                                   "predicted_kl": sum(sens[key][b] for key, b in w.items())}
     result = {
         "command": "sgl-kvq calibrate " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["calibrate"] else None,
-        "model": {"name": args.model, "layers": L, "kv_heads": H, "head_dim": D, "config_sha256": config_hash(folder)},
+        "model": {"name": args.model, "layers": L, "kv_heads": H, "head_dim": D,
+                  "config_sha256": config_sha256(folder)},
         "calibration": {"text": "ShareGPT records from bench.data.CALIBRATION_FIRST_RECORD", "tokens": ids.shape[1],
                         "group_size": args.group_size, "residual": args.residual,
                         "read_check_max_abs_logit_diff": check, "seconds": round(time.time() - t0)},
@@ -96,6 +120,9 @@ def run(args) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(text + "\n")
+    if args.recipe_dir:
+        for path in recipes_from(result, args.recipe_dir):
+            print(f"recipe: {path}", file=sys.stderr)
     for name, r in {**uniform, **{f"recipe {t}": r for t, r in recipes.items()}}.items():
         print(f"{name:12s} {r['mean_bits']:.2f} bits  {r['bytes_per_token']:8.0f} B/token  KL {r['kl']:.4f}")
     return 0

@@ -93,14 +93,34 @@ class Format:
     def check_head_dim(self, cfg: ServedConfig, head_dim: int) -> None:
         """Refuse a head_dim this format cannot store (beside KVQConfig.check_head_dim's packing rules)."""
 
+    def layer_bits(self, cfg: ServedConfig, layer: int) -> tuple[int, int]:
+        """(key, value) code widths of pool layer `layer`: the dtype's width for both unless the format serves a
+        width per layer (kivimix: its recipe's)."""
+        return cfg.bits, cfg.bits
+
+    def widths(self, cfg: ServedConfig) -> set[int]:
+        """Every code width some layer's keys or values are stored at."""
+        return {cfg.bits}
+
+    def layers_differ(self, cfg: ServedConfig) -> bool:
+        """Whether some layers store their keys or values at other widths than others (the pool's code tensors are
+        then one per layer)."""
+        return False
+
+    def check_model(self, cfg: ServedConfig, layers: int, kv_heads: int, head_dim: int, config_sha256: str | None,
+                    arch: str) -> None:
+        """Refuse, before any weight loads, a model whose stored bytes this config was not made for (a recipe
+        calibrated on another model)."""
+
     # ---- what a page and a frame hold ----
-    def base_shapes(self, g: PageGeometry, bits: int) -> Shapes:
+    def base_shapes(self, g: PageGeometry, bits: int, v_bits: int | None = None) -> Shapes:
         """The base tensors every page holds, one layer's: KIVI's codes, scales and zeros, which the kernels, the
         pooled frames (a frame is k pages' code bytes) and the quantize kernel read. A format that is not KIVI's
         base (served through kvq_torch only, kernel None) declares its own here, k_codes and v_codes [S, H, Dp]
         among them (the pooled frames' bytes), returns them from its codec's pack under these names and reads them
-        in read_pages / read_padded (LayerKV's KIVI scales and zeros are then None)."""
-        return kivi_shapes(g, bits)
+        in read_pages / read_padded (LayerKV's KIVI scales and zeros are then None). v_bits: the values' width
+        where a layer's differs from its keys' (layer_bits)."""
+        return kivi_shapes(g, bits, v_bits)
 
     def sizes(self, cfg: ServedConfig, g: PageGeometry) -> dict[str, int]:
         """page_shapes' keyword sizes from the config (the kernel variant reads the same off a layer view)."""

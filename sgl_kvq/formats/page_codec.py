@@ -23,6 +23,7 @@ class PageWrite(NamedTuple):
     lpages: torch.Tensor | None = None  # [N] their logical page index in their request (None where not planned)
     received: torch.Tensor | None = None  # [N, G, H] attention each token received from its page's queries
     group: int = 1  # query heads per KV head
+    bits: tuple[int, int] | None = None  # the layer's (key, value) code widths (the store sets them: layer_bits)
 
 
 class PageCodec:
@@ -43,7 +44,9 @@ class PageCodec:
         """Complete pages k, v [N, G, H, D] of the served config cfg -> (the packed base, the extras in the pages'
         form or None). The base is a NamedTuple whose fields are Format.base_shapes' names (KIVI's PackedPages),
         each [N, ...] per page or [N, G, ...] per token slot; the store writes both by name."""
-        return kivi_page.pack_pages(k, v, cfg.bits, value_group, specache_one_bit=cfg.specache_one_bit), None
+        k_bits, v_bits = w.bits or (cfg.bits, cfg.bits)
+        return kivi_page.pack_pages(k, v, k_bits, value_group, specache_one_bit=cfg.specache_one_bit,
+                                    v_bits=v_bits), None
 
     def page_write(self, store, layer: int, bw, q: torch.Tensor | None, kp: torch.Tensor, sm_scale: float | None,
                    w: PageWrite) -> PageWrite:
@@ -69,8 +72,8 @@ class PageCodec:
         n = pages.numel()
         slots = (pages[:, None] * G + torch.arange(G, device=pages.device)).reshape(-1)
         k_codes = kv.k_codes[slots].view(n, G, H, kv.k_codes.shape[-1])
-        k = kivi_page.dequantize_keys(k_codes, kv.k_scale[pages], kv.k_zero[pages], kv.bits)
-        v = kivi_page.dequantize_values(kv.v_codes[slots], kv.v_scale[slots], kv.v_zero[slots], kv.bits)
+        k = kivi_page.dequantize_keys(k_codes, kv.k_scale[pages], kv.k_zero[pages], kv.k_bits)
+        v = kivi_page.dequantize_values(kv.v_codes[slots], kv.v_scale[slots], kv.v_zero[slots], kv.v_bits)
         return self.correct(k, v.view(n, G, H, D), kv.extras, pages)
 
     def read_padded(self, kv, ctx, ws) -> tuple[torch.Tensor, torch.Tensor]:

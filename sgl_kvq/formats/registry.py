@@ -7,20 +7,25 @@ from __future__ import annotations
 from sgl_kvq.formats import gear, kivi, logquant, peers, specache, zipcache
 from sgl_kvq.formats.base import Format
 
+# The formats served at one width, which every dtype of theirs serves with no more than its name.
 FORMATS: tuple[Format, ...] = (kivi.FORMAT, specache.FORMAT, gear.GEAR, gear.GEARL, logquant.FORMAT,
                                zipcache.FORMAT, *peers.FORMATS)
-BY_FAMILY = {f.family: f for f in FORMATS}
-# The dtype names SGLang's --kv-cache-dtype gains (the CLI choices), in FORMATS' order.
+# The formats served from a recipe (a width per layer and per K/V, sgl_kvq/recipe.py): their dtype needs KVQ_RECIPE.
+RECIPE_FORMATS: tuple[Format, ...] = (kivi.MIXED,)
+ALL_FORMATS = FORMATS + RECIPE_FORMATS
+BY_FAMILY = {f.family: f for f in ALL_FORMATS}
+# The dtype names of FORMATS, in their order: what the tables and sweeps serve at their defaults.
 DTYPE_NAMES = tuple(name for f in FORMATS for name in f.dtype_names())
-# Each dtype name's format and code width.
-BY_NAME = {f.dtype_name(b): (f, b) for f in FORMATS for b in f.bits}
+RECIPE_DTYPE_NAMES = tuple(name for f in RECIPE_FORMATS for name in f.dtype_names())
+# Each dtype name's format and code width; its keys are the names SGLang's --kv-cache-dtype gains (the CLI choices).
+BY_NAME = {f.dtype_name(b): (f, b) for f in ALL_FORMATS for b in f.bits}
 # The format whose extras are a NamedTuple type: how a layer view (LayerKV.extras) names its format.
 _BY_EXTRAS = {f.extras: f for f in FORMATS if f.extras is not None}
 
 
 def _knobs() -> dict[str, tuple]:
     out: dict[str, tuple] = {}
-    for f in FORMATS:
+    for f in ALL_FORMATS:
         for var, knob in f.knobs.items():
             if out.setdefault(var, knob) != knob:
                 raise ValueError(f"sgl_kvq: {var} is declared as two knobs, {out[var]} and {knob}")

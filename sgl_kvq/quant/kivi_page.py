@@ -24,16 +24,18 @@ class PackedPages(NamedTuple):
 
 
 def pack_pages(k: torch.Tensor, v: torch.Tensor, bits: int, value_group: int, *,
-               specache_one_bit: bool = True) -> PackedPages:
-    """k, v: [N, G, H, D] (N complete pages) -> the packed base of those pages, returned (its kernel twin,
-    kernels.quantize_pages.quantize_pages, writes them into the pool in place)."""
+               specache_one_bit: bool = True, v_bits: int | None = None) -> PackedPages:
+    """k, v: [N, G, H, D] (N complete pages) -> the packed base of those pages, keys at `bits`, values at `v_bits`
+    (None: `bits`), returned (its kernel twin, kernels.quantize_pages.quantize_pages, writes them into the pool in
+    place)."""
     if k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"expected k, v [N, G, H, D] of one shape, got {tuple(k.shape)} {tuple(v.shape)}")
     kq = uniform.quantize(k, bits, dims=1, specache_one_bit=specache_one_bit)  # reduce over the G tokens
-    vq = uniform.quantize_channel_groups(v, bits, value_group, specache_one_bit=specache_one_bit)
+    v_bits = v_bits or bits
+    vq = uniform.quantize_channel_groups(v, v_bits, value_group, specache_one_bit=specache_one_bit)
     return PackedPages(
         pack.pack(kq.codes, bits), kq.scale.squeeze(1), kq.zero.squeeze(1),
-        pack.pack(vq.codes, bits), vq.scale, vq.zero,
+        pack.pack(vq.codes, v_bits), vq.scale, vq.zero,
     )
 
 

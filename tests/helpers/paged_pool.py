@@ -62,12 +62,15 @@ def _outlier_value_channel(gen, k, v):
 SHAPING = {"gear": _low_rank_and_outliers, "gearl": _low_rank_and_outliers, "zipcache": _outlier_value_channel}
 
 
-def make_pool(G, H, D, VG, bits, reqs, dtype, seed, fmt="kivi", params=None, frame_gap=0):
-    """A layer whose pages hold random K/V packed by format family `fmt` at width `bits` (its codec, at `params`,
+def make_pool(G, H, D, VG, bits, reqs, dtype, seed, fmt="kivi", params=None, frame_gap=0, v_bits=None,
+              v_frame_gap=None):
+    """A layer whose pages hold random K/V packed by format family `fmt` at width `bits` (values at `v_bits` where
+    given, as a recipe's layer stores them; its codec, at `params`,
     the family's parameters dataclass, defaults where None), shaped as the format declares, and a PagedPlan giving
     each request shuffled pages/frames. Each page is written as the server writes it: with its logical index in
     its request (LogQuant's rows) and random attention received (ZipCache's saliency). frame_gap: the overlay
-    frames lie that many elements apart (frames_apart)."""
+    frames lie that many elements apart (frames_apart), the value frames v_frame_gap apart where given (pooled frames
+    over a recipe layer's key and value codes of different widths)."""
     gen = torch.Generator().manual_seed(seed)
     n_base = [math.ceil(b / G) for b, _ in reqs]
     n_ov = [math.ceil(o / G) for _, o in reqs]
@@ -83,9 +86,10 @@ def make_pool(G, H, D, VG, bits, reqs, dtype, seed, fmt="kivi", params=None, fra
     g = PageGeometry(P=P, G=G, H=H, D=D, NG=D // VG)
     k_pages, v_pages = torch.randn(P, G, H, D, generator=gen) * 1.5, torch.randn(P, G, H, D, generator=gen)
     SHAPING.get(fmt, lambda *_: None)(gen, k_pages, v_pages)
-    w = PageWrite(torch.arange(P), lpages, received=torch.rand(P, G, H, generator=gen))
+    v_bits = v_bits or bits
+    w = PageWrite(torch.arange(P), lpages, received=torch.rand(P, G, H, generator=gen), bits=(bits, v_bits))
     base, extras = form.codec.pack(cfg, VG, k_pages, v_pages, w, form.codec.tables(cfg, g, torch.device("cpu")))
-    declared = {**form.base_shapes(g, bits), **form.page_shapes(g, **form.sizes(cfg, g))}
+    declared = {**form.base_shapes(g, bits, v_bits), **form.page_shapes(g, **form.sizes(cfg, g))}
 
     def as_declared(name, t):  # a per-slot tensor comes from pack as [P, G, ...]
         return t.reshape(declared[name][0])
@@ -95,9 +99,10 @@ def make_pool(G, H, D, VG, bits, reqs, dtype, seed, fmt="kivi", params=None, fra
         **{n: None if named.get(n) is None else as_declared(n, named[n])
            for n in ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")},
         ov_k=frames_apart((torch.randn(F, G, H, D, generator=gen) * 1.5).to(dtype), frame_gap),
-        ov_v=frames_apart(torch.randn(F, G, H, D, generator=gen).to(dtype), frame_gap),
-        bits=bits, extras=None if extras is None else extras._make(as_declared(n, t)
-                                                                     for n, t in zip(extras._fields, extras)),
+        ov_v=frames_apart(torch.randn(F, G, H, D, generator=gen).to(dtype),
+                          frame_gap if v_frame_gap is None else v_frame_gap),
+        k_bits=bits, v_bits=v_bits,
+        extras=None if extras is None else extras._make(as_declared(n, t) for n, t in zip(extras._fields, extras)),
     )
     per_slot = [getattr(kv, n) if n in base._fields else getattr(kv.extras, n) for n, (dims, dtype_) in
                 declared.items() if dims[0] == g.S and dtype_.is_floating_point]

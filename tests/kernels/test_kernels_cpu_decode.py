@@ -56,6 +56,18 @@ def test_matches_reference(B, group, bits):
     torch.testing.assert_close(out, ref_decode(q, kv, plan, D ** -0.5), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("k_bits,v_bits", [(4, 1), (1, 3), (3, 2), (2, 4)])
+def test_key_and_value_widths_differ(k_bits, v_bits):
+    """A recipe's layer (kivimix): keys and values at their own widths, the kernel's generic path; the frames lie
+    apart by different strides, as pooled frames over key and value codes of different widths do."""
+    rng = random.Random(k_bits * 10 + v_bits)
+    for group, (G, H, D, VG) in ((1, SHAPES[0]), (3, SHAPES[-1])):
+        kv, plan = make_pool(G, H, D, VG, k_bits, random_requests(rng, 4, G), torch.float32, seed=k_bits + v_bits,
+                             v_bits=v_bits, frame_gap=16 * k_bits, v_frame_gap=16 * v_bits)
+        q = torch.randn(4, H * group, D, generator=torch.Generator().manual_seed(group))
+        torch.testing.assert_close(decode(q, kv, plan), ref_decode(q, kv, plan, D ** -0.5), rtol=1e-5, atol=1e-5)
+
+
 def test_frames_apart_as_pooled_kivi3():
     """Pooled kivi3 frames lie k pages' codes apart (sgl_kvq/frames.py frame_view): the kernel takes their stride."""
     G, H, D, VG = SHAPES[1]

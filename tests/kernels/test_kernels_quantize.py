@@ -16,24 +16,26 @@ from sgl_kvq.attention_rotation import HeadRotation, basis  # noqa: E402
 from sgl_kvq.kernels.store_overlay import store_overlay  # noqa: E402
 from sgl_kvq.plan import LayerKV  # noqa: E402
 from sgl_kvq.quant import kivi_page  # noqa: E402
+from sgl_kvq.quant.pack import packed_dim  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 CODE_POISON = 0xA5  # a packed byte the test pages never hold in full rows: checked below via exact equality
 
 
-def empty_layer(num_pages, G, H, D, bits, VG, frames=4, dtype=torch.float16) -> LayerKV:
-    P, S, Dp = num_pages + 1, (num_pages + 1) * G, D * bits // 8
+def empty_layer(num_pages, G, H, D, bits, VG, frames=4, dtype=torch.float16, v_bits=None) -> LayerKV:
+    v_bits = v_bits or bits
+    P, S = num_pages + 1, (num_pages + 1) * G
     nan16 = dict(dtype=torch.float16, device=DEVICE)
     return LayerKV(
-        k_codes=torch.full((S, H, Dp), CODE_POISON, dtype=torch.uint8, device=DEVICE),
+        k_codes=torch.full((S, H, packed_dim(D, bits)), CODE_POISON, dtype=torch.uint8, device=DEVICE),
         k_scale=torch.full((P, H, D), float("nan"), **nan16), k_zero=torch.full((P, H, D), float("nan"), **nan16),
-        v_codes=torch.full((S, H, Dp), CODE_POISON, dtype=torch.uint8, device=DEVICE),
+        v_codes=torch.full((S, H, packed_dim(D, v_bits)), CODE_POISON, dtype=torch.uint8, device=DEVICE),
         v_scale=torch.full((S, H, D // VG), float("nan"), **nan16),
         v_zero=torch.full((S, H, D // VG), float("nan"), **nan16),
         ov_k=torch.full((frames, G, H, D), float("nan"), dtype=dtype, device=DEVICE),
         ov_v=torch.full((frames, G, H, D), float("nan"), dtype=dtype, device=DEVICE),
-        bits=bits,
+        k_bits=bits, v_bits=v_bits,
     )
 
 
@@ -71,6 +73,18 @@ def test_quantize_pages_bit_exact(bits, G, H, D, VG, dtype):
     quantize_pages(k.to(DEVICE), v.to(DEVICE), torch.tensor(dst, dtype=torch.int32, device=DEVICE), kv)
     assert_pages_equal(kv, dst, kivi_page.pack_pages(k, v, bits, VG), G)
     assert_untouched(kv, dst, G)
+
+
+@pytest.mark.parametrize("k_bits,v_bits", [(4, 1), (3, 2), (1, 3)])
+def test_quantize_pages_key_and_value_widths_differ(k_bits, v_bits):
+    # A recipe's layer (kivimix): keys and values packed at their own widths, each into its own code rows.
+    G, H, D, VG = 16, 2, 64, 32
+    gen = torch.Generator().manual_seed(k_bits * 10 + v_bits)
+    k, v = torch.randn(2, G, H, D, generator=gen) * 2, torch.randn(2, G, H, D, generator=gen)
+    kv = empty_layer(4, G, H, D, k_bits, VG, v_bits=v_bits)
+    quantize_pages(k.to(DEVICE), v.to(DEVICE), torch.tensor([3, 1], dtype=torch.int32, device=DEVICE), kv)
+    assert_pages_equal(kv, [3, 1], kivi_page.pack_pages(k, v, k_bits, VG, v_bits=v_bits), G)
+    assert_untouched(kv, [3, 1], G)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])

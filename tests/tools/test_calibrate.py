@@ -56,13 +56,20 @@ def test_the_simulated_read_is_the_model_and_quantizing_moves_it(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, native, rtol=1e-4, atol=1e-4)
     one_bit = cal.Reader({(1, "k"): 1}, group_size=16, residual=16)
-    kl = cal.model_kl(model, ids, one_bit, native)
+    keep = cal.scored_positions(one_bit, ids.shape[1])
+    assert keep.tolist() == list(range(32, 96))
+    kl = cal.model_kl(model, ids, one_bit, native[:, keep])
     assert kl > 0
     # skipping the layers before the quantized one computes the same
-    assert cal.model_kl(model, ids, one_bit, native, cal.LayerOutputs(model, ids)) == pytest.approx(kl, rel=1e-4)
+    assert cal.model_kl(model, ids, one_bit, native[:, keep], cal.LayerOutputs(model, ids, keep)) == \
+        pytest.approx(kl, rel=1e-4)
+    # every other scored position: half the softmaxes, about the same KL
+    half = cal.Reader(one_bit.widths, group_size=16, residual=16, stride=2)
+    assert cal.model_kl(model, ids, half, native[:, cal.scored_positions(half, 96)]) == pytest.approx(kl, rel=0.5)
     out = tmp_path / "cal.json"
     assert main(["calibrate", "--model", "tiny", "--tokens", "128", "--group-size", "16", "--residual", "16",
-                 "--widths", "2,4", "--bits", "3", "--json", str(out)]) == 0
+                 "--widths", "2,4", "--bits", "3", "--stride", "2", "--json", str(out),
+                 "--recipe-dir", str(tmp_path / "recipes")]) == 0
     res = json.loads(out.read_text())
     recipe = res["recipes"]["3"]
     L = res["model"]["layers"]
@@ -70,3 +77,9 @@ def test_the_simulated_read_is_the_model_and_quantizing_moves_it(tmp_path):
     assert sum(recipe["k_bits"] + recipe["v_bits"]) / (2 * L) <= 3
     assert res["calibration"]["read_check_max_abs_logit_diff"] < 1e-3
     assert set(res["uniform"]) == {"kivi2", "kivi4"}
+    # the recipe kivimix serves, bound to the model it was made on
+    from sgl_kvq.recipe import load_recipe
+
+    served = load_recipe(str(tmp_path / "recipes" / "tiny-3.0.json"))
+    assert (list(served.key_bits), list(served.value_bits)) == (recipe["k_bits"], recipe["v_bits"])
+    assert served.model.layers == L and served.model.config_sha256 == res["model"]["config_sha256"]

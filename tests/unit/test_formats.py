@@ -32,8 +32,9 @@ def test_every_dtype_name_resolves_to_its_format():
 
 
 def test_dtype_names_are_unique_and_families_declared_once():
-    assert len(set(DTYPE_NAMES)) == len(DTYPE_NAMES)
-    assert len(registry.BY_FAMILY) == len(registry.FORMATS)
+    names = DTYPE_NAMES + registry.RECIPE_DTYPE_NAMES
+    assert len(set(names)) == len(names) and registry.RECIPE_DTYPE_NAMES == ("kivimix",)
+    assert len(registry.BY_FAMILY) == len(registry.ALL_FORMATS)
 
 
 def test_every_kernel_format_declares_shapes_and_reads_its_sizes_back():

@@ -11,7 +11,7 @@ import pytest
 
 from plugin_process import loaded_plugin
 from sgl_kvq import patches
-from sgl_kvq.config import DTYPE_NAMES
+from sgl_kvq.config import ALL_DTYPE_NAMES
 from sgl_kvq.patches import cli_args, targets
 
 
@@ -76,10 +76,10 @@ def test_kv_cache_dtype_gains_every_kvq_dtype_name():
     (action,) = [a for a in parser._actions if a.dest == "kv_cache_dtype"]
     # SGLang's own names: a test before this one in the worker may have loaded the plugin, whose hook already added
     # the kvq names to this parser, after SGLang's
-    sglang_choices = [c for c in action.choices if c not in DTYPE_NAMES]
-    assert list(action.choices) in (sglang_choices, sglang_choices + list(DTYPE_NAMES))
+    sglang_choices = [c for c in action.choices if c not in ALL_DTYPE_NAMES]
+    assert list(action.choices) in (sglang_choices, sglang_choices + list(ALL_DTYPE_NAMES))
     assert cli_args.extend_kv_cache_dtype_choices("result", parser) == "result"
     cli_args.extend_kv_cache_dtype_choices(None, parser)  # SGLang may build its parser twice: no name twice
-    assert action.choices == sglang_choices + list(DTYPE_NAMES)
+    assert action.choices == sglang_choices + list(ALL_DTYPE_NAMES)
     assert parser.parse_args(["--model-path", "m", "--kv-cache-dtype", "kivi2"]).kv_cache_dtype == "kivi2"
     assert "kivi2" in action.help

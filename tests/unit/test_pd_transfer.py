@@ -161,3 +161,20 @@ def test_a_pd_pair_with_different_fingerprints_is_refused(monkeypatch):
         pytest.fail("equal fingerprints were refused")
     except Exception as e:  # noqa: BLE001
         assert "layout mismatch" not in str(e), e
+
+
+def test_a_recipes_request_moves_between_pools(tmp_path, monkeypatch):
+    """kivimix: each layer's codes at its own widths are their own transfer entries, moved as any other."""
+    from sgl_kvq.recipe import ModelBinding, Recipe
+
+    widths = [(4, 1), (1, 3), (3, 2), (2, 4)][:L]
+    recipe = Recipe(ModelBinding(L, H, D, "0" * 16), tuple(k for k, _ in widths), tuple(v for _, v in widths))
+    (tmp_path / "r.json").write_text(recipe.to_json())
+    monkeypatch.setenv("KVQ_RECIPE", str(tmp_path / "r.json"))
+    pool = KVQTokenToKVPool(8 * 64, PoolShape(L, H, D, 8, parse_kv_cache_dtype("kivimix")), "cpu", torch.float32,
+                            num_req_slots=2)
+    items = dict(zip(["k_codes", "v_codes"], [pool.get_contiguous_buf_infos()[2][i * L:(i + 1) * L]
+                                              for i in (0, 3)]))
+    assert items == {"k_codes": [64 * H * D * k // 8 for k, _ in widths],
+                     "v_codes": [64 * H * D * v // 8 for _, v in widths]}
+    test_request_moves_between_pools("kivimix", True)

@@ -40,7 +40,7 @@ def test_a_paged_plans_lengths_come_from_its_page_lists():
 def test_a_layer_view_is_as_wide_as_its_frames_and_a_decode_plan_as_its_splits():
     frames = torch.zeros(4, 32, 2, 8)
     codes = torch.zeros(128, 2, 2, dtype=torch.uint8)
-    kv = LayerKV(codes, None, None, codes, None, None, frames, frames, bits=2)
+    kv = LayerKV(codes, None, None, codes, None, None, frames, frames, k_bits=2, v_bits=2)
     assert kv.G == 32 and kv.extras is None
     empty = _i32([0])
     paged = PagedPlan(empty, _i32([]), _i32([]), empty, _i32([]), _i32([]))

@@ -107,7 +107,7 @@ class PeerFormat(Format):
         return {f"{x}_{n}": ((g.S, g.H, *dims), dtype)
                 for x, c in (("k", self.k), ("v", self.v)) for n, (dims, dtype) in c.tails(g.D).items()}
 
-    def base_shapes(self, g: PageGeometry, bits: int) -> Shapes:
+    def base_shapes(self, g: PageGeometry, bits: int, v_bits: int | None = None) -> Shapes:
         shapes = self._tensors(g)
         return {name: shapes[name] for name in PeerBase._fields}
 
