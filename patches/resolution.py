@@ -87,10 +87,6 @@ def validate(server_args, view, cfg) -> None:
     refusal = strategy.refusal("hicache", cfg.name)
     if getattr(view, "enable_hierarchical_cache", None) and refusal:
         raise KVQConfigError(f"sgl_kvq: {refusal}")
-    if getattr(view, "enable_hierarchical_cache", None) and cfg.format.layers_differ(cfg):
-        # the host tier mirrors the device base as [L, ...] buffers (host_pool.py); a recipe's layers differ in shape
-        raise KVQConfigError(f"sgl_kvq: HiCache's host tier does not hold {cfg.name} pages whose layers differ in "
-                             "width yet; drop --enable-hierarchical-cache or serve a kivi dtype")
     from sgl_kvq.host_pool import LAYOUTS
 
     layout = getattr(view, "hicache_mem_layout", None)

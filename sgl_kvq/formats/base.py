@@ -102,11 +102,6 @@ class Format:
         """Every code width some layer's keys or values are stored at."""
         return {cfg.bits}
 
-    def layers_differ(self, cfg: ServedConfig) -> bool:
-        """Whether some layers store their keys or values at other widths than others (the pool's code tensors are
-        then one per layer)."""
-        return False
-
     def check_model(self, cfg: ServedConfig, layers: int, kv_heads: int, head_dim: int, config_sha256: str | None,
                     arch: str) -> None:
         """Refuse, before any weight loads, a model whose stored bytes this config was not made for (a recipe

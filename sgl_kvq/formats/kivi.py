@@ -69,10 +69,6 @@ class KiviMix(Kivi):
         r = cfg.params.recipe
         return set(r.key_bits) | set(r.value_bits)
 
-    def layers_differ(self, cfg) -> bool:
-        r = cfg.params.recipe
-        return len(set(zip(r.key_bits, r.value_bits))) > 1
-
     def stats(self, cfg, sizes: dict[str, int]) -> dict:
         r = cfg.params.recipe
         return {"bits": r.mean_bits, "recipe": r.digest, "key_bits": list(r.key_bits), "value_bits": list(r.value_bits)}

@@ -2,7 +2,7 @@
 sgl_kvq/host_pool.py). A prefix pushed out of a device pool too small to keep it comes back from the host, and the
 request that reuses it decodes exactly the tokens it decodes when the prefix never left the device. CI runs kivi2;
 KVQ_TEST_HICACHE_DTYPES=all adds the formats with extras (GEAR's correction, LogQuant's rows, ZipCache's salient
-plane)."""
+plane) and kivimix (a recipe whose layers differ in width: the host tier's per-layer buffers)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from engine_runs import pool_stats
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 PROMPT, PAGES_KEPT = 448, 7  # tokens per prompt: 7 complete pages of G = 64
-DTYPES = ["kivi2", "gear2", "gearl2", "logquant2", "zipcache2"] \
+DTYPES = ["kivi2", "gear2", "gearl2", "logquant2", "zipcache2", "kivimix"] \
     if os.environ.get("KVQ_TEST_HICACHE_DTYPES") == "all" else ["kivi2"]
 
 
@@ -41,8 +41,13 @@ def run(dtype: str, **kw) -> tuple[list, dict]:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_evicted_prefix_comes_back_from_the_host_tier(monkeypatch, dtype):
+def test_evicted_prefix_comes_back_from_the_host_tier(monkeypatch, tmp_path, dtype):
     monkeypatch.setenv("KVQ_KV_CACHE_GB", "0.25")  # a small budget; max_total_tokens sizes the device pool
+    if dtype == "kivimix":
+        from recipes import tiny_recipe
+
+        # 2-bit codes at the narrowest, as kivi2's: a pooled frame spans as many pages, so the sizing below holds
+        monkeypatch.setenv("KVQ_RECIPE", tiny_recipe(tmp_path, (4, 2), (2, 3)))
     ref, ref_stats = run(dtype, max_total_tokens=8192)  # the prefix never leaves the device
     assert ref[-1][0] == PAGES_KEPT * 64
     # Under HiCache too a running request's fp16 frames are pages of the pool, taken while it runs, and taken when

@@ -15,24 +15,14 @@ import json
 
 import pytest
 
-from sgl_kvq.recipe import ModelBinding, Recipe, config_sha256
+from recipes import tiny_recipe
 from test_e2e_greedy_tokens import RECORD, _recorder
-
-
-def _recipe(tmp_path, key_bits, value_bits, **model) -> str:
-    from bench.models import tiny_llama
-
-    folder = tiny_llama()
-    binding = {"layers": 2, "kv_heads": 2, "head_dim": 16, "config_sha256": config_sha256(folder), **model}
-    path = tmp_path / "recipe.json"
-    path.write_text(Recipe(ModelBinding(**binding), tuple(key_bits), tuple(value_bits)).to_json())
-    return str(path)
 
 
 @pytest.mark.slow
 @pytest.mark.engine
 def test_mixed_widths_read_alike_through_both_backends(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVQ_RECIPE", _recipe(tmp_path, (4, 1), (1, 3)))
+    monkeypatch.setenv("KVQ_RECIPE", tiny_recipe(tmp_path))
     got = _recorder().record(["kivimix"])["kivimix"]
     assert got["kvq_torch"] == got["kvq_triton"]
     assert len(got["kvq_torch"]) == 6 and all(len(t) == 16 for t in got["kvq_torch"])
@@ -41,7 +31,7 @@ def test_mixed_widths_read_alike_through_both_backends(tmp_path, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.engine
 def test_a_recipe_of_two_bits_gives_kivi2s_tokens(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVQ_RECIPE", _recipe(tmp_path, (2, 2), (2, 2)))
+    monkeypatch.setenv("KVQ_RECIPE", tiny_recipe(tmp_path, (2, 2), (2, 2)))
     want = json.loads(RECORD.read_text())["tokens"]["kivi2"]["kvq_torch"]
     assert _recorder().record(["kivimix"], ("kvq_torch",))["kivimix"]["kvq_torch"] == want
 
@@ -53,8 +43,6 @@ REFUSED = {
                       "kv_heads 2 \\(the recipe's 3\\)"),
     "another config": (dict(key_bits=[3, 3], value_bits=[2, 2], config_sha256="0000000000000000"), {},
                        "config_sha256 [0-9a-f]{16} \\(the recipe's 0000000000000000\\)"),
-    "HiCache": (dict(key_bits=[4, 1], value_bits=[1, 3]), {"enable_hierarchical_cache": True},
-                "HiCache's host tier does not hold kivimix pages whose layers differ"),
     "no recipe": (None, {}, "kivimix serves a recipe's per-layer widths: set KVQ_RECIPE"),
 }
 
@@ -73,8 +61,8 @@ def test_a_recipe_the_server_cannot_serve_is_refused_before_loading(tmp_path, mo
         monkeypatch.delenv("KVQ_RECIPE", raising=False)
     else:
         recipe = dict(recipe)
-        monkeypatch.setenv("KVQ_RECIPE", _recipe(tmp_path, recipe.pop("key_bits"), recipe.pop("value_bits"),
-                                                 **recipe))
+        monkeypatch.setenv("KVQ_RECIPE", tiny_recipe(tmp_path, recipe.pop("key_bits"), recipe.pop("value_bits"),
+                                                     **recipe))
     with pytest.raises(KVQConfigError, match=message):
         sglang.Engine(**engine_kwargs(tiny_llama(), "kivimix", dtype="float32", mem_fraction_static=0.3,
                                       max_total_tokens=16384, attention_backend="kvq_torch", **flags))

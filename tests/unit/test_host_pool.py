@@ -26,19 +26,39 @@ def slots_of(pages: list[int], G: int) -> torch.Tensor:
     return (torch.tensor(pages)[:, None] * G + torch.arange(G)).reshape(-1)
 
 
-def page_bytes(pool, pages: list[int]) -> dict[str, torch.Tensor]:
-    G = pool.shape.G
+def page_bytes(pool, pages: list[int]) -> dict[str, list[torch.Tensor]]:
+    """Each base buffer's rows of `pages`, per layer ([pages, rows, ...]: a recipe's layers differ in shape)."""
+    G, P = pool.shape.G, pool.shape.P
     out = {}
-    for name, (dims, _) in pool.shape.base_shapes().items():
-        t = getattr(pool.store, name)
-        rows = 1 if dims[1] == pool.shape.P else G
-        out[name] = t.view(t.shape[0], pool.shape.P, rows, *t.shape[2:])[:, pages].clone()
+    for name in pool.shape.base_names():
+        out[name] = []
+        for layer in range(L):
+            t = getattr(pool.store, name)[layer]
+            rows = 1 if t.shape[0] == P else G
+            out[name].append(t.view(P, rows, *t.shape[1:])[pages].clone())
     return out
 
 
+def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.fixture
+def recipe_env(tmp_path, monkeypatch):
+    """KVQ_RECIPE for a kivimix pool of pool_writes' L layers, each at other widths."""
+    from sgl_kvq.recipe import ModelBinding, Recipe
+
+    widths = [(4, 1), (1, 3), (3, 2)][:L]
+    (tmp_path / "r.json").write_text(Recipe(ModelBinding(L, H, D, "0" * 16), tuple(k for k, _ in widths),
+                                            tuple(v for _, v in widths)).to_json())
+    monkeypatch.setenv("KVQ_RECIPE", str(tmp_path / "r.json"))
+
+
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-@pytest.mark.parametrize("name", ["kivi2", "kivi3", "gear2", "logquant2", "zipcache2"])
-def test_pages_come_back_exact(name, layout):
+@pytest.mark.parametrize("name", ["kivi2", "kivi3", "gear2", "logquant2", "zipcache2", "kivimix"])
+def test_pages_come_back_exact(name, layout, request):
+    if name == "kivimix":
+        request.getfixturevalue("recipe_env")
     cfg = parse_kv_cache_dtype(name)
     G = cfg.group_size
     pool = KVQTokenToKVPool(14 * G, PoolShape(L, H, D, 14, cfg), "cpu", torch.float32, num_req_slots=4)
@@ -56,14 +76,14 @@ def test_pages_come_back_exact(name, layout):
     h_idx = host.alloc(4 * G)
     host.backup_from_device_all_layer(pool, h_idx, slots_of(x, G), "direct")
     write(pool, 3, torch.tensor(x), 0, 4 * G, seed=9)  # X's device pages reused by another request
-    assert any(not torch.equal(want[n], t) for n, t in page_bytes(pool, x).items())
+    assert any(not _equal(want[n], t) for n, t in page_bytes(pool, x).items())
     # A finished and its pages were freed: X's prefix is loaded back into them, layer by layer. A's frames in
     # slot 1 still name pages 5 and 6 at logical pages 2 and 3: they must not stand in for the loaded pages.
     for layer in range(L):
         host.load_to_device_per_layer(pool, h_idx, slots_of(a[:4], G), layer, "direct")
     got = page_bytes(pool, a[:4])
     for n in want:
-        assert torch.equal(got[n], want[n]), f"{name} {layout}: {n} differs after the round trip"
+        assert _equal(got[n], want[n]), f"{name} {layout}: {n} differs after the round trip"
     ctx, out, plan = read(pool, 1, torch.tensor(a[:4]), 4 * G, q)
     assert int(plan.ov_indptr[1]) == 0, "loaded pages are read from the base"
     for (k0, v0), (k1, v1) in zip(ctx_x, ctx):
@@ -76,14 +96,16 @@ def test_pages_come_back_exact(name, layout):
     assert host.get_data_page(int(h2[0])).numel() == host.page_bytes == host.get_dummy_flat_data_page().numel()
     for layer in range(L):
         host.load_to_device_per_layer(pool, h2, slots_of([12], G), layer, "direct")
-    assert all(torch.equal(page_bytes(pool, [12])[n], want[n][:, 1:2]) for n in want)
+    assert all(_equal(page_bytes(pool, [12])[n], [w[1:2] for w in want[n]]) for n in want)
 
 
 @pytest.mark.parametrize("name,min_ratio", [("kivi2", 6.0), ("kivi4", 3.5), ("kivi3", 4.5), ("gear2", 4.0),
-                                            ("logquant2", 5.5), ("zipcache2", 3.4)])
-def test_host_tier_holds_more_tokens_than_bf16(name, min_ratio):
+                                            ("logquant2", 5.5), ("zipcache2", 3.4), ("kivimix", 4.5)])
+def test_host_tier_holds_more_tokens_than_bf16(name, min_ratio, request):
     """Tokens per host byte against SGLang's bf16 MHA host pool (its own get_size_per_token), from the bytes this
     host pool really allocates."""
+    if name == "kivimix":
+        request.getfixturevalue("recipe_env")
     cfg = parse_kv_cache_dtype(name)
     G = cfg.group_size
     pool = KVQTokenToKVPool(8 * G, PoolShape(L, H, D, 8, cfg), "cpu", torch.float32, num_req_slots=2)
