@@ -20,6 +20,7 @@ from sgl_kvq.attention_rotation import ROTATIONS
 from sgl_kvq.errors import KVQConfigError
 from sgl_kvq.formats import registry
 from sgl_kvq.formats.base import Format
+from sgl_kvq.recipe import load_recipe
 
 # Each format family's dtype names, bit widths and what its pages add are declared by its module in
 # sgl_kvq/formats/; the registry maps a name to its format.
@@ -201,10 +202,10 @@ def parse_kv_cache_dtype(name: str) -> KVQConfig:
     return _parse(name, env.knob_values(KNOBS))
 
 
-def default_config(name: str) -> KVQConfig:
+def default_config(name: str, recipe: str | None = None) -> KVQConfig:
     """`name`'s config with every knob at its default, whatever KVQ_* variables are set (the decision table's bytes
-    per token: the dtype as a user who sets nothing gets it)."""
-    return _build(name, {}, {})
+    per token: the dtype as a user who sets nothing gets it); recipe: kivimix's KVQ_RECIPE value."""
+    return _build(name, {}, {} if recipe is None else {"kivimix": {"recipe": load_recipe(recipe)}})
 
 
 @functools.lru_cache(maxsize=None)

@@ -70,15 +70,19 @@ def burst(server, vocab_size: int, requests: int, prompt_tokens: int) -> None:
 
 def measure(model, dtype: str, budget: dict, log_path: Path, burst_requests: int = 0,
             burst_prompt_tokens: int = 512) -> dict:
-    """One server: its pool statistics (with the peak of running requests of a burst), or why it did not start."""
+    """One server: its pool statistics (with the peak of running requests of a burst), or why it did not start.
+    dtype: a dtype, or one with knobs of its own (`kivimix:KVQ_RECIPE=smollm2-3.0`: engine_eval.split_knobs)."""
     from bench.commands.serving_stats import scheduler_log_stats
+    from bench.eval.engine_eval import split_knobs
     from bench.launch import ServerProcess, baseline_page_size
 
+    dtype, knobs = split_knobs(dtype)
     args = ["--model-path", str(model)] + (["--decode-log-interval", "1"] if burst_requests else [])
     args += ["--page-size", str(baseline_page_size())] if not dtype.startswith(("kivi", "specache")) else []
     args += [] if dtype == "auto" else ["--kv-cache-dtype", dtype]
     env = dict(os.environ)
     os.environ.pop("KVQ_KV_CACHE_GB", None)
+    os.environ.update(knobs)
     if "kv_cache_gb" in budget:
         os.environ["KVQ_KV_CACHE_GB"] = str(budget["kv_cache_gb"])
     else:

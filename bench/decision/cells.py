@@ -84,12 +84,29 @@ class Table:
         return next(r for r in self.rows if r.dtype == dtype)
 
 
-def served_dtypes() -> list[tuple[str, str]]:
-    """(dtype, "ours" | "peer") in the registry's order, bf16 first."""
+# A shipped recipe's row is named as the evaluations take it: kivimix served with that recipe.
+RECIPE_ROW = "kivimix:KVQ_RECIPE="
+
+
+def served_dtypes(model: TableModel = SMOLLM2) -> list[tuple[str, str]]:
+    """(dtype, "ours" | "peer") in the registry's order, bf16 first, then kivimix with each shipped recipe made for
+    the model."""
     from sgl_kvq.formats import peers, registry
 
     peer_names = {f.family for f in peers.FORMATS}
-    return [(BF16, BF16)] + [(n, "peer" if n in peer_names else "ours") for n in registry.DTYPE_NAMES]
+    return [(BF16, BF16)] + [(n, "peer" if n in peer_names else "ours") for n in registry.DTYPE_NAMES] + \
+        [(RECIPE_ROW + name, "ours") for name in model_recipes(model)]
+
+
+def model_recipes(model: TableModel) -> list[str]:
+    """The shipped recipes whose model binding is the table model's geometry."""
+    from sgl_kvq.recipe import load_recipe, shipped
+
+    s = model.shape
+    geometry = (s.layers, s.kv_heads, s.head_dim)
+    return [name for name in shipped()
+            if (load_recipe(name).model.layers, load_recipe(name).model.kv_heads,
+                load_recipe(name).model.head_dim) == geometry]
 
 
 def _name(raw: str) -> str:
@@ -103,8 +120,9 @@ def _pool_shape(dtype: str, model: TableModel):
     from sgl_kvq.pool_shape import PoolShape
 
     shape = model.shape
+    recipe = dtype[len(RECIPE_ROW):] if dtype.startswith(RECIPE_ROW) else None
     return PoolShape(layers=shape.layers, heads=shape.kv_heads, head_dim=shape.head_dim, num_pages=0,
-                     cfg=default_config(dtype))
+                     cfg=default_config("kivimix" if recipe else dtype, recipe))
 
 
 def host_bytes(dtype: str, model: TableModel = SMOLLM2) -> int:
@@ -243,7 +261,7 @@ def collect(sources: list[Source], skipped: list[tuple[str, str]] | None = None,
         cells = attention_cells(src, layers) if src.kind == "attention" else reader(src)
         found.append((src, cells))
     rows, stale = [], {}
-    for dtype, group in served_dtypes():
+    for dtype, group in served_dtypes(model):
         row = Row(dtype, group, {"bytes": bytes_cell(dtype, model)})
         since = defaults_changed(dtype)
         usable = found

@@ -39,6 +39,7 @@ def dtype_knobs() -> frozenset[str]:
 DEFAULT_PPL_TEXT = "paul graham essays"
 
 _ASSIGNMENT = re.compile(r"\b(KVQ_[A-Z0-9_]+)=")
+_RECIPE_ENTRY = re.compile(r"kivimix:KVQ_RECIPE=[^,:\s]+")
 
 
 @dataclass(frozen=True)
@@ -71,8 +72,10 @@ def kind_of(data: object) -> str | None:
 
 def changed_knobs(data: dict) -> list[str]:
     """The KVQ_ knobs a run set that change what a dtype stores or reads: assignments in its recorded command, and
-    the environment the writer recorded (`kvq_env`)."""
-    names = set(_ASSIGNMENT.findall(str(data.get("command", "")))) | set(data.get("kvq_env") or {})
+    the environment the writer recorded (`kvq_env`). A kivimix entry's recipe (`kivimix:KVQ_RECIPE=NAME`) names
+    the dtype's row, not a knob."""
+    command = _RECIPE_ENTRY.sub("kivimix", str(data.get("command", "")))
+    names = set(_ASSIGNMENT.findall(command)) | set(data.get("kvq_env") or {})
     return sorted(names & dtype_knobs())
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from bench.commands import bench_decision
 from bench.decision import render, sources
-from bench.decision.cells import BF16, MISSING, OLD_NEEDLES, OTHER_LAYERS, OVER_KIT, collect
+from bench.decision.cells import BF16, MISSING, OLD_NEEDLES, OTHER_LAYERS, OVER_KIT, RECIPE_ROW, collect
 from bench.decision.front import fronts, pareto_front
 from bench.decision.missing import command, missing
 from bench.decision.models import GEMMA3, MODELS, SMOLLM2
@@ -82,8 +82,10 @@ def test_missing_cells_print_a_dash_and_the_command_that_measures_them(tmp_path)
     assert kivi4.cell("bytes").text == "6,480"  # the layout's, never missing
     gaps = {(g.kind, g.measurable): g.dtypes for g in missing(table)}
     assert "kivi2" not in gaps[("ppl", True)] and "kivi4" in gaps[("ppl", True)]
-    # every served dtype has an attention method (SpeCache's read: tools/eval/specache.py), so a command for each
-    assert ("attention", False) not in gaps and {"specache1", "specache2"} <= set(gaps[("attention", True)])
+    # every served dtype has an attention method (SpeCache's read: tools/eval/specache.py), so a command for each;
+    # a recipe's rows (a width per layer) have none offline yet
+    assert all(d.startswith(RECIPE_ROW) for d in gaps.get(("attention", False), ()))
+    assert {"specache1", "specache2"} <= set(gaps[("attention", True)])
     page = render.docs(table)
     assert "specache1,specache2" in page
     assert "| `kivi4` | 6,480 | — |" in page
@@ -418,3 +420,20 @@ def test_each_model_has_its_own_table_page_figure_and_readme_block(tmp_path, mon
     assert "old" not in text and "| +10.0% |" in text and "| +25.0% |" in text
     with pytest.raises(SystemExit, match="--model"):
         bench_decision.run(p.parse_args(["--inputs", str(inputs), "--docs", str(tmp_path / "x.md")]))
+
+
+def test_a_shipped_recipe_is_a_row_of_its_model_and_its_entries_name_it(tmp_path):
+    """kivimix with each shipped recipe made for the table's model is a row named as the evaluations take it; a run
+    of `kivimix:KVQ_RECIPE=NAME` entries beside defaults is read (the recipe names the row, it is not a knob), one
+    that sets another knob is not."""
+    row = RECIPE_ROW + "smollm2-3.0"
+    entries = f"auto,kivi3,{row}"
+    write(tmp_path, "recipes.json", ppl({"auto": 20.0, "kivi3": 21.0, row: 20.5},
+                                        command=f"sgl-kvq eval ppl --kv-cache-dtype {entries}"), day=1)
+    write(tmp_path, "knob.json", ppl({"auto": 20.0, row: 30.0},
+                                     command=f"KVQ_ROTATE=none sgl-kvq eval ppl --kv-cache-dtype {entries}"), day=2)
+    table = table_of(tmp_path)
+    assert table.row(row).cell("bytes").text == "5,040" and table.row(row).cell("ppl_delta").text == "+2.5%"
+    assert table.row("kivi3").cell("ppl").source == "recipes.json"
+    assert {RECIPE_ROW + f"smollm2-{t}" for t in ("2.5", "3.0", "3.25")} <= {r.dtype for r in table.rows}
+    assert not any(r.dtype.startswith(RECIPE_ROW + "smollm2") for r in collect([], [], GEMMA3).rows)  # not its model

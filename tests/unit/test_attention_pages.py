@@ -37,6 +37,21 @@ def test_page_decode_matches_reference(B, group, bits):
     torch.testing.assert_close(out, batched, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("k_bits,v_bits", [(4, 1), (1, 3), (3, 2)])
+def test_key_and_value_widths_differ(k_bits, v_bits):
+    """A recipe's layer (kivimix): the page path and the padded path read keys and values at their own widths, the
+    frames apart by different strides as pooled frames over such codes lie."""
+    rng = random.Random(k_bits * 10 + v_bits)
+    for group, (G, H, D, VG) in ((1, SHAPES[0]), (3, SHAPES[-1])):
+        kv, plan = make_pool(G, H, D, VG, k_bits, random_requests(rng, 5, G), torch.float32, seed=k_bits,
+                             v_bits=v_bits, frame_gap=16 * k_bits, v_frame_gap=16 * v_bits)
+        q = torch.randn(5, H * group, D, generator=torch.Generator().manual_seed(group))
+        ref = ref_decode(q, kv, plan, D ** -0.5)
+        torch.testing.assert_close(decode(q, kv, plan, G, H), ref, rtol=1e-5, atol=1e-5)
+        batched = attention_batched.decode(q, kv, padded.prepare(plan, G, H), D ** -0.5)
+        torch.testing.assert_close(batched, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_frames_apart_as_pooled_kivi3():
     """Pooled kivi3 frames lie k pages' codes apart (sgl_kvq/frames.py frame_view): read in place, not reshaped."""
     G, H, D, VG = SHAPES[1]
