@@ -6,7 +6,10 @@ calibration text no evaluation reads, and the allocation of widths that meets --
         --recipe-dir sgl_kvq/recipes
 
 --recipe-dir writes each allocation as a recipe the kivimix dtype serves (sgl_kvq/recipe.py), named
-<model>-<bits>.json; recipes_from re-writes them from a result file.
+<model>-<bits>.json. --from-json FILE allocates --bits from a result file's measured sensitivities without running
+the model (the allocation's own KL is then predicted, the single-layer KLs summed, not measured):
+
+    sgl-kvq calibrate --from-json bench/results/calibration/smollm2.json --bits 2.875 --recipe-dir sgl_kvq/recipes
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ def add_arguments(p) -> None:
                    help="score every N-th position (default 1; Gemma 3's 262k-entry softmax makes 4 worth it)")
     p.add_argument("--json", type=Path, help="write the result to PATH")
     p.add_argument("--recipe-dir", type=Path, help="write each allocation as a recipe file (KVQ_RECIPE) into DIR")
+    p.add_argument("--from-json", type=Path,
+                   help="allocate from this result file's sensitivities instead of measuring (adds to its recipes)")
 
 
 def recipes_from(result: dict, out_dir: Path) -> list[Path]:
@@ -40,9 +45,9 @@ def recipes_from(result: dict, out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for target, r in result["recipes"].items():
-        made = {"command": result["command"], "text": result["calibration"]["text"],
+        made = {"command": r.get("command", result["command"]), "text": result["calibration"]["text"],
                 "tokens": result["calibration"]["tokens"], "mean_bits": r["mean_bits"],
-                "bytes_per_token": r["bytes_per_token"], "kl": r["kl"]}
+                "bytes_per_token": r["bytes_per_token"], "kl": r["kl"], "predicted_kl": r["predicted_kl"]}
         t = float(target)
         path = out_dir / f"{m['name']}-{t:.1f}.json" if round(t, 1) == t else out_dir / f"{m['name']}-{t:g}.json"
         path.write_text(Recipe(binding, tuple(r["k_bits"]), tuple(r["v_bits"])).to_json(made))
@@ -50,7 +55,31 @@ def recipes_from(result: dict, out_dir: Path) -> list[Path]:
     return paths
 
 
+def reallocate(args) -> int:
+    """--from-json: new allocations from a result file's sensitivities, written into it and as recipes."""
+    from bench import calibrate as cal
+
+    result = json.loads(args.from_json.read_text())
+    sens = {(int(key[1:]), key[0]): {int(b): kl for b, kl in s.items()} for key, s in result["sensitivity_kl"].items()}
+    m, c = result["model"], result["calibration"]
+    reader = cal.Reader({}, group_size=c["group_size"], residual=c["residual"])
+    for target in args.bits or [3.0]:
+        w = cal.allocate(sens, target)
+        result["recipes"][f"{target:g}"] = {
+            "command": "sgl-kvq calibrate " + " ".join(sys.argv[2:]), "mean_bits": sum(w.values()) / len(w),
+            "bytes_per_token": cal.bytes_per_token(w, m["kv_heads"], m["head_dim"], reader), "kl": None,
+            "k_bits": [w[(i, "k")] for i in range(m["layers"])], "v_bits": [w[(i, "v")] for i in range(m["layers"])],
+            "predicted_kl": sum(sens[key][b] for key, b in w.items())}
+    args.from_json.write_text(json.dumps(result, indent=1) + "\n")
+    if args.recipe_dir:
+        for path in recipes_from(result, args.recipe_dir):
+            print(f"recipe: {path}", file=sys.stderr)
+    return 0
+
+
 def run(args) -> int:
+    if args.from_json:
+        return reallocate(args)
     import torch
 
     from bench import calibrate as cal

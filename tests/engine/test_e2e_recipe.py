@@ -5,7 +5,8 @@ extend reads packed pages).
 - A recipe with keys and values at different widths in each layer (4/1 and 1/3): kvq_torch (the C decode kernel and
   the torch extend) and kvq_triton (the Triton kernels, interpreted) give the same tokens: two implementations read
   every layer at its own widths alike.
-- A recipe of 2 bits throughout gives kivi2's recorded tokens exactly (same pages, same rotation, same prefill).
+- A recipe of 2 bits throughout gives kivi2's recorded tokens exactly (same pages, same rotation, same prefill;
+  KVQ_TEST_MATRIX=all).
 - A recipe made for another model is refused before the model loads, naming what differs.
 """
 
@@ -16,6 +17,7 @@ import json
 import pytest
 
 from recipes import tiny_recipe
+from slices import matrix_only
 from test_e2e_greedy_tokens import RECORD, _recorder
 
 
@@ -30,6 +32,8 @@ def test_mixed_widths_read_alike_through_both_backends(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.engine
+@matrix_only("test_mixed_widths_read_alike_through_both_backends serves a recipe, and tests/unit/test_recipe.py "
+             "holds a uniform recipe's pool to its kivi width's")
 def test_a_recipe_of_two_bits_gives_kivi2s_tokens(tmp_path, monkeypatch):
     monkeypatch.setenv("KVQ_RECIPE", tiny_recipe(tmp_path, (2, 2), (2, 2)))
     want = json.loads(RECORD.read_text())["tokens"]["kivi2"]["kvq_torch"]

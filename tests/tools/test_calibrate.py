@@ -83,3 +83,8 @@ def test_the_simulated_read_is_the_model_and_quantizing_moves_it(tmp_path):
     served = load_recipe(str(tmp_path / "recipes" / "tiny-3.0.json"))
     assert (list(served.key_bits), list(served.value_bits)) == (recipe["k_bits"], recipe["v_bits"])
     assert served.model.layers == L and served.model.config_sha256 == res["model"]["config_sha256"]
+    # another target from the same measurements, without the model: its KL predicted, not measured
+    assert main(["calibrate", "--from-json", str(out), "--bits", "2.5", "--recipe-dir", str(tmp_path / "recipes")]) == 0
+    again = json.loads(out.read_text())["recipes"]["2.5"]
+    assert again["kl"] is None and again["mean_bits"] <= 2.5 and again["predicted_kl"] >= recipe["predicted_kl"]
+    assert load_recipe(str(tmp_path / "recipes" / "tiny-2.5.json")).mean_bits == again["mean_bits"]
