@@ -32,8 +32,9 @@ from .paged_kv_kernel import _dot, _frame_step, _page_kt, _page_v, _softmax_step
 def _specache_decode_kernel(
     Q, POOL, EXTRAS, KOWN, VOWN, TOPK, PAGES, num_splits, PARTS, SCORES, sm_scale_log2, n_req, n_heads,
     stride_qb, stride_qh, stride_kob, stride_koh, stride_vob, stride_voh, stride_sb, stride_sh, window,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr,
-    VBITS: tl.constexpr, VG: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+    # BITS: (key, value) code widths, one parameter (a recipe's layer stores them apart)
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
+    VG: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
     NLANES: tl.constexpr, SPEC_LANE: tl.constexpr, USE_TOPK: tl.constexpr, FOLLOW: tl.constexpr,
     MAX_SPLITS: tl.constexpr, TOPK_ROWS: tl.constexpr, CORRECT: tl.constexpr, SIZES: tl.constexpr,
     DOT_FP32: tl.constexpr,
@@ -125,10 +126,11 @@ def _specache_decode_kernel(
                 if USE_TOPK:
                     replaced = tl.sum((pos[:, None] == mpos[None, :]).to(tl.int32), axis=1)
                     valid = valid & (replaced == 0)[None, :]
-                kt = _page_kt(POOL, EXTRAS, page, kvh, n_heads, offs_t, offs_d, G, D, KBITS, VG, CORRECT, SIZES)
+                kt = _page_kt(POOL, EXTRAS, page, kvh, n_heads, offs_t, offs_d, G, D, BITS[0], VG, CORRECT, SIZES)
                 qk = _dot(q, kt.to(q.dtype), DOT_FP32) * sm_scale_log2
                 tl.store(score_row[:, None] + pos[None, :], qk, mask=scored[:, None] & valid)
-                v = _page_v(POOL, EXTRAS, page, kvh, n_heads, offs_t, offs_d, n_valid, G, D, VBITS, VG, CORRECT, SIZES)
+                v = _page_v(POOL, EXTRAS, page, kvh, n_heads, offs_t, offs_d, n_valid, G, D, BITS[1], VG, CORRECT,
+                            SIZES)
                 m, l, acc = _softmax_step(qk, valid, m, l, acc, v.to(q.dtype), DOT_FP32)
             for j in range(tl.maximum(p_start, n_base), p_end):
                 frame = tl.load(PAGES.ov_indices + ov_lo + j - n_base).to(tl.int64)

@@ -40,7 +40,7 @@ SCRIPT = textwrap.dedent('''
     from sgl_kvq.formats.zipcache.codec import SalientPlane
 
     # tuple arguments are typed by a tuple of the same kind
-    groups = dict(POOL=PoolArgs("*u8", "*fp16", "*fp16", "*u8", "*fp16", "*fp16", "*bf16", "*bf16", *["i32"] * 9),
+    groups = dict(POOL=PoolArgs("*u8", "*fp16", "*fp16", "*u8", "*fp16", "*fp16", "*bf16", "*bf16", *["i32"] * 12),
                   PAGES=PageLists(*["*i32"] * 6))
     parts = dict(PARTS=SplitParts("*fp32", "*fp32", *["i32"] * 5))
     extras = {"": (), "gear": PageCorrection(*"*fp16 *fp16 *fp16 *fp16 *fp16 *u8 *fp16 *u8".split()),
@@ -59,34 +59,36 @@ SCRIPT = textwrap.dedent('''
     decode = dict(Q="*bf16", **groups, **parts, **plan)
     extend = dict(Q="*bf16", K_new="*bf16", V_new="*bf16", O="*bf16", **groups, **plan)
     for kernel, ptrs, consts, (x, fc) in [
-        (_decode_attention_kernel, decode, dict(GROUP=4, BLOCK_H=16, D=128, G=64, BITS=1, VG=64), fmt("")),
+        (_decode_attention_kernel, decode, dict(GROUP=4, BLOCK_H=16, D=128, G=64, KBITS=1, VBITS=1, VG=64), fmt("")),
         # gear2 (rank 2, one outlier per key channel and value token)
-        (_decode_attention_kernel, decode, dict(GROUP=3, BLOCK_H=16, D=64, G=64, BITS=2, VG=64),
+        (_decode_attention_kernel, decode, dict(GROUP=3, BLOCK_H=16, D=64, G=64, KBITS=2, VBITS=2, VG=64),
          fmt("gear", (2, 1, 1))),
         # zipcache2 (26 salient rows of 64 at 4 bits, SmolLM2's geometry)
-        (_decode_attention_kernel, decode, dict(GROUP=3, BLOCK_H=16, D=64, G=64, BITS=2, VG=64),
+        (_decode_attention_kernel, decode, dict(GROUP=3, BLOCK_H=16, D=64, G=64, KBITS=2, VBITS=2, VG=64),
          fmt("zipcache", (26, 4))),
-        (_extend_attention_kernel, extend, dict(GROUP=3, GP=4, BLOCK_M=16, BLOCK_N=64, D=64, G=64, BITS=2, VG=64),
+        (_extend_attention_kernel, extend,
+         dict(GROUP=3, GP=4, BLOCK_M=16, BLOCK_N=64, D=64, G=64, KBITS=2, VBITS=2, VG=64),
          fmt("zipcache", (26, 4))),
         (_extend_attention_kernel, {**extend, **{n: "*fp16" for n in ("Q", "K_new", "V_new", "O")}},
-         dict(GROUP=3, GP=4, BLOCK_M=16, BLOCK_N=64, D=64, G=16, BITS=2, VG=32), fmt("gear", (3, 2, 3))),
+         dict(GROUP=3, GP=4, BLOCK_M=16, BLOCK_N=64, D=64, G=16, KBITS=2, VBITS=2, VG=32), fmt("gear", (3, 2, 3))),
         # logquant2 at W = 21 (8 row slots per page) and at the default W (1 slot)
-        (_decode_attention_kernel, decode, dict(GROUP=3, BLOCK_H=16, D=64, G=64, BITS=2, VG=64),
+        (_decode_attention_kernel, decode, dict(GROUP=3, BLOCK_H=16, D=64, G=64, KBITS=2, VBITS=2, VG=64),
          fmt("logquant", (8,))),
-        (_extend_attention_kernel, extend, dict(GROUP=3, GP=4, BLOCK_M=16, BLOCK_N=64, D=64, G=64, BITS=2, VG=64),
+        (_extend_attention_kernel, extend,
+         dict(GROUP=3, GP=4, BLOCK_M=16, BLOCK_N=64, D=64, G=64, KBITS=2, VBITS=2, VG=64),
          fmt("logquant", (1,))),
         # kivi3 (two code planes per row) at SmolLM2's geometry
-        (_decode_attention_kernel, decode, dict(GROUP=3, BLOCK_H=16, D=64, G=64, BITS=3, VG=64), fmt("")),
-        (_extend_attention_kernel, extend, dict(GROUP=3, GP=4, BLOCK_M=16, BLOCK_N=64, D=64, G=64, BITS=3, VG=64),
-         fmt("")),
+        (_decode_attention_kernel, decode, dict(GROUP=3, BLOCK_H=16, D=64, G=64, KBITS=3, VBITS=3, VG=64), fmt("")),
+        (_extend_attention_kernel, extend,
+         dict(GROUP=3, GP=4, BLOCK_M=16, BLOCK_N=64, D=64, G=64, KBITS=3, VBITS=1, VG=64), fmt("")),  # a recipe's
     ]:
         jobs.append((kernel, {**ptrs, **x}, {**consts, **fc, "DOT_FP32": False}, {}))
     pool = dict(KC="*u8", KS="*fp16", KZ="*fp16", VC="*u8", VS="*fp16", VZ="*fp16", OVK="*bf16", OVV="*bf16")
     jobs += [
         (_quantize_pages_kernel, dict(K="*bf16", V="*bf16", src_ids="*i32", dst_pages="*i32", **pool),
-         dict(G=32, D=128, VG=32, BITS=4, SPECACHE_ONE_BIT=True), dict(enable_fp_fusion=False)),
+         dict(G=32, D=128, VG=32, KBITS=4, VBITS=4, SPECACHE_ONE_BIT=True), dict(enable_fp_fusion=False)),
         (_quantize_pages_kernel, dict(K="*bf16", V="*bf16", src_ids="*i32", dst_pages="*i32", **pool),
-         dict(G=64, D=64, VG=64, BITS=3, SPECACHE_ONE_BIT=True), dict(enable_fp_fusion=False)),
+         dict(G=64, D=64, VG=64, KBITS=3, VBITS=3, SPECACHE_ONE_BIT=True), dict(enable_fp_fusion=False)),
         (_merge_state_kernel, dict(O_part="*fp32", LSE_part="*fp32", num_splits="*i32", O="*bf16", LSE="*fp32",
                                    RT="*fp32"), dict(D=128, BLOCK_S=8, WRITE_LSE=True, ROTATE=False, BLOCK_J=32), {}),
         # KVQ_ROTATE=values: the output rotated back as it is merged, V rotated as it is stored

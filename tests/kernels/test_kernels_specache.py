@@ -294,15 +294,15 @@ from sgl_kvq.kernels.specache_decode import TopKArgs
 # corrections)
 from sgl_kvq.formats.plain_kernel import _plain_kt, _plain_v
 ptrs = dict(Q="*bf16", KOWN="*bf16", VOWN="*bf16", SCORES="*fp32", num_splits="*i32", EXTRAS=(),
-            POOL=PoolArgs("*u8", "*fp16", "*fp16", "*u8", "*fp16", "*fp16", "*bf16", "*bf16", *["i32"] * 9),
+            POOL=PoolArgs("*u8", "*fp16", "*fp16", "*u8", "*fp16", "*fp16", "*bf16", "*bf16", *["i32"] * 12),
             TOPK=TopKArgs("*bf16", "*bf16", "*i64", "*i64", "*i64", *["i32"] * 7), PAGES=PageLists(*["*i32"] * 6),
             PARTS=SplitParts("*fp32", "*fp32", *["i32"] * 5))
 # SmolLM2's geometry (GQA 3, D 64, G 64): both lanes with 64 top-k rows at 1 bit; the pre-decode lane at 2 bits
-for consts in (dict(GROUP=3, BLOCK_M=16, D=64, G=64, BITS=1, VG=64, K=64, BLOCK_K=128, BLOCK_P=64, NLANES=2,
+for consts in (dict(GROUP=3, BLOCK_M=16, D=64, G=64, BITS=(1, 1), VG=64, K=64, BLOCK_K=128, BLOCK_P=64, NLANES=2,
                     SPEC_LANE=1, USE_TOPK=True, FOLLOW=True, MAX_SPLITS=8, TOPK_ROWS=64, CORRECT=(_plain_kt, _plain_v),
                     SIZES=(),
                     DOT_FP32=False),
-               dict(GROUP=4, BLOCK_M=16, D=128, G=32, BITS=2, VG=32, K=1, BLOCK_K=16, BLOCK_P=1, NLANES=1,
+               dict(GROUP=4, BLOCK_M=16, D=128, G=32, BITS=(2, 2), VG=32, K=1, BLOCK_K=16, BLOCK_P=1, NLANES=1,
                     SPEC_LANE=0, USE_TOPK=False, FOLLOW=False, MAX_SPLITS=2, TOPK_ROWS=1, CORRECT=(_plain_kt, _plain_v),
                     SIZES=(),
                     DOT_FP32=False)):
