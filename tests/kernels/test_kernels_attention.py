@@ -159,33 +159,16 @@ MIXED_WIDTHS = [(4, 1), (1, 3), (3, 2)]
 @pytest.mark.parametrize("case", ["G16-mha-odd", "G32-gqa3-d128"])
 def test_decode_with_key_and_value_widths_matches_reference(case, k_bits, v_bits):
     G, H, group, D, VG, reqs = CASES[case]
-    kv, paged = make_pool(G, H, D, VG, k_bits, reqs, torch.float32, seed=k_bits, v_bits=v_bits,
-                          frame_gap=16 * k_bits, v_frame_gap=16 * v_bits)  # as pooled frames of a recipe lie
-    q = torch.randn(len(reqs), H * group, D, generator=torch.Generator().manual_seed(1))
-    ref = ref_decode(q, kv, paged, D ** -0.5)
-    p = dec.plan(to_device(paged), num_qo_heads=H * group, num_kv_heads=H, head_dim=D, page_size=G, max_splits=3,
-                 min_pages_per_split=1)
-    out = torch.full_like(q, float("nan"), device=DEVICE)
-    dec.decode_attention(q.to(DEVICE), to_device(kv), p, D ** -0.5, out=out)
-    assert_close_written(out, ref, torch.float32)
+    # the frames lie apart as pooled frames over a recipe layer's codes do
+    q, paged, ref = _check_decode_format(case, torch.float32, seed=k_bits, bits=k_bits, v_bits=v_bits,
+                                         frame_gap=16 * k_bits, v_frame_gap=16 * v_bits)
     same, _ = make_pool(G, H, D, VG, k_bits, reqs, torch.float32, seed=k_bits)  # values at the keys' width
     assert not torch.allclose(ref, ref_decode(q, same, paged, D ** -0.5))
 
 
 @pytest.mark.parametrize("k_bits,v_bits", MIXED_WIDTHS)
 def test_extend_with_key_and_value_widths_matches_reference(k_bits, v_bits):
-    G, H, group, D, VG, reqs = EXTEND_CASES["G64-gqa4"]
-    kv, paged = make_pool(G, H, D, VG, k_bits, [(b, o) for b, o, _ in reqs], torch.float32, seed=k_bits,
-                          v_bits=v_bits)
-    gen = torch.Generator().manual_seed(2)
-    qo_indptr = torch.tensor([0] + [n for _, _, n in reqs]).cumsum(0).int()
-    N = int(qo_indptr[-1])
-    q, k_new, v_new = (torch.randn(N, h, D, generator=gen) for h in (H * group, H, H))
-    ref = ref_extend(q, k_new, v_new, qo_indptr, kv, paged, D ** -0.5)
-    out = torch.full_like(q, float("nan"), device=DEVICE)
-    extend_attention(q.to(DEVICE), k_new.to(DEVICE), v_new.to(DEVICE), qo_indptr.to(DEVICE), to_device(kv),
-                     to_device(paged), D ** -0.5, out=out)
-    assert_close_written(out, ref, torch.float32)
+    _check_extend_format("G64-gqa4", seed=k_bits, bits=k_bits, v_bits=v_bits)
 
 
 # Sliding windows (a query at position i sees i - W .. i): W = 0, ending mid base page, on a page boundary, in the
@@ -222,10 +205,11 @@ def test_extend_under_sliding_windows_matches_reference(case):
                              torch.float32)
 
 
-def _check_decode_format(case, dtype, *, seed, fmt, params):
-    """Decode over 2-bit pages carrying a format's extras (family fmt at params) vs ref_decode."""
+def _check_decode_format(case, dtype, *, seed, bits=2, **pool):
+    """Decode over `bits`-bit pages as make_pool builds them from `pool` (a format's extras: fmt, params; a recipe's
+    layer: v_bits) vs ref_decode. -> (q, the plan, the reference's output)."""
     G, H, group, D, VG, reqs = CASES[case]
-    kv, paged = make_pool(G, H, D, VG, 2, reqs, dtype, seed=seed, fmt=fmt, params=params)
+    kv, paged = make_pool(G, H, D, VG, bits, reqs, dtype, seed=seed, **pool)
     q = torch.randn(len(reqs), H * group, D, generator=torch.Generator().manual_seed(1)).to(dtype)
     ref = ref_decode(q, kv, paged, D ** -0.5)
     p = dec.plan(to_device(paged), num_qo_heads=H * group, num_kv_heads=H, head_dim=D, page_size=G,
@@ -233,13 +217,13 @@ def _check_decode_format(case, dtype, *, seed, fmt, params):
     out = torch.full_like(q, float("nan"), device=DEVICE)
     dec.decode_attention(q.to(DEVICE), to_device(kv), p, D ** -0.5, out=out)
     assert_close_written(out, ref, dtype)
+    return q, paged, ref
 
 
-def _check_extend_format(case, *, seed, fmt, params):
-    """Extend over 2-bit pages carrying a format's extras vs ref_extend (fp32)."""
+def _check_extend_format(case, *, seed, bits=2, **pool):
+    """Extend over `bits`-bit pages as make_pool builds them from `pool` vs ref_extend (fp32)."""
     G, H, group, D, VG, reqs = EXTEND_CASES[case]
-    kv, paged = make_pool(G, H, D, VG, 2, [(b, o) for b, o, _ in reqs], torch.float32, seed=seed, fmt=fmt,
-                          params=params)
+    kv, paged = make_pool(G, H, D, VG, bits, [(b, o) for b, o, _ in reqs], torch.float32, seed=seed, **pool)
     gen = torch.Generator().manual_seed(2)
     qo_indptr = torch.tensor([0] + [n for _, _, n in reqs]).cumsum(0).int()
     N = int(qo_indptr[-1])
