@@ -21,6 +21,8 @@ of every buffer and layer, buffer-major.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from sglang.srt.mem_cache.pool_host.base import HostKVCache
 
@@ -47,7 +49,7 @@ class KVQTokenToKVPoolHost(HostKVCache):
         self.names = shape.base_names()
         # rows of each buffer per page: 1 for page-indexed buffers, G for slot-indexed ones
         self.rows = {n: (1 if dims[0] == shape.P else shape.G) for n, (dims, _) in shape.layer_shapes(0).items()}
-        self.page_bytes = sum(self.rows[n] * _numel(dims[1:]) * dtype.itemsize for layer in range(shape.layers)
+        self.page_bytes = sum(self.rows[n] * math.prod(dims[1:]) * dtype.itemsize for layer in range(shape.layers)
                               for n, (dims, dtype) in shape.layer_shapes(layer).items())
         # What a storage backend's stored pages must match to be read (SGLang keys them on the model name tagged with
         # it): the config's fingerprint (rotation, parameters, ...) and the page's bytes (the model's geometry).
@@ -78,12 +80,12 @@ class KVQTokenToKVPoolHost(HostKVCache):
                 for layer in range(L):
                     dims, dtype = self.shape.layer_shapes(layer)[name]
                     at = _round_up(at, dtype.itemsize)
-                    ranges.append((name, at, dims, dtype))
-                    at += self.rows[name] * _numel(dims[1:]) * dtype.itemsize
+                    n = self.rows[name] * math.prod(dims[1:]) * dtype.itemsize
+                    ranges.append((name, at, n, dims, dtype))
+                    at += n
             pages = torch.zeros((N, _round_up(at, 8)), dtype=torch.uint8, device=self.device,
                                 pin_memory=self.pin_memory)
-            for name, start, dims, dtype in ranges:
-                n = self.rows[name] * _numel(dims[1:]) * dtype.itemsize
+            for name, start, n, dims, dtype in ranges:
                 view = pages[:, start:start + n].view(dtype).view(N, self.rows[name], *dims[1:])
                 self.layer_views.setdefault(name, []).append(view)
             self.buffers = {"pages": pages}
@@ -93,11 +95,11 @@ class KVQTokenToKVPoolHost(HostKVCache):
             rows = self.rows[name]
             shapes = [self.shape.layer_shapes(layer)[name] for layer in range(L)]
             rests = [dims[1:] for dims, _ in shapes]
-            t = torch.zeros(sum(N * rows * _numel(r) for r in rests), dtype=shapes[0][1], device=self.device,
+            t = torch.zeros(sum(N * rows * math.prod(r) for r in rests), dtype=shapes[0][1], device=self.device,
                             pin_memory=self.pin_memory)
             self.layer_views[name], at = [], 0
             for r in rests:
-                n = N * rows * _numel(r)
+                n = N * rows * math.prod(r)
                 self.layer_views[name].append(t[at:at + n].view(N, rows, *r))
                 at += n
             self.buffers[name] = t.view(L, N * rows, *rests[0]) if self.shape.uniform else t
@@ -167,10 +169,3 @@ class KVQTokenToKVPoolHost(HostKVCache):
 
 def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -5,6 +5,8 @@ as it does for a uniform width."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -14,7 +16,7 @@ class LayerTensors:
 
     @classmethod
     def zeros(cls, shapes: list[tuple[int, ...]], dtype: torch.dtype, device) -> LayerTensors:
-        sizes = [_numel(s) for s in shapes]
+        sizes = [math.prod(s) for s in shapes]
         block = torch.zeros(sum(sizes), dtype=dtype, device=device)
         out, at = [], 0
         for shape, n in zip(shapes, sizes):
@@ -51,10 +53,3 @@ class LayerTensors:
     @property
     def device(self) -> torch.device:
         return self.layers[0].device
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -5,6 +5,7 @@ sgl_kvq/layout.py; this module sits above the config because it asks the config'
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -94,7 +95,7 @@ class PoolShape:
         total = 0
         for layer in range(self.layers):
             for shape, dtype in self.layer_shapes(layer).values():
-                total += _numel(shape[1:]) * dtype.itemsize / (self.G if shape[0] == self.P else 1)
+                total += math.prod(shape[1:]) * dtype.itemsize / (self.G if shape[0] == self.P else 1)
         return total
 
     def pages_per_frame(self, model_dtype: torch.dtype) -> int:
@@ -111,12 +112,5 @@ class PoolShape:
 
     def overlay_bytes_per_frame(self, model_dtype: torch.dtype) -> int:
         L, H, D = self.layers, self.heads, self.head_dim
-        state = sum(L * _numel(shape) * dtype.itemsize for shape, dtype in self.frame_state_shapes().values())
+        state = sum(L * math.prod(shape) * dtype.itemsize for shape, dtype in self.frame_state_shapes().values())
         return 2 * L * self.G * H * D * torch.empty((), dtype=model_dtype).element_size() + 16 + state
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
