@@ -55,6 +55,16 @@ def recipes_from(result: dict, out_dir: Path) -> list[Path]:
     return paths
 
 
+def allocation(sens: dict, target: float, layers: int) -> tuple[dict, dict]:
+    """The widths at mean width `target` -> (widths, their entry in a result's recipes: per-layer widths and the
+    summed single-layer KLs)."""
+    from bench import calibrate as cal
+
+    w = cal.allocate(sens, target)
+    return w, {"k_bits": [w[(i, "k")] for i in range(layers)], "v_bits": [w[(i, "v")] for i in range(layers)],
+               "predicted_kl": sum(sens[key][b] for key, b in w.items())}
+
+
 def reallocate(args) -> int:
     """--from-json: new allocations from a result file's sensitivities, written into it and as recipes."""
     from bench import calibrate as cal
@@ -64,12 +74,10 @@ def reallocate(args) -> int:
     m, c = result["model"], result["calibration"]
     reader = cal.Reader({}, group_size=c["group_size"], residual=c["residual"])
     for target in args.bits or [3.0]:
-        w = cal.allocate(sens, target)
+        w, entry = allocation(sens, target, m["layers"])
         result["recipes"][f"{target:g}"] = {
             "command": "sgl-kvq calibrate " + " ".join(sys.argv[2:]), "mean_bits": sum(w.values()) / len(w),
-            "bytes_per_token": cal.bytes_per_token(w, m["kv_heads"], m["head_dim"], reader), "kl": None,
-            "k_bits": [w[(i, "k")] for i in range(m["layers"])], "v_bits": [w[(i, "v")] for i in range(m["layers"])],
-            "predicted_kl": sum(sens[key][b] for key, b in w.items())}
+            "bytes_per_token": cal.bytes_per_token(w, m["kv_heads"], m["head_dim"], reader), "kl": None, **entry}
     args.from_json.write_text(json.dumps(result, indent=1) + "\n")
     if args.recipe_dir:
         for path in recipes_from(result, args.recipe_dir):
@@ -130,10 +138,8 @@ def run(args) -> int:
     uniform = {f"kivi{b}": measured({key: b for key in sens}) for b in widths}
     recipes = {}
     for target in targets:
-        w = cal.allocate(sens, target)
-        recipes[f"{target:g}"] = {**measured(w), "k_bits": [w[(i, "k")] for i in range(L)],
-                                  "v_bits": [w[(i, "v")] for i in range(L)],
-                                  "predicted_kl": sum(sens[key][b] for key, b in w.items())}
+        w, entry = allocation(sens, target, L)
+        recipes[f"{target:g}"] = {**measured(w), **entry}
     result = {
         "command": "sgl-kvq calibrate " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["calibrate"] else None,
         "model": {"name": args.model, "layers": L, "kv_heads": H, "head_dim": D,

@@ -103,10 +103,9 @@ def model_recipes(model: TableModel) -> list[str]:
     from sgl_kvq.recipe import load_recipe, shipped
 
     s = model.shape
+    bound = {name: load_recipe(name).model for name in shipped()}
     geometry = (s.layers, s.kv_heads, s.head_dim)
-    return [name for name in shipped()
-            if (load_recipe(name).model.layers, load_recipe(name).model.kv_heads,
-                load_recipe(name).model.head_dim) == geometry]
+    return [name for name, m in bound.items() if (m.layers, m.kv_heads, m.head_dim) == geometry]
 
 
 def _name(raw: str) -> str:
