@@ -65,7 +65,7 @@ NONE = Cell(None, MISSING)
 @dataclass
 class Row:
     dtype: str
-    group: str  # "bf16", "ours" or "peer"
+    group: str  # "bf16", "ours", "recipe" (ours, a shipped recipe's widths) or "peer"
     cells: dict[str, Cell] = field(default_factory=dict)
 
     def cell(self, column: str) -> Cell:
@@ -89,13 +89,13 @@ RECIPE_ROW = "kivimix:KVQ_RECIPE="
 
 
 def served_dtypes(model: TableModel = SMOLLM2) -> list[tuple[str, str]]:
-    """(dtype, "ours" | "peer") in the registry's order, bf16 first, then kivimix with each shipped recipe made for
-    the model."""
+    """(dtype, "ours" | "peer" | "recipe") in the registry's order, bf16 first, then kivimix with each shipped recipe
+    made for the model."""
     from sgl_kvq.formats import peers, registry
 
     peer_names = {f.family for f in peers.FORMATS}
     return [(BF16, BF16)] + [(n, "peer" if n in peer_names else "ours") for n in registry.DTYPE_NAMES] + \
-        [(RECIPE_ROW + name, "ours") for name in model_recipes(model)]
+        [(RECIPE_ROW + name, "recipe") for name in model_recipes(model)]
 
 
 def model_recipes(model: TableModel) -> list[str]:

@@ -15,14 +15,15 @@ PANELS = (  # column, title, y label, y scale
     ("attn", "attention output error (offline, {model}'s real Q/K/V)",
      "attention output error (||O - O_fp16|| / ||O_fp16||)", {"value": "linear"}),
 )
-MARKERS = {"ours": ("o", True), "peer": ("s", False), BF16: ("*", True)}  # marker, filled
+MARKERS = {"ours": ("o", True), "recipe": ("D", True), "peer": ("s", False), BF16: ("*", True)}  # marker, filled
 
 
 def _colors(plt, dtypes: list[str], groups: dict[str, str]) -> dict[str, tuple]:
-    """One color per dtype, the same in every panel: ours from tab10, the peers' from Dark2 (never a pale shade)."""
-    ours = iter(plt.get_cmap("tab10").colors * 2)
-    peer = iter(plt.get_cmap("Dark2").colors * 2)
-    return {d: "black" if groups[d] == BF16 else next(peer if groups[d] == "peer" else ours) for d in dtypes}
+    """One color per dtype, the same in every panel: ours from tab10, the recipes' from Set1 (their diamonds never
+    share a kivi width's color), the peers' from Dark2 (never a pale shade)."""
+    cycles = {"ours": iter(plt.get_cmap("tab10").colors * 2), "recipe": iter(plt.get_cmap("Set1").colors * 2),
+              "peer": iter(plt.get_cmap("Dark2").colors * 2)}
+    return {d: "black" if groups[d] == BF16 else next(cycles[groups[d]]) for d in dtypes}
 
 
 LABEL_POINTS = 7  # font size of the point names
@@ -95,8 +96,8 @@ def plot(table: Table, path):
         ax.set_title(title, fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
         _annotate(ax, points)
-        ax.legend(title="dtype (● ours, □ peers, ★ bf16)", fontsize=7, title_fontsize=8, loc="upper left",
-                  bbox_to_anchor=(1.01, 1))
+        ax.legend(title="dtype (● ours, ◆ ours from a recipe, □ peers, ★ bf16)", fontsize=7, title_fontsize=8,
+                  loc="upper left", bbox_to_anchor=(1.01, 1))
         if missing:
             note = "\n".join(textwrap.wrap("not measured: " + ", ".join(missing), 110))
             ax.text(0.0, -0.2, note, transform=ax.transAxes, fontsize=7, va="top")
