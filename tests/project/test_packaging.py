@@ -65,6 +65,9 @@ def wheel_problems(wheel: Path, root: Path, target: Path) -> list[str]:
                 rel = f"sgl_kvq/{top}/{f.relative_to(root / top).as_posix()}"
                 if rel not in names:
                     problems.append(f"{rel} missing from the wheel")
+    for f in sorted((root / "sgl_kvq" / "recipes").glob("*.json")):  # the recipes KVQ_RECIPE names
+        if f"sgl_kvq/recipes/{f.name}" not in names:
+            problems.append(f"sgl_kvq/recipes/{f.name} missing from the wheel")
     (ep_txt,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
     eps = configparser.ConfigParser()
     eps.read_string(zipfile.ZipFile(wheel).read(ep_txt).decode())
