@@ -22,7 +22,8 @@ Metrics per method, averaged over layers (per-layer values are in the JSON):
 
 Methods: ours (KIVI at 1-4 bits, kivi3 through kivi_bits, GEAR, ZipCache, LogQuant; the KIVI-style ones keep the
 fp16 window; SpeCache's read of its low-bit copy with each query's top-k rows in 16 bits, bench/eval/specache.py),
-KIVI 2/3 in a Hadamard basis (sgl_kvq.quant.rotation.rotated: q/k/v rotated alike, output rotated back), and the
+KIVI 2/3 in a Hadamard basis (sgl_kvq.quant.rotation.rotated: q/k/v rotated alike, output rotated back), each
+shipped recipe (kivimix-NAME: every layer KIVI at the recipe's key and value widths for that layer), and the
 formats the engines ship (sgl_kvq.formats.peers.reference: SGLang fp8_e4m3 / fp4_mx_block16 / nvfp4, vLLM
 int4_per_token_head and TurboQuant), which quantize every token and keep no window.
 """
@@ -32,6 +33,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -63,6 +65,36 @@ class LayerQKV:
     window: int | None = None  # HF's sliding_window: query i sees keys i - window + 1 .. i; None: all of 0..i
 
 
+@dataclass(frozen=True)
+class ByLayer:
+    """A method whose pages depend on the layer (a kivimix recipe's widths): layer index -> fn(k, v, q, s)."""
+    at: Callable[[int], Callable]
+
+
+def _values_rotated(fn):
+    if isinstance(fn, ByLayer):
+        return ByLayer(lambda i: rotated(fn.at(i), block_hadamard, keys=False))
+    return rotated(fn, block_hadamard, keys=False)
+
+
+def recipe_method(name: str, **kv) -> ByLayer:
+    """A shipped recipe's pages: each layer KIVI at its key and value widths (kivi_bits), the engine's fp16 window."""
+    from sgl_kvq.recipe import load_recipe
+
+    recipe = load_recipe(name)
+
+    def at(layer: int):
+        k_bits, v_bits = recipe.widths(layer)
+        return lambda k, v, q, s: kivi_bits(k, v, bits=k_bits, value_bits=v_bits, **kv)
+    return ByLayer(at)
+
+
+def _recipe_names() -> list[str]:
+    from sgl_kvq.recipe import shipped
+
+    return shipped()
+
+
 def methods(group_size: int = 64, value_group: int = 64, residual: int = 64, window: int | None = None) -> dict:
     """name -> fn(k, v, q, sm_scale) -> CompressedKV. Every method shares G, VG and the fp16 window R."""
     page = dict(group_size=group_size, value_group=value_group)
@@ -91,6 +123,8 @@ def methods(group_size: int = 64, value_group: int = 64, residual: int = 64, win
         # top-k and ranking (bench/eval/specache.py: the speculative lane's guess modelled as right)
         **{f"specache{b}": (lambda k, v, q, s, b=b: specache(k, v, bits=b, top_k=SPECACHE_TOP_K[b], **kv))
            for b in SPECACHE_TOP_K},
+        # each shipped recipe's per-layer widths (kivimix:KVQ_RECIPE=NAME), named kivimix-NAME
+        **{f"kivimix-{name}": recipe_method(name, **kv) for name in _recipe_names()},
     }
     # its read with the values of both copies in the Hadamard basis
     ours.update({f"specache{b}-hadv": (lambda k, v, q, s, b=b: specache(
@@ -98,7 +132,7 @@ def methods(group_size: int = 64, value_group: int = 64, residual: int = 64, win
         for b in SPECACHE_TOP_K})
     # each of ours with its values alone in the Hadamard basis (KVQ_ROTATE=values: keys per channel keep their
     # outlier channels apart), named <method>-hadv; SpeCache's read is not one reconstruction, and rotates its own
-    values_rotated = {f"{name}-hadv": rotated(fn, block_hadamard, keys=False) for name, fn in ours.items()
+    values_rotated = {f"{name}-hadv": _values_rotated(fn) for name, fn in ours.items()
                       if name not in ("fp16", "per-token-2") and not name.endswith(("-had", "-hadv"))
                       and not name.startswith("specache")}
     return {
@@ -130,13 +164,16 @@ _UNROTATED_METHODS = {"specache1": "specache1", "specache2": "specache2", "kivi1
                       "peer_int4": "int4-pth-asym", "peer_tq3": "tq-3bit-nc", "peer_tq4": "tq-4bit-nc"}
 
 
-def _served_method(dtype: str, method: str) -> str:
+def _served_method(dtype: str, method: str, recipe: str | None = None) -> str:
     from sgl_kvq.config import default_config
 
-    return f"{method}-hadv" if default_config(dtype).rotate == "values" else method
+    return f"{method}-hadv" if default_config(dtype, recipe).rotate == "values" else method
 
 
 DTYPE_METHODS = {d: _served_method(d, m) for d, m in _UNROTATED_METHODS.items()}
+# kivimix rotates its values by default, as kivi2-4 do (KiviMix.default_knobs)
+DTYPE_METHODS.update({f"kivimix:KVQ_RECIPE={name}": _served_method("kivimix", f"kivimix-{name}", recipe=name)
+                      for name in _recipe_names()})
 
 
 def _expand(x: torch.Tensor, hq: int) -> torch.Tensor:
@@ -220,10 +257,10 @@ def capture(model, input_ids: torch.Tensor, layers: list[int]) -> dict[int, Laye
     return store
 
 
-def evaluate_layer(layer: LayerQKV, table: dict, tail: int) -> dict:
-    """Every method on one layer -> {name: metrics}."""
+def evaluate_layer(layer: LayerQKV, table: dict, tail: int, index: int) -> dict:
+    """Every method on layer `index` -> {name: metrics}."""
     q, k, v, s, w = layer.q, layer.k, layer.v, layer.sm_scale, layer.window
-    comp = {name: fn(k, v, q, s) for name, fn in table.items()}
+    comp = {name: (fn.at(index) if isinstance(fn, ByLayer) else fn)(k, v, q, s) for name, fn in table.items()}
     ref = comp[REFERENCE]
     o_ref, mass = causal_attention(q, ref.k_hat, ref.v_hat, s, kept=[c.kept for c in comp.values()], tail=tail,
                                    window=w)
@@ -251,7 +288,7 @@ def evaluate(captured: dict[int, LayerQKV], table: dict, tail: int = 64, log=Non
         if layer.out is not None:
             check.append(rel_err(causal_attention(layer.q, layer.k, layer.v, layer.sm_scale, window=layer.window),
                                  layer.out))
-        per_layer.append(evaluate_layer(layer, table, tail))
+        per_layer.append(evaluate_layer(layer, table, tail, i))
         if log:
             log(f"layer {i}: {time.time() - t0:.1f}s")
     out = {}

@@ -21,20 +21,22 @@ from bench.quant.kivi import quantized_len
 
 
 def kivi_bits(k: torch.Tensor, v: torch.Tensor, *, bits: int = 3, group_size: int = 64, value_group: int = 64,
-              residual: int = 64, specache_one_bit: bool = True) -> CompressedKV:
-    """KIVI at `bits` in 1..8 on k, v [T, H, D]; equals kivi.kivi (values and bytes) at 1, 2, 4 and 8 bits."""
+              residual: int = 64, specache_one_bit: bool = True, value_bits: int | None = None) -> CompressedKV:
+    """KIVI at `bits` in 1..8 on k, v [T, H, D]; equals kivi.kivi (values and bytes) at 1, 2, 4 and 8 bits.
+    value_bits: the values' width where it differs from the keys' (a kivimix recipe's layer)."""
     T, H, D = check_kv(k, v)
+    v_bits = bits if value_bits is None else value_bits
     n_q = quantized_len(T, group_size, residual)
     vg = min(value_group, D)
     kq = uniform.quantize(k[:n_q].reshape(n_q // group_size, group_size, H, D), bits, dims=1,
                           specache_one_bit=specache_one_bit)  # scale/zero [N, 1, H, D]
-    vq = uniform.quantize_channel_groups(v[:n_q], bits, vg, specache_one_bit=specache_one_bit)
+    vq = uniform.quantize_channel_groups(v[:n_q], v_bits, vg, specache_one_bit=specache_one_bit)
     stored = {"k.codes": pack_bits(kq.codes, bits), "k.scale": kq.scale.squeeze(1), "k.zero": kq.zero.squeeze(1),
-              "v.codes": pack_bits(vq.codes, bits), "v.scale": vq.scale, "v.zero": vq.zero,
+              "v.codes": pack_bits(vq.codes, v_bits), "v.scale": vq.scale, "v.zero": vq.zero,
               "k.fp16": k[n_q:].to(torch.float16), "v.fp16": v[n_q:].to(torch.float16)}
     k_q = uniform.dequantize(unpack_bits(stored["k.codes"], bits, D), stored["k.scale"].unsqueeze(1),
                              stored["k.zero"].unsqueeze(1)).reshape(n_q, H, D)
-    v_q = uniform.dequantize_channel_groups(unpack_bits(stored["v.codes"], bits, D), stored["v.scale"],
+    v_q = uniform.dequantize_channel_groups(unpack_bits(stored["v.codes"], v_bits, D), stored["v.scale"],
                                             stored["v.zero"])
     kept = torch.zeros(T, H, dtype=torch.bool)
     kept[n_q:] = True

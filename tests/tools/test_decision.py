@@ -270,15 +270,23 @@ def test_attention_methods_store_the_served_layouts_bytes():
     import torch
 
     from bench.decision.cells import bytes_cell
-    from bench.eval.attention import DTYPE_METHODS, methods
+    from bench.decision.models import MODELS
+    from bench.eval.attention import DTYPE_METHODS, ByLayer, methods
     from bench.quant.accounting import bits_per_element
+    from sgl_kvq.recipe import load_recipe
 
     table = methods(residual=0)
     torch.manual_seed(0)
     q, k, v = torch.randn(256, 9, 64), torch.randn(256, 3, 64), torch.randn(256, 3, 64)
     for dtype, method in DTYPE_METHODS.items():
         assert method in table, dtype
-        if dtype.startswith(("peer_", "kivi")):
+        if isinstance(table[method], ByLayer):  # a recipe: each layer at its widths, on its model's KV shape
+            m = load_recipe(dtype.partition("=")[2]).model
+            qr, kr, vr = torch.randn(3, 256, m.kv_heads, m.head_dim)
+            bits = [bits_per_element(table[method].at(i)(kr, vr, qr, 0.125)).total for i in range(m.layers)]
+            model = next(x for x in MODELS.values() if x.shape.layers == m.layers and x.shape.head_dim == m.head_dim)
+            assert sum(bits) * 2 * m.kv_heads * m.head_dim / 8 == pytest.approx(bytes_cell(dtype, model).value), dtype
+        elif dtype.startswith(("peer_", "kivi")):
             bits = bits_per_element(table[method](k, v, q, 0.125)).total
             # nvfp4's method also counts a global scale per layer (fp32 each for K and V: 0.94 B per token over
             # these 256 tokens), which the served format holds at 1.0 and does not store

@@ -21,6 +21,9 @@ EXPECTED = {"fp16", "per-token-2", "kivi4", "kivi2", "kivi1", "kivi1-plain", "ge
 # ... and each of ours (but the per-token baseline) with its values in the Hadamard basis (KVQ_ROTATE=values)
 EXPECTED |= {f"{m}-hadv" for m in ("kivi4", "kivi2", "kivi1", "kivi1-plain", "gear-l-2", "gear-2", "zipcache",
                                    "zipcache-0.6", "logquant-2", "logquant-2-w21", "kivi3", "specache1", "specache2")}
+# ... and each shipped recipe's per-layer widths (kivimix:KVQ_RECIPE=NAME), plain and values-rotated
+EXPECTED |= {f"kivimix-{n}{r}" for n in ("smollm2-2.5", "smollm2-2.875", "smollm2-3.0", "smollm2-3.25", "gemma3-2.4",
+                                         "gemma3-2.7", "gemma3-3.0") for r in ("", "-hadv")}
 
 
 def _args(tmp_path, model, *extra):
@@ -117,6 +120,34 @@ def test_method_subset_keeps_the_reference_and_table_order(tmp_path):
     res = json.loads((tmp_path / "out.json").read_text())
     assert list(res["methods"]) == ["fp16", "kivi3", "fp4_mx_block16"] and res["model_layers"] == 2
     assert "| bytes/token |" in (tmp_path / "out.md").read_text()
+
+
+def test_a_recipe_quantizes_each_layer_at_its_own_key_and_value_widths():
+    from bench.quant.kivi_bits import kivi_bits
+
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(200, 3, 64, generator=g), torch.randn(200, 3, 64, generator=g)
+    method = attention.recipe_method("smollm2-2.5")  # layer 0: K1 V1, layer 1: K3 V2
+    for layer, (kb, vb) in ((0, (1, 1)), (1, (3, 2))):
+        got = method.at(layer)(k, v, None, 1.0)
+        assert torch.equal(got.k_hat, kivi_bits(k, v, bits=kb).k_hat)
+        assert torch.equal(got.v_hat, kivi_bits(k, v, bits=vb).v_hat)
+    assert attention.DTYPE_METHODS["kivimix:KVQ_RECIPE=smollm2-2.5"] == "kivimix-smollm2-2.5-hadv"
+
+
+def test_a_per_layer_method_is_evaluated_at_each_layers_index():
+    from bench.quant.kivi import kivi
+
+    model, tok, _ = attention.load_model("tiny")
+    ids = tok("the quick brown fox jumps over the lazy dog " * 8, return_tensors="pt").input_ids[:, :96]
+    captured = attention.capture(model, ids, [0, 1])
+    kv = dict(group_size=16, value_group=16, residual=16)
+    table = {"fp16": attention.methods()["fp16"],
+             "k4": lambda k, v, q, s: kivi(k, v, bits=4, **kv), "k1": lambda k, v, q, s: kivi(k, v, bits=1, **kv),
+             "mix": attention.ByLayer(lambda i: (lambda k, v, q, s: kivi(k, v, bits=4 if i == 0 else 1, **kv)))}
+    res = attention.evaluate(captured, table, tail=16)["methods"]
+    err = {n: res[n]["per_layer"]["attn_err"] for n in ("k4", "k1", "mix")}
+    assert err["mix"] == [err["k4"][0], err["k1"][1]] and err["k4"][0] < err["k1"][0]
 
 
 def test_layer_spec():
