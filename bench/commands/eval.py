@@ -7,6 +7,7 @@ from bench.commands import _subcommands
 EVALUATIONS = {
     "attention": ("bench.commands.eval_attention", "attention output error of each KV method vs bf16"),
     "niah": ("bench.commands.eval_niah", "needle-in-a-haystack retrieval through the server"),
+    "longdoc": ("bench.commands.eval_longdoc", "questions about one long cached document (8k-32k tokens)"),
     "ppl": ("bench.commands.eval_ppl", "perplexity on Paul Graham's essays"),
     "agree": ("bench.commands.eval_agree", "greedy-token agreement with the bf16 KV cache"),
 }

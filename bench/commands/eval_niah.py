@@ -94,12 +94,7 @@ class Prompts:
         n = length - len(self.head) - len(self.tail(needle)) - len(sentence)
         if n < 64 or n > len(self.essays):
             raise SystemExit(f"sgl-kvq eval niah: length {length} leaves {n} haystack tokens")
-        k = int(depth * n)
-        back = k
-        while back > 0 and k - back < 200 and not self.tok.decode(self.essays[back - 1:back]).rstrip().endswith("."):
-            back -= 1
-        if back > 0 and k - back < 200:  # a sentence end within 200 tokens before the depth
-            k = back
+        k = nd.sentence_boundary(self.tok, self.essays, int(depth * n))
         ids = self.head + self.essays[:k] + sentence + self.essays[k:n]
         return ids, len(self.head) + k
 

@@ -78,3 +78,13 @@ def schedule(needles: tuple[Needle, ...], lengths: list[int]) -> list[tuple[Need
     """(needle, context length, depth) trials: every needle at every length, each pair at its own depth."""
     return [(n, length, DEPTHS[(NEEDLES.index(n) + 2 * j) % len(DEPTHS)])
             for n in needles for j, length in enumerate(lengths)]
+
+
+def sentence_boundary(tok, ids: list[int], k: int, reach: int = 200) -> int:
+    """k moved back to just after a sentence end ("."), if one lies within `reach` tokens before it: a planted
+    sentence then starts a sentence of the text."""
+    back = k
+    while back > 0 and k - back < reach and not tok.decode(ids[back - 1:back]).rstrip().endswith("."):
+        back -= 1
+    return back if back > 0 and k - back < reach else k
+
