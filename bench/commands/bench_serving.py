@@ -1,11 +1,12 @@
 """`sgl-kvq bench serving`: SGLang's own load generator (`python -m sglang.benchmark.serving`) against one server per
-KV dtype at the same pinned KV budget (KVQ_KV_CACHE_GB), for a multi-turn shared-prefix workload and a ShareGPT one,
-at several concurrencies, in two budget regimes: "tight" (bf16's budget is the bottleneck at the top concurrency:
-sized so kivi2 holds every conversation's tokens at once, which leaves bf16 about a sixth of them) and "generous"
-(bf16 holds twice what the top concurrency needs). Every server gets --decode-log-interval 1, and runs with each of
---flags: "default" (no --max-running-requests: what a user who sets nothing gets) and "explicit"
-(--max-running-requests = the top concurrency, or the most the budget allows a kvq dtype: sgl_kvq/capacity.py).
-Ratios to bf16 compare servers of the same flags."""
+KV dtype at the same pinned KV budget (KVQ_KV_CACHE_GB), for a multi-turn shared-prefix workload, a ShareGPT one and an
+agentic one (--workload agentic: long conversations replayed turn by turn, each turn a request and a tool's output of
+essay text, the server's real replies fed back), at several concurrencies, in two budget regimes: "tight" (bf16's
+budget is the bottleneck at the top concurrency: sized so kivi2 holds every conversation's tokens at once, which leaves
+bf16 about a sixth of them) and "generous" (bf16 holds twice what the top concurrency needs). Every server gets
+--decode-log-interval 1, and runs with each of --flags: "default" (no --max-running-requests: what a user who sets
+nothing gets) and "explicit" (--max-running-requests = the top concurrency, or the most the budget allows a kvq dtype:
+sgl_kvq/capacity.py). Ratios to bf16 compare servers of the same flags."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ REGIMES = ("tight", "generous")
 SOURCES = """where each number comes from:
   throughput, TTFT / TPOT / ITL percentiles, completed requests: the load generator's own JSON (--output-file);
   cached tokens / prompt tokens ("cache_report"): the load generator's --cache-report, from each response's
-    meta_info cached_tokens (measured requests only);
+    meta_info cached_tokens (measured requests only); agentic: "cached_share_by_turn", the same per turn, from the
+    per-request arrays of its --output-details;
   capacity_tokens (SGLang's max_total_num_tokens), max_running_requests, kv_budget_bytes, bytes per token:
     /get_server_info internal_states[0]["kv_pool"] (the live pool), effective_max_running_requests: the scheduler's
     own internal_states[0]["effective_max_running_requests_per_dp"];
@@ -49,7 +51,8 @@ def add_arguments(p) -> None:
                    help="comma list; auto = the model's bf16 (baseline); an entry may carry knobs for its server "
                    "only, as kivi4:KVQ_PREFILL=paged")
     p.add_argument("--concurrency", default="1,4,16", help="comma list of the load generator's --max-concurrency")
-    p.add_argument("--workload", default="shared-prefix,sharegpt", help="comma list: shared-prefix, sharegpt")
+    p.add_argument("--workload", default="shared-prefix,sharegpt", help="comma list: shared-prefix, sharegpt, "
+                   "agentic")
     p.add_argument("--regime", default=",".join(REGIMES), help="comma list: tight, generous")
     p.add_argument("--kv-cache-gb-tight", type=float, help="the tight regime's KV budget (GiB); default: the "
                    "smallest at which kivi2 holds every conversation of the top concurrency, +10%%")
@@ -62,7 +65,12 @@ def add_arguments(p) -> None:
     p.add_argument("--turns", type=int, default=2, help="shared-prefix: turns per conversation (2 or more)")
     p.add_argument("--system-prompt-len", type=int, default=256, help="shared-prefix: tokens")
     p.add_argument("--question-len", type=int, default=64, help="shared-prefix: tokens per turn")
-    p.add_argument("--output-len", type=int, default=32, help="output tokens per request, both workloads")
+    p.add_argument("--output-len", type=int, default=32, help="output tokens per request (per turn), every "
+                   "workload")
+    p.add_argument("--agentic-turns", type=int, default=8, help="agentic: turns per conversation")
+    p.add_argument("--agentic-turn-tokens", type=int, default=900, help="agentic: tokens of each turn's user "
+                   "message (a ShareGPT request and essay text as a tool's output), so a conversation grows to about "
+                   "TURNS x (TURN_TOKENS + --output-len); refused where that passes the model's context length")
     p.add_argument("--sharegpt-context-len", type=int, default=512,
                    help="ShareGPT prompts longer than this minus --output-len are skipped by the load generator")
     p.add_argument("--flags", default="default,explicit", help="comma list: default (no --max-running-requests), "
@@ -70,7 +78,7 @@ def add_arguments(p) -> None:
     p.add_argument("--server-args", default="", help="extra launch_server flags for every server, e.g. '--dtype "
                    "float32'")
     p.add_argument("--quick", action="store_true", help="a short run: concurrency 1,4, 2 groups, shorter prompts, 8 "
-                   "output tokens")
+                   "output tokens, agentic: 2 turns of 128 tokens")
     p.add_argument("--json", metavar="PATH", help="results (default serving-MODEL.json); plots are written beside "
                    "it as PATH-stem-WORKLOAD-REGIME.png")
 
@@ -80,9 +88,10 @@ def apply_quick(args) -> None:
         args.concurrency, args.groups = "1,4", 2
         args.system_prompt_len, args.question_len, args.output_len = 128, 32, 8
         args.sharegpt_context_len = 256
+        args.agentic_turns, args.agentic_turn_tokens = 2, 128
 
 
-def workloads(args, sharegpt_file: Path, concurrency: int) -> list[wl.Workload]:
+def workloads(args, sharegpt_file: Path, concurrency: int, agentic_file: Path | None = None) -> list[wl.Workload]:
     chosen = [w for w in args.workload.split(",") if w]
     conversations = args.waves * concurrency
     out = []
@@ -92,7 +101,22 @@ def workloads(args, sharegpt_file: Path, concurrency: int) -> list[wl.Workload]:
                                              args.question_len, args.output_len))
     if "sharegpt" in chosen:
         out.append(wl.sharegpt_workload(sharegpt_file, conversations, args.output_len, args.sharegpt_context_len))
+    if "agentic" in chosen:
+        out.append(wl.agentic_workload(agentic_file, conversations, args.agentic_turns, args.agentic_turn_tokens,
+                                       args.output_len))
     return out
+
+
+def write_agentic_trace(args, model: Path, path: Path, conversations: int) -> str | None:
+    """The agentic trace for `conversations` conversations at `path`; why not, where its longest conversation would
+    not fit the model's context (SGLang refuses a request whose prompt and output pass it)."""
+    wl.write_agentic_trace(path, model, conversations, args.agentic_turns, args.agentic_turn_tokens, args.output_len)
+    longest = json.loads(path.read_text())["metadata"]["longest_context_tokens"]
+    context = json.loads((model / "config.json").read_text()).get("max_position_embeddings")
+    if context and longest > context:
+        return (f"agentic: a conversation reaches {longest} tokens at its last turn, past the model's context length "
+                f"({context}); lower --agentic-turns or --agentic-turn-tokens")
+    return None
 
 
 def regime_budgets(args, shape: wl.ModelShape, loads: list[wl.Workload], top: int) -> dict[str, int]:
@@ -132,8 +156,9 @@ def measure(server, model: Path, load: wl.Workload, concurrency: int, out_file: 
     with open(server.log_path, errors="replace") as f:
         f.seek(log_start)
         log = f.read()
+    by_turn = {"cached_share_by_turn": stats.cached_share_by_turn(out_file, load.turns)} if load.turns > 1 else {}
     return {"loadgen_command": "python -m sglang.benchmark.serving " + shlex.join(argv), "error": error,
-            "loadgen": stats.loadgen_result(out_file), "server": stats.scheduler_log_stats(log),
+            "loadgen": stats.loadgen_result(out_file), **by_turn, "server": stats.scheduler_log_stats(log),
             "specache": stats.specache_delta(spec_before, server.kv_pool_stats().get("specache"))}
 
 
@@ -162,7 +187,13 @@ def run(args) -> int:
     sharegpt_file = tmp / "sharegpt.json"
     if "sharegpt" in args.workload:
         wl.write_sharegpt_file(sharegpt_file, records=max(500, 40 * args.waves * top))
-    loads = {c: workloads(args, sharegpt_file, c) for c in concurrencies}
+    agentic_file = tmp / "agentic-trace.json"
+    if "agentic" in args.workload:
+        refused = write_agentic_trace(args, model, agentic_file, args.waves * top)
+        if refused:
+            print(refused, file=sys.stderr)
+            return 2
+    loads = {c: workloads(args, sharegpt_file, c, agentic_file) for c in concurrencies}
     dtypes = [d for d in args.kv_cache_dtype.split(",") if d]
     knobs = {d: split_knobs(d) for d in dtypes}  # entry -> (dtype, its server's KVQ_ knobs), checked before any server
     budgets = regime_budgets(args, shape, loads[top], top)
@@ -233,9 +264,12 @@ def brief(out: dict) -> str:
     m, s = out["loadgen"], out["server"]
     if not m:
         return f"no result ({out['error']})"
-    return (f"{m['output_throughput']:.1f} out tok/s, p99 TTFT {m['p99_ttft_ms']:.0f} ms, p99 ITL "
-            f"{m['p99_itl_ms']:.0f} ms, peak running {s['peak_running_requests']}, retracted "
-            f"{s['retracted_requests']}")
+    by_turn = out.get("cached_share_by_turn")
+    turns = f" ({', '.join(f'{x:.0%}' for x in by_turn)} by turn)" if by_turn else ""
+    return (f"{m['output_throughput']:.1f} out tok/s, TTFT p50/p90/p99 {m['median_ttft_ms']:.0f}/"
+            f"{m['p90_ttft_ms']:.0f}/{m['p99_ttft_ms']:.0f} ms, p99 ITL {m['p99_itl_ms']:.0f} ms, peak running "
+            f"{s['peak_running_requests']}, retracted {s['retracted_requests']}, cached {s['cached_token_share']:.0%}"
+            f"{turns}")
 
 
 def add_ratios(runs: list[dict]) -> None:

@@ -51,6 +51,25 @@ def loadgen_result(path: Path) -> dict:
     return {k: result[k] for k in LOADGEN_KEYS if k in result}
 
 
+def cached_share_by_turn(path: Path, turns: int) -> list[float] | None:
+    """Cached tokens over prompt tokens at each turn of a multi-turn run, over its conversations: from the per-request
+    arrays of the load generator's last JSON line (--output-details), which list each conversation's requests in turn
+    order, conversation after conversation; failed requests left out. None where the arrays are missing or do not
+    split into whole conversations of `turns`."""
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
+    result = json.loads(lines[-1]) if lines else {}
+    cached, prompt = result.get("cached_tokens"), result.get("input_lens")
+    if not cached or not prompt or len(cached) != len(prompt) or len(cached) % turns:
+        return None
+    errors = result.get("errors") or [""] * len(cached)
+    shares = []
+    for t in range(turns):
+        ok = [i for i in range(t, len(cached), turns) if not errors[i] and prompt[i]]
+        total = sum(prompt[i] for i in ok)
+        shares.append(sum(cached[i] for i in ok) / total if total else 0.0)
+    return shares
+
+
 def specache_delta(before: dict | None, after: dict | None) -> dict | None:
     """SpeCache's counters (kv_pool["specache"], cumulative over the server's life) over one run: prefetched bytes
     per decode step, the speculative token's hit rate and the top-k recall of that run alone."""

@@ -1,7 +1,8 @@
-"""What `sgl-kvq bench serving` sends and at which KV budgets: the two workloads as flags of SGLang's load generator
-(`python -m sglang.benchmark.serving`), the KV tokens a workload holds at a concurrency, and the two budget regimes
-(one where bf16's budget is the bottleneck at the top concurrency, one where it is not), predicted from the model's
-shape with the same sizing rule the servers use (sgl_kvq/capacity.py), so no server is needed to pick them."""
+"""What `sgl-kvq bench serving` sends and at which KV budgets: the workloads as flags of SGLang's load generator
+(`python -m sglang.benchmark.serving`), the agentic workload's trace file, the KV tokens a workload holds at a
+concurrency, and the two budget regimes (one where bf16's budget is the bottleneck at the top concurrency, one where it
+is not), predicted from the model's shape with the same sizing rule the servers use (sgl_kvq/capacity.py), so no server
+is needed to pick them."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class Workload:
     tokens_per_conversation: int  # upper bound on one conversation's context when its last turn ends
     shared_tokens: int = 0  # of those, the prefix every conversation of its group shares (the system prompt)
     groups: int = 1
+    turns: int = 1  # requests per conversation, where the load generator's per-request arrays list them turn by turn
 
     def peak_tokens(self, concurrency: int, shared: bool = False) -> int:
         """KV tokens `concurrency` conversations hold at their ends; shared=True counts each group's prefix once
@@ -71,6 +73,115 @@ def write_sharegpt_file(path: Path, records: int) -> Path:
     path.write_text(json.dumps([{"id": r.get("id", str(i)), "conversations": r["conversations"][:2]}
                                 for i, r in enumerate(convs)]))
     return path
+
+
+# The agentic trace: one agent's instructions open every conversation (so they are the prefix all share), and each
+# turn's user message is a request (the start of a ShareGPT human message, at most AGENTIC_REQUEST_SHARE of the turn's
+# tokens) followed by a document tool's output (essay text) filling the turn to its token count.
+AGENTIC_SYSTEM_PROMPT = ("You are a research agent. Each user message holds a request and the output of the document "
+                         "tool you called for it. Read the output, then answer the request briefly.")
+AGENTIC_REQUEST_SHARE = 0.25
+AGENTIC_TOOL_OPEN, AGENTIC_TOOL_CLOSE = "\n\n<tool_output>\n", "\n</tool_output>"
+# The essays' first characters are the haystacks and perplexity texts of the evaluations (bench/data.py essay_text):
+# the tool outputs start after them.
+AGENTIC_ESSAY_SKIP_CHARS = 40_000
+
+
+def agentic_workload(trace_path: Path, conversations: int, turns: int, turn_tokens: int, output_len: int) -> Workload:
+    """SGLang's agentic-trace dataset over the trace write_agentic_trace wrote: `conversations` conversations replayed
+    turn by turn, each turn's history the previous turns and the server's real replies (so turns 2+ hit the radix
+    cache). The bound counts the system prompt's bytes (no byte-level BPE token is shorter than a byte), the turns'
+    tokens with RETOKENIZE_SLACK (a reply re-encoded in the history need not be output_len tokens) and the template's.
+    --output-details keeps the per-request arrays the per-turn cached shares are read from."""
+    args = ("--backend", "sglang-oai-chat", "--dataset-name", "agentic-trace", "--dataset-path", str(trace_path),
+            "--num-prompts", str(conversations), "--sharegpt-output-len", str(output_len),
+            "--agentic-max-turns", str(turns), "--output-details")
+    system = len(AGENTIC_SYSTEM_PROMPT.encode())
+    tokens = (system + math.ceil(RETOKENIZE_SLACK * turns * (turn_tokens + output_len)) + TEMPLATE_TOKENS +
+              2 * turns * TEMPLATE_TOKENS_PER_MESSAGE)
+    return Workload("agentic", args, conversations, tokens, shared_tokens=system, turns=turns)
+
+
+def write_agentic_trace(path: Path, tokenizer_dir: Path, conversations: int, turns: int, turn_tokens: int,
+                        output_len: int = 32) -> Path:
+    """An agentic trace (SGLang's agentic-trace JSON) from the embedded data, offline and deterministic: each
+    conversation is the system prompt, then `turns` user messages of about `turn_tokens` tokens (the model's tokenizer)
+    that each hold a ShareGPT request and the next chunk of essay text, so a conversation grows by a turn's tokens and a
+    reply each turn. Conversations read consecutive essay text, so none shares another's; past the essays' end
+    (SmolLM2: ~144k tokens) the text starts over, behind other requests, so still no conversation's prefix is another's
+    beyond the system prompt.
+    Each turn's prompt_tokens is the history's templated length with output_len-token replies (informational: the load
+    generator sends the server's real replies)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tool = _TextStream(tok, _agentic_essay_text())
+    requests = _agentic_requests(tok, conversations * turns, max(1, int(AGENTIC_REQUEST_SHARE * turn_tokens)))
+    reply = _TextStream(tok, AGENTIC_SYSTEM_PROMPT * (output_len // 8 + 2)).take(output_len)
+    trace = []
+    for c in range(conversations):
+        history, turns_out = [{"role": "system", "content": AGENTIC_SYSTEM_PROMPT}], []
+        for t in range(turns):
+            head = requests[c * turns + t] + AGENTIC_TOOL_OPEN
+            fill = turn_tokens - _count(tok, head) - _count(tok, AGENTIC_TOOL_CLOSE)
+            user = {"role": "user", "content": head + tool.take(max(1, fill)) + AGENTIC_TOOL_CLOSE}
+            history.append(user)
+            turns_out.append({"messages": history[:2] if t == 0 else [user],
+                              "prompt_tokens": _chat_tokens(tok, history)})
+            history.append({"role": "assistant", "content": reply})
+        trace.append(turns_out)
+    metadata = {"source": "sgl-kvq bench serving: ShareGPT requests and Paul Graham essays as tool outputs",
+                "tokenizer": str(tokenizer_dir), "turns": turns, "turn_tokens": turn_tokens,
+                "output_len_assumed": output_len, "essay_text_restarts": tool.restarts,
+                "longest_context_tokens": max(c[-1]["prompt_tokens"] for c in trace) + output_len}
+    path.write_text(json.dumps({"metadata": metadata, "conversations": trace}))
+    return path
+
+
+def _agentic_essay_text() -> str:
+    from bench import data
+
+    return "\n\n".join(t.strip() for t in data.essays())[AGENTIC_ESSAY_SKIP_CHARS:]
+
+
+def _agentic_requests(tok, n: int, max_tokens: int) -> list[str]:
+    """The first human message of n ShareGPT conversations, each cut to max_tokens at a token boundary."""
+    from bench import data
+
+    out = []
+    for human in data.sharegpt_conversations(n, min_turns=1, max_turns=1):
+        enc = tok(human[0], add_special_tokens=False, return_offsets_mapping=True)
+        out.append(human[0] if len(enc.input_ids) <= max_tokens else human[0][:enc.offset_mapping[max_tokens][0]])
+    return [r.strip() for r in out]
+
+
+class _TextStream:
+    """A text handed out in consecutive pieces of n tokens, cut at token boundaries; it starts over at its end."""
+
+    def __init__(self, tok, text: str):
+        self.text, self.starts = text, [a for a, _ in tok(text, add_special_tokens=False,
+                                                          return_offsets_mapping=True).offset_mapping]
+        self.pos = self.restarts = 0
+
+    def take(self, n: int) -> str:
+        if n >= len(self.starts):
+            raise ValueError(f"{n} tokens asked of a text of {len(self.starts)}")
+        if self.pos + n >= len(self.starts):
+            self.pos, self.restarts = 0, self.restarts + 1
+        a, self.pos = self.pos, self.pos + n
+        return self.text[self.starts[a]:self.starts[self.pos]].strip()
+
+
+def _count(tok, text: str) -> int:
+    return len(tok(text, add_special_tokens=False).input_ids)
+
+
+def _chat_tokens(tok, messages: list[dict]) -> int:
+    """The messages' tokens as the server's chat template lays them out for the next reply (the contents' tokens where
+    the tokenizer has no template)."""
+    if not tok.chat_template:
+        return sum(_count(tok, m["content"]) for m in messages)
+    return _count(tok, tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
 
 
 @dataclass(frozen=True)
