@@ -26,7 +26,6 @@ from bench.eval.needles import sentence_boundary
 
 DEFAULT_DTYPES = "auto,kivi4,kivi3,kivi2,specache1,specache2,peer_int4,peer_tq3,peer_tq4,peer_fp8_e4m3"
 INSTRUCTION = "Answer the question using the text above. Question: "
-_SLOT = "\x00DOCUMENT\x00"
 POOL_MARGIN = 8192  # tokens beyond the longest prompt, so the previous length's document is evictable, not in the way
 
 
@@ -51,13 +50,8 @@ class Documents:
 
     def __init__(self, tok, max_length: int):
         self.tok = tok
-        if tok.chat_template:
-            text = tok.apply_chat_template([{"role": "user", "content": _SLOT}], tokenize=False,
-                                           add_generation_prompt=True)
-            self._head, self._tail = text.split(_SLOT)
-            self._sep = ""  # the template's assistant turn ends in a newline
-        else:
-            self._head, self._tail, self._sep = "", "\nAnswer:", " "
+        self._head, self._tail = ee.prompt_frame(tok)
+        self._sep = " " if self._tail.endswith(":") else ""  # a template's assistant turn ends in a newline
         self.head = tok(self._head, add_special_tokens=False).input_ids
         from bench.data import long_document_text
 

@@ -28,7 +28,6 @@ from bench.eval import needles as nd
 
 NEEDLE = nd.NEEDLES[0]  # --needle-set single's default
 INSTRUCTION = "Answer the question using the text above. Question: "
-_SLOT = "\x00HAYSTACK\x00"
 
 
 def _floats(s: str) -> list[float]:
@@ -70,12 +69,7 @@ class Prompts:
 
     def __init__(self, tok, max_length: int):
         self.tok = tok
-        if tok.chat_template:
-            text = tok.apply_chat_template([{"role": "user", "content": _SLOT}], tokenize=False,
-                                           add_generation_prompt=True)
-            self._head, self._tail = text.split(_SLOT)
-        else:
-            self._head, self._tail = "", "\nAnswer:"
+        self._head, self._tail = ee.prompt_frame(tok)
         self.head = tok(self._head, add_special_tokens=False).input_ids
         from bench.data import essay_text
 

@@ -110,6 +110,17 @@ def tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(str(path))
 
 
+def prompt_frame(tok) -> tuple[str, str]:
+    """(the text before, the text after) a user's content in one chat-templated user turn with the assistant's turn
+    opened; ("", "\nAnswer:") for a tokenizer without a template (a base model: Gemma 3 270M)."""
+    if not tok.chat_template:
+        return "", "\nAnswer:"
+    slot = "\x00CONTENT\x00"
+    text = tok.apply_chat_template([{"role": "user", "content": slot}], tokenize=False, add_generation_prompt=True)
+    head, tail = text.split(slot)
+    return head, tail
+
+
 def logger(args):
     return (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.json == "-" else \
         (lambda msg: print(msg, flush=True))
