@@ -282,7 +282,7 @@ def test_attention_methods_store_the_served_layouts_bytes():
         assert method in table, dtype
         if isinstance(table[method], ByLayer):  # a recipe: each layer at its widths, on its model's KV shape
             m = load_recipe(dtype.partition("=")[2]).model
-            qr, kr, vr = torch.randn(3, 256, m.kv_heads, m.head_dim)
+            qr, kr, vr = torch.randn(3, 64, m.kv_heads, m.head_dim)  # one page
             bits = [bits_per_element(table[method].at(i)(kr, vr, qr, 0.125)).total for i in range(m.layers)]
             model = next(x for x in MODELS.values() if x.shape.layers == m.layers and x.shape.head_dim == m.head_dim)
             assert sum(bits) * 2 * m.kv_heads * m.head_dim / 8 == pytest.approx(bytes_cell(dtype, model).value), dtype
