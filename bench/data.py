@@ -26,15 +26,21 @@ def essays() -> list[str]:
     return [p.read_text(encoding="utf-8", errors="replace") for p in sorted(essays_dir().glob("*.txt"))]
 
 
-def essay_text(min_chars: int = 0) -> str:
-    """The essays concatenated (in order) until at least min_chars characters (all of them if 0)."""
+def _joined(texts, min_chars: int) -> tuple[str, int]:
+    """The texts stripped and joined until they hold at least min_chars characters (all of them if 0), and the
+    characters they hold."""
     out, n = [], 0
-    for t in essays():
+    for t in texts:
         out.append(t.strip())
         n += len(out[-1])
         if min_chars and n >= min_chars:
             break
-    return "\n\n".join(out)
+    return "\n\n".join(out), n
+
+
+def essay_text(min_chars: int = 0) -> str:
+    """The essays concatenated (in order) until at least min_chars characters (all of them if 0)."""
+    return _joined(essays(), min_chars)[0]
 
 
 HELD_OUT_ESSAYS = 3
@@ -50,13 +56,10 @@ def long_document_text(min_chars: int) -> str:
     """Essays from the last file-name backwards until at least min_chars (`eval longdoc`'s documents): 643,830
     characters in all, so up to ~600k characters never reach the first essays that niah's haystacks and the perplexity
     runs read."""
-    out, n = [], 0
-    for t in reversed(essays()):
-        out.append(t.strip())
-        n += len(out[-1])
-        if n >= min_chars:
-            return "\n\n".join(out)
-    raise ValueError(f"the essays hold {n} characters, fewer than {min_chars}")
+    text, n = _joined(reversed(essays()), min_chars)
+    if n < min_chars:
+        raise ValueError(f"the essays hold {n} characters, fewer than {min_chars}")
+    return text
 
 
 @functools.lru_cache(maxsize=1)

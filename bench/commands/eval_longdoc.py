@@ -70,10 +70,10 @@ class Documents:
             raise SystemExit(f"sgl-kvq eval longdoc: length {length} leaves {n} document tokens")
         at = [sentence_boundary(self.tok, self.text, int(d * n)) for d in ld.depths(len(self.planted), length_index)]
         order = sorted(range(len(at)), key=lambda i: at[i])
-        ids, where, prev = list(self.head), {}, 0
+        sentences, ids, where, prev = ld.sentences(), list(self.head), {}, 0
         for i in order:
             ids += self.text[prev:at[i]]
-            where[ld.sentences()[i]] = len(ids)
+            where[sentences[i]] = len(ids)
             ids += self.planted[i]
             prev = at[i]
         return ids + self.text[prev:n], where
@@ -101,12 +101,16 @@ def run(args) -> int:
     if args.max_total_tokens is None:
         args.max_total_tokens = max(args.lengths) + POOL_MARGIN
 
+    # every dtype reads the same documents: built once
+    flush_n = ee.FlushTail(len(tok), not args.no_flush, args.seed).n
+    reserve = max(max(len(docs.tail(f)) for f in facts) + args.max_new_tokens, flush_n + 1)
+    documents = [docs.document(length, j, reserve) for j, length in enumerate(args.lengths)]
+    tails = {fact: docs.tail(fact) for fact in facts}
+
     def evaluate(llm, dt):
         flush_tail = ee.FlushTail(len(tok), not args.no_flush, args.seed)
-        reserve = max(max(len(docs.tail(f)) for f in facts) + args.max_new_tokens, flush_tail.n + 1)
         questions, prefills = [], []
-        for j, length in enumerate(args.lengths):
-            doc, where = docs.document(length, j, reserve)
+        for length, (doc, where) in zip(args.lengths, documents):
             t1 = time.time()
             r1 = llm.generate(input_ids=doc + flush_tail(), sampling_params={"temperature": 0, "max_new_tokens": 1})
             prefills.append({"length": length, "document_tokens": len(doc), "prefill_s": round(time.time() - t1, 1),
@@ -114,7 +118,7 @@ def run(args) -> int:
             log(f"[{dt}] length {length}: document of {len(doc)} tokens prefilled in {prefills[-1]['prefill_s']} s")
             for fact in facts:
                 t1 = time.time()
-                r = llm.generate(input_ids=doc + docs.tail(fact),
+                r = llm.generate(input_ids=doc + tails[fact],
                                  sampling_params={"temperature": 0, "max_new_tokens": args.max_new_tokens})
                 cached = int(r["meta_info"]["cached_tokens"])
                 if cached == 0:

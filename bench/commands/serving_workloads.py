@@ -141,7 +141,7 @@ def write_agentic_trace(path: Path, tokenizer_dir: Path, conversations: int, tur
 def _agentic_essay_text() -> str:
     from bench import data
 
-    return "\n\n".join(t.strip() for t in data.essays())[AGENTIC_ESSAY_SKIP_CHARS:]
+    return data.essay_text()[AGENTIC_ESSAY_SKIP_CHARS:]
 
 
 def _agentic_requests(tok, n: int, max_tokens: int) -> list[str]:

@@ -48,6 +48,7 @@ from sgl_kvq.formats.peers.reference import fp4_mx_block16, fp8_e4m3, int4_per_t
     turboquant_preset
 from bench.quant.per_token import per_token
 from sgl_kvq.quant.rotation import block_hadamard, hadamard, rotated
+from sgl_kvq.recipe import load_recipe, shipped
 from bench.quant.zipcache import zipcache
 from bench.eval.masks import visible
 from bench.eval.specache import specache
@@ -79,20 +80,12 @@ def _values_rotated(fn):
 
 def recipe_method(name: str, **kv) -> ByLayer:
     """A shipped recipe's pages: each layer KIVI at its key and value widths (kivi_bits), the engine's fp16 window."""
-    from sgl_kvq.recipe import load_recipe
-
     recipe = load_recipe(name)
 
     def at(layer: int):
         k_bits, v_bits = recipe.widths(layer)
         return lambda k, v, q, s: kivi_bits(k, v, bits=k_bits, value_bits=v_bits, **kv)
     return ByLayer(at)
-
-
-def _recipe_names() -> list[str]:
-    from sgl_kvq.recipe import shipped
-
-    return shipped()
 
 
 def methods(group_size: int = 64, value_group: int = 64, residual: int = 64, window: int | None = None) -> dict:
@@ -124,7 +117,7 @@ def methods(group_size: int = 64, value_group: int = 64, residual: int = 64, win
         **{f"specache{b}": (lambda k, v, q, s, b=b: specache(k, v, bits=b, top_k=SPECACHE_TOP_K[b], **kv))
            for b in SPECACHE_TOP_K},
         # each shipped recipe's per-layer widths (kivimix:KVQ_RECIPE=NAME), named kivimix-NAME
-        **{f"kivimix-{name}": recipe_method(name, **kv) for name in _recipe_names()},
+        **{f"kivimix-{name}": recipe_method(name, **kv) for name in shipped()},
     }
     # its read with the values of both copies in the Hadamard basis
     ours.update({f"specache{b}-hadv": (lambda k, v, q, s, b=b: specache(
@@ -173,7 +166,7 @@ def _served_method(dtype: str, method: str, recipe: str | None = None) -> str:
 DTYPE_METHODS = {d: _served_method(d, m) for d, m in _UNROTATED_METHODS.items()}
 # kivimix rotates its values by default, as kivi2-4 do (KiviMix.default_knobs)
 DTYPE_METHODS.update({f"kivimix:KVQ_RECIPE={name}": _served_method("kivimix", f"kivimix-{name}", recipe=name)
-                      for name in _recipe_names()})
+                      for name in shipped()})
 
 
 def _expand(x: torch.Tensor, hq: int) -> torch.Tensor:

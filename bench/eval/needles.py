@@ -87,4 +87,3 @@ def sentence_boundary(tok, ids: list[int], k: int, reach: int = 200) -> int:
     while back > 0 and k - back < reach and not tok.decode(ids[back - 1:back]).rstrip().endswith("."):
         back -= 1
     return back if back > 0 and k - back < reach else k
-
