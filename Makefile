@@ -23,10 +23,10 @@ test: setup
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
 
 # Lint, the layer contract (pyproject.toml's [tool.importlinter]), the generated blocks against their sources (README's decision summaries, docs/decision*.md, the conformance
-# tables, the knob table) and the fast unit tests.
+# tables, the knob table, every committed PNG has a redraw) and the fast unit tests.
 CHECK_TESTS := tests/project/test_readme.py tests/tools/test_decision.py tests/tools/test_conformance_offline.py \
   tests/tools/test_cli.py tests/unit/test_config.py tests/unit/test_layout.py tests/unit/test_formats.py \
-  tests/unit/test_plan.py tests/unit/test_quant_kivi.py
+  tests/unit/test_plan.py tests/unit/test_quant_kivi.py tests/tools/test_plots.py
 check: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports --no-cache

@@ -100,6 +100,8 @@ PLOTS = {  # PNG under bench/results/: how it is drawn
         "serving-long-prompts-torch-paths-smollm2.json", "shared-prefix-multiturn", "tight"),
     "serving-concurrency-smollm2-shared-prefix-multiturn-tight.png": serving(
         "serving-concurrency-smollm2.json", "shared-prefix-multiturn", "tight"),
+    "serving-recipes-smollm2-shared-prefix-multiturn-tight.png": serving(
+        "serving-recipes-smollm2.json", "shared-prefix-multiturn", "tight"),
     "serving-default-budgets-smollm2.png": serving_budgets("serving-default-0.12-2-smollm2.json",
                                                            "serving-default-0.25-0.5-smollm2.json"),
     "serving-default-1-smollm2.png": serving("serving-default-1-smollm2.json", "shared-prefix-multiturn", "generous"),
