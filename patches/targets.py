@@ -35,6 +35,8 @@ HOOKS = (
      "metrics", "publish_kvq_metrics", "AFTER"),
     ("sglang.srt.model_executor.runner.eager_runner.EagerRunner._execute_decode", "eager_decode", "execute_decode",
      "AROUND"),
+    ("sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply", "cpu_gemm", "linear_apply", "AROUND"),
+    ("sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head", "cpu_gemm", "compute_lm_head", "AROUND"),
     ("sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler.build_kv_host_pool", "hicache", "build_kv_host_pool",
      "AROUND"),
     ("sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender.__init__", "pd", "mooncake_sender_init", "AFTER"),

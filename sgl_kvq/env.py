@@ -34,11 +34,13 @@ CORE_KNOBS = {
 
 def run_record() -> dict:
     """What a result file records beside its numbers: when the run finished (UTC) and every KVQ_ variable it had set
-    (`sgl-kvq bench decision` reads both: which file is newest, which knobs a run changed)."""
+    (`sgl-kvq bench decision` reads both: which file is newest, which knobs a run changed), and how the CPU engine
+    ran its bf16 GEMMs."""
     from datetime import datetime, timezone
 
     return {"finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "kvq_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("KVQ_") and v}}
+            "kvq_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("KVQ_") and v},
+            "cpu_gemm": cpu_gemm_mode()}
 
 
 def knob_values(table: dict) -> tuple:
@@ -62,6 +64,25 @@ def knobs(table: dict) -> dict:
             raise KVQConfigError(f"sgl_kvq: {var}={raw!r} is not a {'number' if parse is float else 'integer'}") \
                 from None
     return out
+
+
+CPU_GEMM_MODES = ("fp32", "native")
+
+
+def cpu_gemm_mode() -> str:
+    """How the CPU engine runs bf16 GEMMs of two or more rows (patches/cpu_gemm.py): KVQ_CPU_GEMM if set, else
+    "fp32" on a CPU without bf16 matrix instructions (no avx512_bf16, amx_bf16 in /proc/cpuinfo), where torch's bf16
+    GEMM runs ~100x slower than its fp32 one (docs/development.md, CPU development environment), else "native"."""
+    raw = os.environ.get("KVQ_CPU_GEMM", "")
+    if raw:
+        if raw not in CPU_GEMM_MODES:
+            raise KVQConfigError(f"sgl_kvq: KVQ_CPU_GEMM={raw!r}: use one of {', '.join(CPU_GEMM_MODES)}")
+        return raw
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "native"
+    return "native" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "fp32"
 
 
 def kv_cache_budget_bytes() -> int | None:
