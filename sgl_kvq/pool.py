@@ -116,6 +116,7 @@ class KVQTokenToKVPool(KVCache):
             frame_tokens=self.store.frames.per_request * self.shape.pages_per_frame(self.store.model_dtype)
             * self.shape.G if self.store.frames_pooled else 0,
             base_bytes_per_token=self.shape.base_bytes_per_token(),
+            layer_base_bytes_per_token=self.shape.layer_base_bytes_per_token(),
             pages_quantized=int(self.store.pages_quantized),
             config={"group_size": self.cfg.group_size, "value_group": self.shape.VG, "residual": self.cfg.residual,
                     "bits": self.cfg.bits, "prefill": self.cfg.prefill, "rotate": self.cfg.rotate,

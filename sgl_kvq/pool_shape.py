@@ -90,13 +90,14 @@ class PoolShape:
         """The per-request state the served format keeps with each overlay frame, allocated [L, F, ...]."""
         return self.cfg.format.frame_shapes(self.geometry)
 
+    def layer_base_bytes_per_token(self) -> list[float]:
+        """Bytes the base stores per token in each layer (codes + scales/zeros; a recipe's layers differ)."""
+        return [sum(math.prod(shape[1:]) * dtype.itemsize / (self.G if shape[0] == self.P else 1)
+                    for shape, dtype in self.layer_shapes(layer).values()) for layer in range(self.layers)]
+
     def base_bytes_per_token(self) -> float:
         """Bytes the base stores per token over all layers (codes + scales/zeros), page 0 not counted."""
-        total = 0
-        for layer in range(self.layers):
-            for shape, dtype in self.layer_shapes(layer).values():
-                total += math.prod(shape[1:]) * dtype.itemsize / (self.G if shape[0] == self.P else 1)
-        return total
+        return sum(self.layer_base_bytes_per_token())
 
     def pages_per_frame(self, model_dtype: torch.dtype) -> int:
         """k: pool pages whose packed codes hold one model-dtype frame (a frame's K over k pages' k_codes, its V

@@ -6,9 +6,11 @@ prefilled once (into the radix cache), then sent again as B concurrent streaming
 (greedy, EOS ignored): they hit the cache, run one extend together (the last page) and then decode as one batch;
 ms/step is the median gap between consecutive streamed tokens over all B requests (the best of --reps), so the
 extend, whose time on a loaded machine varies by seconds, is not in it. The server's CPU ms per step (its processes'
-user + system time, read from /proc) is taken over request 0's decode tokens. KV bytes a step reads: B x (C x the
-pool's bytes per token), the packed base for kvq dtypes (the pool's base_bytes_per_token; bf16: 2 x layers x KV
-heads x head_dim x 2 B), plus the fp16 window of the kvq dtypes and SpeCache's top-k 16-bit rows.
+user + system time, read from /proc) is taken over request 0's decode tokens. Bytes a step reads
+(read_bytes_per_step): KV, B x each layer's tokens read x its bytes per token (the packed base for kvq dtypes, each
+layer at its own width; bf16: 2 x KV heads x head_dim x 2 B), plus the fp16 window of the kvq dtypes and SpeCache's
+top-k 16-bit rows, a sliding layer read over its window alone where the path does so (reads_window_only); and the
+weights once. Their ratio to bf16's is the speed-up the bytes predict, reported beside the measured one.
 
 --tree DTYPE=DIR also runs DTYPE with the sgl_kvq package of checkout DIR (e.g. the commit before a change),
 labelled DTYPE@DIR: a before/after comparison in one run against the same bf16 baseline.
@@ -57,6 +59,10 @@ def add_arguments(p) -> None:
     p.add_argument("--quick", action="store_true", help="contexts 1024,4096, batches 1,8, N=8, one repetition")
     p.add_argument("--tree", action="append", default=[], metavar="DTYPE=DIR",
                    help="also run DTYPE with the sgl_kvq of checkout DIR (labelled DTYPE@DIR)")
+    p.add_argument("--shared-context", action="store_true",
+                   help="the B requests share all but their last token: one prefill per point instead of B (long "
+                        "contexts on a CPU); each step still reads every request's whole context, but from the same "
+                        "pages, which a CPU's cache may then hold")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PATH", help="PNG: ms/step and tok/s ratio to bf16 vs context length")
 
@@ -71,24 +77,80 @@ def grid(args, limit: int) -> list[tuple[int, int]]:
 
 
 def model_geometry(model: Path) -> dict:
+    """The shapes a decode step's bytes follow: layers, KV heads, head_dim, which layers slide (Gemma 3: 15 of 18
+    over 512 tokens) and the weights' bytes (every safetensors tensor, the tied embedding once: the lm_head reads all
+    of it each step)."""
     cfg = json.loads((model / "config.json").read_text())
     heads = cfg["num_attention_heads"]
-    return {"layers": cfg["num_hidden_layers"], "kv_heads": cfg.get("num_key_value_heads", heads),
+    layers = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types") or ["full_attention"] * layers
+    return {"layers": layers, "kv_heads": cfg.get("num_key_value_heads", heads),
             "head_dim": cfg.get("head_dim", cfg["hidden_size"] // heads),
-            "max_positions": cfg.get("max_position_embeddings", 8192), "vocab": cfg["vocab_size"]}
+            "max_positions": cfg.get("max_position_embeddings", 8192), "vocab": cfg["vocab_size"],
+            "sliding": [t == "sliding_attention" for t in types], "window": cfg.get("sliding_window") or 0,
+            "weight_bytes": weight_bytes(model)}
 
 
-def read_bytes_per_step(stats: dict, geo: dict, batch: int, context: int) -> int:
-    """KV bytes one decode step reads: each request's context in the pool's format."""
-    fp16_token = 2 * geo["layers"] * geo["kv_heads"] * geo["head_dim"] * 2
+def weight_bytes(model: Path) -> int:
+    """Bytes of every tensor in the model's safetensors files, read from their headers."""
+    total = 0
+    for f in sorted(model.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        total += sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
+    return total
+
+
+def reads_window_only(dtype: str) -> bool:
+    """Whether the dtype's decode path on the CPU engine reads a sliding layer's window alone (docs/how-it-works.md,
+    Sliding-window layers): the C kernel's (plain KIVI pages, not SpeCache's lanes, KVQ_CPU_KERNEL on) starts each
+    request's page loop at the first page its window touches; SGLang's torch_native (bf16) and kvq_torch's torch
+    paths read the whole context and mask it."""
+    from sgl_kvq.config import is_kvq_dtype, parse_kv_cache_dtype
+
+    if dtype == "auto" or not is_kvq_dtype(dtype.split(":")[0]):
+        return False
+    cfg = parse_kv_cache_dtype(dtype.split(":")[0])
+    return cfg.format.codec.plain_pages and not dtype.startswith("specache") and bool(cfg.cpu_kernel)
+
+
+def read_bytes_per_step(stats: dict, geo: dict, batch: int, context: int, window_only: bool = False,
+                        weight_factor: float = 1.0) -> dict:
+    """Bytes one decode step reads: each request's context in the pool's format, layer by layer (a sliding layer
+    read over its window alone where the path does so: reads_window_only; the packed base for kvq dtypes, bf16:
+    2 x KV heads x head_dim x 2 B a layer; plus the fp16 window of the kvq dtypes and SpeCache's top-k 16-bit rows),
+    and the weights once per step (weight_factor 2: the CPU engine reads fp32 copies, patches/cpu_gemm.py)."""
+    layers = geo["layers"]
+    fp16_layer = 2 * geo["kv_heads"] * geo["head_dim"] * 2
+    sliding = geo.get("sliding") or [False] * layers
+    page = (stats.get("config") or {}).get("group_size", 1)
+
+    def tokens_read(layer: int) -> int:
+        if not (window_only and sliding[layer] and geo.get("window")):
+            return context
+        first_page = max(context - 1 - geo["window"], 0) // page  # the kernels' first page (attention_ref's window)
+        return context - first_page * page
+
     if "base_bytes_per_token" not in stats:
-        return batch * context * fp16_token
-    cfg = stats["config"]
-    window = min(context, cfg["residual"] + (context - 1) % cfg["group_size"] + 1)  # open page + R recent tokens
-    per_req = (context - window) * stats["base_bytes_per_token"] + window * fp16_token
-    if "specache" in stats:  # top-k rows per (layer, KV head) in 16 bits, read from the host tier
-        per_req += stats["specache"].get("top_k", 0) * fp16_token
-    return int(batch * per_req)
+        kv = sum(tokens_read(li) * fp16_layer for li in range(layers))
+    else:
+        cfg = stats["config"]
+        per_layer = stats.get("layer_base_bytes_per_token") or [stats["base_bytes_per_token"] / layers] * layers
+        fp16_tokens = min(context, cfg["residual"] + (context - 1) % cfg["group_size"] + 1)  # open page + R recent
+        kv = sum((tokens_read(li) - fp16_tokens) * per_layer[li] + fp16_tokens * fp16_layer for li in range(layers))
+        if "specache" in stats:  # top-k rows per (layer, KV head) in 16 bits, read from the host tier
+            kv += stats["specache"].get("top_k", 0) * fp16_layer * layers
+    return {"kv": int(batch * kv), "weights": int(geo.get("weight_bytes", 0) * weight_factor)}
+
+
+def step_bytes(stats: dict, geo: dict, batch: int, context: int, window_only: bool) -> dict:
+    """A row's read bytes: KV (kv_read_bytes_per_step), weights, and their sum."""
+    from sgl_kvq import env
+
+    fp32_weights = batch >= 2 and env.cpu_gemm_mode() == "fp32"  # one row keeps the bf16 GEMV (patches/cpu_gemm.py)
+    read = read_bytes_per_step(stats, geo, batch, context, window_only, 2.0 if fp32_weights else 1.0)
+    return {"kv_read_bytes_per_step": read["kv"], "weight_read_bytes_per_step": read["weights"],
+            "read_bytes_per_step": read["kv"] + read["weights"]}
 
 
 def server_cpu_seconds(server) -> float:
@@ -153,15 +215,23 @@ def stream_batch(server, ids: list[list[int]], new_tokens: int) -> tuple[list[li
     return arrivals, (c1 - c0) / (n1 - n0) if n1 > n0 else float("nan")
 
 
-def time_point(server, batch: int, context: int, steps: int, reps: int, vocab: int) -> tuple[float, float]:
+def time_point(server, batch: int, context: int, steps: int, reps: int, vocab: int,
+               shared: bool = False) -> tuple[float, float]:
     """Seconds per decode step of `batch` requests at `context` tokens (prefix cached; see the module doc), and
     the server's CPU seconds per step: on a loaded machine wall time mostly measures the other processes (both
-    from the repetition with the fastest wall time)."""
+    from the repetition with the fastest wall time). shared: the requests share all but their last token (one
+    prefill instead of `batch`; a step still reads each request's whole context, from the same pages)."""
     rng = random.Random(context * 31 + batch)
-    ids = [[rng.randrange(100, vocab) for _ in range(context)] for _ in range(batch)]
+    if shared:  # one context for all, each request's last token its own
+        common = [rng.randrange(100, vocab) for _ in range(context - 1)]
+        ids = [common + [rng.randrange(100, vocab)] for _ in range(batch)]
+    else:
+        ids = [[rng.randrange(100, vocab) for _ in range(context)] for _ in range(batch)]
     server.get("/flush_cache")  # answers in plain text
-    server.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "ignore_eos": True,
-                                                                      "temperature": 0.0}})  # prefill into the cache
+    greedy_one = {"max_new_tokens": 1, "ignore_eos": True, "temperature": 0.0}
+    if shared:
+        server.post("/generate", {"input_ids": ids[0], "sampling_params": greedy_one})
+    server.post("/generate", {"input_ids": ids, "sampling_params": greedy_one})  # prefill into the cache
     best = (float("inf"), float("inf"))
     for _ in range(reps):
         arrivals, cpu = stream_batch(server, ids, 1 + steps)
@@ -194,11 +264,14 @@ def measure(model: Path, label: str, dtype: str, tree: str | None, points, args,
         print(f"[decode] {label}: starting a server (log {log})", flush=True)
         with ServerProcess(server_args, log_path=log) as server:
             stats = server.kv_pool_stats()
+            window_only = reads_window_only(dtype) and any(geo["sliding"])
             for batch, context in points:
-                sec, cpu = time_point(server, batch, context, args.steps, args.reps, geo["vocab"])
+                sec, cpu = time_point(server, batch, context, args.steps, args.reps, geo["vocab"],
+                                      args.shared_context)
                 row = {"kv_cache_dtype": label, "batch": batch, "context": context, "ms_per_step": sec * 1e3,
                        "cpu_ms_per_step": cpu * 1e3, "tok_per_s": batch / sec,
-                       "kv_read_bytes_per_step": read_bytes_per_step(stats, geo, batch, context)}
+                       "sliding_reads": "window" if window_only else "whole context",
+                       **step_bytes(stats, geo, batch, context, window_only)}
                 rows.append(row)
                 print(f"[decode] {label} B={batch} C={context}: {row['ms_per_step']:.0f} ms/step "
                       f"({row['cpu_ms_per_step']:.0f} CPU ms), "
@@ -220,6 +293,10 @@ def ratios(rows: list[dict]) -> None:
             if r.get("cpu_ms_per_step") and b.get("cpu_ms_per_step"):
                 r["x_bf16_cpu_per_step"] = r["cpu_ms_per_step"] / b["cpu_ms_per_step"]
             r["x_bf16_read_bytes"] = r["kv_read_bytes_per_step"] / b["kv_read_bytes_per_step"]
+            if r.get("read_bytes_per_step") and b.get("read_bytes_per_step"):
+                # the speed-up the bytes a step reads (weights + KV) predict, and the share of it measured
+                r["bytes_predicted_x_bf16"] = b["read_bytes_per_step"] / r["read_bytes_per_step"]
+                r["x_of_bytes_predicted"] = r["x_bf16_tok_per_s"] / r["bytes_predicted_x_bf16"]
 
 
 COLUMNS = [  # (header, cell of a row)
@@ -233,6 +310,9 @@ COLUMNS = [  # (header, cell of a row)
     ("x bf16 tok/s", lambda r: f"{r.get('x_bf16_tok_per_s', float('nan')):.2f}"),
     ("KV MB read/step", lambda r: f"{r['kv_read_bytes_per_step'] / 1e6:.1f}"),
     ("x bf16 bytes", lambda r: f"{r.get('x_bf16_read_bytes', float('nan')):.2f}"),
+    ("MB read/step (weights + KV)", lambda r: f"{r.get('read_bytes_per_step', float('nan')) / 1e6:.1f}"),
+    ("speed-up bytes predict", lambda r: f"{r.get('bytes_predicted_x_bf16', float('nan')):.2f}"),
+    ("measured / predicted", lambda r: f"{r.get('x_of_bytes_predicted', float('nan')):.2f}"),
 ]
 
 
@@ -336,6 +416,7 @@ def run(args) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps({"model": args.model, "command": command, "steps": args.steps,
                                                    "reps": args.reps, "kv_budget_gb": budget_gb,
+                                                   "shared_context": args.shared_context,
                                                    "context_length": args.context_length or geo["max_positions"],
                                                    "machine": machine, "complete": done,
                                                    "runs": rows, "refused": refused}, indent=1) + "\n")

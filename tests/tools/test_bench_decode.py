@@ -31,10 +31,41 @@ def test_grid_respects_the_model_limit_and_skips():
 
 def test_read_bytes():
     bf16 = {"kv_bytes_per_token": 23056.0}
-    assert bench_decode.read_bytes_per_step(bf16, GEO, 8, 1024) == 8 * 1024 * 23040
+    assert bench_decode.read_bytes_per_step(bf16, GEO, 8, 1024) == {"kv": 8 * 1024 * 23040, "weights": 0}
     kivi2 = {"base_bytes_per_token": 3600.0, "config": {"residual": 64, "group_size": 64}}
     # 1000 tokens: the open page holds 1000 % 64 = 40, the window 64 more; the rest is packed.
-    assert bench_decode.read_bytes_per_step(kivi2, GEO, 1, 1000) == (1000 - 104) * 3600 + 104 * 23040
+    assert bench_decode.read_bytes_per_step(kivi2, GEO, 1, 1000)["kv"] == (1000 - 104) * 3600 + 104 * 23040
+
+
+def test_read_bytes_of_sliding_layers_and_weights():
+    """Gemma-like: layer 0 slides over 512 tokens, layer 1 reads everything; a window-only path reads layer 0 from
+    the first page its window touches (position 4000 - 1 - 512 = 3487: page 54, 64 x 54 = 3456 on), the others the
+    whole context; a recipe's layers are counted at their own bytes; the weights once, twice in fp32."""
+    geo = {"layers": 2, "kv_heads": 1, "head_dim": 256, "sliding": [True, False], "window": 512,
+           "weight_bytes": 1000}
+    layer = 2 * 256 * 2
+    bf16 = bench_decode.read_bytes_per_step({}, geo, 2, 4000, window_only=False, weight_factor=2.0)
+    assert bf16 == {"kv": 2 * 4000 * 2 * layer, "weights": 2000}
+    mix = {"base_bytes_per_token": 300.0, "layer_base_bytes_per_token": [100.0, 200.0],
+           "config": {"residual": 64, "group_size": 64}}
+    fp16 = 64 + (4000 - 1) % 64 + 1  # R + the open page's 32 tokens
+    read = bench_decode.read_bytes_per_step(mix, geo, 1, 4000, window_only=True)
+    assert read["kv"] == (4000 - 3456 - fp16) * 100 + (4000 - fp16) * 200 + 2 * fp16 * layer
+    assert read["weights"] == 1000
+    whole = bench_decode.read_bytes_per_step(mix, geo, 1, 4000, window_only=False)["kv"]
+    assert whole - read["kv"] == 3456 * 100
+    assert bench_decode.read_bytes_per_step(mix, geo, 1, 300, window_only=True)["kv"] == \
+        bench_decode.read_bytes_per_step(mix, geo, 1, 300, window_only=False)["kv"]  # inside the window
+
+
+def test_which_paths_read_the_window_alone(monkeypatch):
+    monkeypatch.delenv("KVQ_CPU_KERNEL", raising=False)
+    assert bench_decode.reads_window_only("kivi2") and bench_decode.reads_window_only("kivi4")
+    assert not bench_decode.reads_window_only("auto")
+    assert not bench_decode.reads_window_only("specache2") and not bench_decode.reads_window_only("gear2")
+    assert not bench_decode.reads_window_only("peer_int4")
+    monkeypatch.setenv("KVQ_CPU_KERNEL", "0")
+    assert not bench_decode.reads_window_only("kivi2")
 
 
 def test_ratios_table_plot(tmp_path):

@@ -98,6 +98,15 @@ def test_bytes_per_token_follow_the_recipe(monkeypatch):
         assert PoolShape(30, 3, 64, 8, parse_kv_cache_dtype("kivimix")).base_bytes_per_token() == made
 
 
+def test_each_layers_bytes_follow_its_widths(tmp_path, monkeypatch):
+    """layer_base_bytes_per_token (the decode benchmark's bytes per layer): a wider layer stores more, the layers sum
+    to the pool's bytes per token, and layers of one width store alike."""
+    monkeypatch.setenv("KVQ_RECIPE", _write(tmp_path, (4, 1, 4), (2, 1, 2)))
+    shape = PoolShape(3, 2, 64, 8, parse_kv_cache_dtype("kivimix"))
+    per_layer = shape.layer_base_bytes_per_token()
+    assert per_layer[0] == per_layer[2] > per_layer[1] and sum(per_layer) == shape.base_bytes_per_token()
+
+
 def test_a_uniform_recipe_stores_what_its_kivi_width_stores(tmp_path, monkeypatch):
     monkeypatch.setenv("KVQ_RECIPE", _write(tmp_path, (3, 3), (3, 3)))
     mix, kivi3 = (PoolShape(2, 2, 64, 8, parse_kv_cache_dtype(n)) for n in ("kivimix", "kivi3"))
