@@ -49,11 +49,12 @@ def linear_apply(orig, self, layer, x, bias=None, *args, **kwargs):
 
 def compute_lm_head(orig, self, hidden_states, lm_head, embedding_bias=None, *args, **kwargs):
     """LogitsProcessor._compute_lm_head: the vocabulary projection (Gemma 3's: 262,144 x 640, tied to the
-    embedding), for every prompt token of a request that asks for input logprobs. SGLang's own path for a plain
-    weight is `hidden_states @ weight.T` in the weight's dtype; a quantized or LoRA lm_head keeps its own."""
+    embedding, no quant_method), for every prompt token of a request that asks for input logprobs. SGLang's own
+    path for a plain weight is `hidden_states @ weight.T` in the weight's dtype (its `out` buffer serves the CUDA
+    fp32 path alone); a quantized or LoRA lm_head keeps its own."""
     weight = getattr(lm_head, "weight", None)
-    if (not args and kwargs.get("out") is None and embedding_bias is None and weight is not None
-            and getattr(lm_head, "quant_method", None).__class__.__name__ == "UnquantizedEmbeddingMethod"
+    if (not args and set(kwargs) <= {"out"} and embedding_bias is None and weight is not None
+            and type(getattr(lm_head, "quant_method", None)).__name__ in ("NoneType", "UnquantizedEmbeddingMethod")
             and not hasattr(lm_head, "set_lora") and not self.use_fp32_lm_head
             and not getattr(self, "use_fp32_lm_head_output", False)
             and _in_fp32(hidden_states, weight)):

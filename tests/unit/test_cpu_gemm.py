@@ -75,3 +75,30 @@ def test_a_bad_mode_is_refused_with_the_values_that_work(monkeypatch):
         env.cpu_gemm_mode()
     monkeypatch.delenv("KVQ_CPU_GEMM")
     assert env.cpu_gemm_mode() in env.CPU_GEMM_MODES
+
+
+def test_the_lm_head_of_a_plain_tied_embedding_runs_in_fp32(mode):
+    """SGLang's _compute_lm_head as the logits processor calls it (an `out` buffer it only uses on CUDA); a
+    quantized head and one-row calls keep SGLang's path."""
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.quantization.unquant import UnquantizedEmbeddingMethod
+
+    mode("fp32")
+    head = SimpleNamespace(weight=torch.randn(300, 32, dtype=torch.bfloat16),
+                           quant_method=UnquantizedEmbeddingMethod())
+    processor = SimpleNamespace(use_fp32_lm_head=False, use_fp32_lm_head_output=False)
+    hidden = torch.randn(5, 32, dtype=torch.bfloat16)
+
+    def orig(*args, **kwargs):
+        return "sglang"
+
+    logits = cpu_gemm.compute_lm_head(orig, processor, hidden, head, None, out=None)
+    assert logits.shape == (5, 300) and logits.dtype == torch.bfloat16
+    assert isinstance(cpu_gemm.compute_lm_head(orig, processor, hidden, head, None, out=torch.empty(5, 300)),
+                      torch.Tensor)
+    assert cpu_gemm.compute_lm_head(orig, processor, hidden[:1], head, None, out=None) == "sglang"
+    tied = SimpleNamespace(weight=head.weight, quant_method=None)  # Gemma 3's tied head
+    assert isinstance(cpu_gemm.compute_lm_head(orig, processor, hidden, tied, None, out=None), torch.Tensor)
+    quantized = SimpleNamespace(weight=head.weight, quant_method=object())
+    assert cpu_gemm.compute_lm_head(orig, processor, hidden, quantized, None, out=None) == "sglang"
