@@ -37,6 +37,8 @@ HOOKS = (
      "AROUND"),
     ("sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply", "cpu_gemm", "linear_apply", "AROUND"),
     ("sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head", "cpu_gemm", "compute_lm_head", "AROUND"),
+    ("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend._run_sdpa_forward_extend",
+     "torch_native_extend", "sdpa_forward_extend", "AROUND"),
     ("sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler.build_kv_host_pool", "hicache", "build_kv_host_pool",
      "AROUND"),
     ("sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender.__init__", "pd", "mooncake_sender_init", "AFTER"),
