@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from sgl_kvq import env
 
-_FP32_WEIGHTS: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(weight) -> (weight, its fp32 copy)
+_FP32_WEIGHTS: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # id(weight) -> (weight, version, fp32 copy)
 _mode: list[str] = []
 
 
@@ -27,12 +27,12 @@ def _in_fp32(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _fp32(weight: torch.Tensor) -> torch.Tensor:
-    """The weight in fp32, made once (weights do not change after loading; the cache holds the weight itself so
-    its id is not reused)."""
+    """The weight in fp32, made again only when the weight is written in place (SGLang's weight updates: torch's
+    version counter); the cache holds the weight itself so its id is not reused."""
     held = _FP32_WEIGHTS.get(id(weight))
-    if held is None or held[0] is not weight:
-        held = _FP32_WEIGHTS[id(weight)] = (weight, weight.detach().float())
-    return held[1]
+    if held is None or held[0] is not weight or held[1] != weight._version:
+        held = _FP32_WEIGHTS[id(weight)] = (weight, weight._version, weight.detach().float())
+    return held[2]
 
 
 def linear_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

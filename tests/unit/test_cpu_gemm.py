@@ -59,7 +59,7 @@ def test_one_row_other_dtypes_and_native_mode_keep_sglangs_path(mode):
     assert cpu_gemm.linear_apply(orig, None, layer, torch.randn(4, 16, dtype=torch.bfloat16)) == "sglang"
 
 
-def test_the_fp32_copy_is_made_once_per_weight(mode):
+def test_the_fp32_copy_is_made_once_per_weight_and_again_after_an_update(mode):
     mode("fp32")
     layer = Layer(8, 16)
     x = torch.randn(3, 16, dtype=torch.bfloat16)
@@ -67,6 +67,10 @@ def test_the_fp32_copy_is_made_once_per_weight(mode):
     copy = cpu_gemm._fp32(layer.weight)
     cpu_gemm.linear_apply(None, None, layer, x)
     assert cpu_gemm._fp32(layer.weight) is copy and copy.dtype == torch.float32
+    with torch.no_grad():
+        layer.weight.copy_(torch.ones_like(layer.weight))  # a weight update in place
+    out = cpu_gemm.linear_apply(None, None, layer, x)
+    torch.testing.assert_close(out, F.linear(x.float(), torch.ones(8, 16)).bfloat16())
 
 
 def test_a_bad_mode_is_refused_with_the_values_that_work(monkeypatch):
