@@ -278,8 +278,10 @@ def test_the_scheduler_hook_exports_the_pool_stats_of_a_specache_pool_and_a_bf16
     _, pool, _ = make()
     s = exported(pool, 32 * G)
     assert set(s) == basic | {"kv_cache_dtype", "base_bytes", "overlay_bytes", "request_state_bytes",
-                              "base_bytes_per_token", "config", "specache", "host_bytes", "host_bytes_per_token",
-                              "frames_pooled", "frames_held", "frame_tokens", "pages_quantized"}
+                              "base_bytes_per_token", "layer_base_bytes_per_token", "config", "specache",
+                              "host_bytes", "host_bytes_per_token", "frames_pooled", "frames_held", "frame_tokens",
+                              "pages_quantized"}
+    assert sum(s["layer_base_bytes_per_token"]) == s["base_bytes_per_token"]
     assert s["request_state_bytes"] == s["overlay_bytes"] + pool.strategy_state.device_bytes()
     assert s["max_running_requests"] == 7
     k, v = pool.get_kv_size_bytes()
