@@ -88,6 +88,7 @@ PLOTS = {  # PNG under bench/results/: how it is drawn
     "decode-1k-16k-b8-smollm2.png": decode("decode-sweep-torch-paths-smollm2.json",
                                            "decode-b8-long-torch-paths-smollm2.json", "decode-b8-16k-smollm2.json"),
     "decode-1k-16k-smollm2.png": decode(("decode-sweep-smollm2.json", "0fb18af"), "decode-16k-smollm2.json"),
+    "decode-long-gemma3.png": decode("decode-long-gemma3.json"),
     "serving-smollm2-shared-prefix-multiturn-tight.png": serving("serving-smollm2.json", "shared-prefix-multiturn",
                                                                  "tight"),
     "serving-smollm2-shared-prefix-multiturn-generous.png": serving("serving-smollm2.json", "shared-prefix-multiturn",
