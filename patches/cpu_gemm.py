@@ -10,19 +10,23 @@ torch's bf16 GEMV, which reads half the bytes and is as fast. Nothing changes on
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from sgl_kvq import env
 
 _FP32_WEIGHTS: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # id(weight) -> (weight, version, fp32 copy)
-_mode: list[str] = []
+
+
+@functools.cache
+def _mode() -> str:
+    return env.cpu_gemm_mode()  # read once per process: /proc/cpuinfo and KVQ_CPU_GEMM
 
 
 def _in_fp32(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    if not _mode:
-        _mode.append(env.cpu_gemm_mode())
-    return (_mode[0] == "fp32" and x.device.type == "cpu" and x.dtype == torch.bfloat16
+    return (_mode() == "fp32" and x.device.type == "cpu" and x.dtype == torch.bfloat16
             and weight.dtype == torch.bfloat16 and x.dim() >= 2 and x.numel() // x.shape[-1] >= 2)
 
 

@@ -103,15 +103,16 @@ def weight_bytes(model: Path) -> int:
 
 def reads_window_only(dtype: str) -> bool:
     """Whether the dtype's decode path on the CPU engine reads a sliding layer's window alone (docs/how-it-works.md,
-    Sliding-window layers): the C kernel's (plain KIVI pages, not SpeCache's lanes, KVQ_CPU_KERNEL on) starts each
-    request's page loop at the first page its window touches; SGLang's torch_native (bf16) and kvq_torch's torch
-    paths read the whole context and mask it."""
+    Sliding-window layers): the C kernel's (plain KIVI pages read by the pool strategy, not SpeCache's lanes,
+    KVQ_CPU_KERNEL on) starts each request's page loop at the first page its window touches; SGLang's torch_native
+    (bf16) and kvq_torch's torch paths read the whole context and mask it."""
     from sgl_kvq.config import is_kvq_dtype, parse_kv_cache_dtype
 
-    if dtype == "auto" or not is_kvq_dtype(dtype.split(":")[0]):
+    name = dtype.split(":")[0]
+    if not is_kvq_dtype(name):
         return False
-    cfg = parse_kv_cache_dtype(dtype.split(":")[0])
-    return cfg.format.codec.plain_pages and not dtype.startswith("specache") and bool(cfg.cpu_kernel)
+    cfg = parse_kv_cache_dtype(name)
+    return cfg.format.codec.plain_pages and cfg.format.strategy == "pool" and bool(cfg.cpu_kernel)
 
 
 def read_bytes_per_step(stats: dict, geo: dict, batch: int, context: int, window_only: bool = False,

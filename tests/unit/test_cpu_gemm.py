@@ -23,8 +23,9 @@ class Layer(torch.nn.Module):
 def mode(monkeypatch):
     def set_mode(value: str):
         monkeypatch.setenv("KVQ_CPU_GEMM", value)
-        monkeypatch.setattr(cpu_gemm, "_mode", [])
-    return set_mode
+        cpu_gemm._mode.cache_clear()
+    yield set_mode
+    cpu_gemm._mode.cache_clear()
 
 
 @pytest.mark.parametrize("rows,out_features,in_features", [(2, 64, 32), (7, 100, 576), (33, 1, 17), (5, 49152, 64)])
