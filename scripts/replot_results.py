@@ -57,6 +57,16 @@ def serving(name: str, workload: str, regime: str) -> callable:
     return draw
 
 
+def serving_turns(name: str, workload: str, regime: str, concurrency: int) -> callable:
+    def draw(path):
+        report = load(name)
+        gb = report["regimes"][regime]["kv_cache_gb"]
+        return serving_stats.plot_turns(report["runs"], workload, regime, concurrency,
+                                        f"{report['model']}: {workload}, {regime} KV budget ({gb:.3f} GiB per "
+                                        f"server), concurrency {concurrency}", path)
+    return draw
+
+
 def serving_budgets(*names: str) -> callable:
     """serving_stats.plot_budgets over the runs of several `bench serving` reports (one per pair of budgets)."""
     def draw(path):
@@ -103,6 +113,8 @@ PLOTS = {  # PNG under bench/results/: how it is drawn
         "serving-concurrency-smollm2.json", "shared-prefix-multiturn", "tight"),
     "serving-recipes-smollm2-shared-prefix-multiturn-tight.png": serving(
         "serving-recipes-smollm2.json", "shared-prefix-multiturn", "tight"),
+    "serving-agentic-smollm2-agentic-tight-c4-turns.png": serving_turns("serving-agentic-smollm2.json", "agentic",
+                                                                         "tight", 4),
     "serving-default-budgets-smollm2.png": serving_budgets("serving-default-0.12-2-smollm2.json",
                                                            "serving-default-0.25-0.5-smollm2.json"),
     "serving-default-1-smollm2.png": serving("serving-default-1-smollm2.json", "shared-prefix-multiturn", "generous"),

@@ -250,8 +250,12 @@ def save(report: dict, path: Path, workload_names: list[str], budgets: dict[str,
         for regime, budget in budgets.items():
             if not any(r["workload"] == name and r["regime"] == regime for r in report["runs"]):
                 continue  # not measured (yet)
-            stats.plot(report["runs"], name, regime, f"{report['model']}: {name}, {regime} KV budget "
-                       f"({budget / 2**30:.3f} GiB per server)", path.with_name(f"{path.stem}-{name}-{regime}.png"))
+            title = f"{report['model']}: {name}, {regime} KV budget ({budget / 2**30:.3f} GiB per server)"
+            if len(report["concurrencies"]) > 1:  # numbers against concurrency: one point is no line
+                stats.plot(report["runs"], name, regime, title, path.with_name(f"{path.stem}-{name}-{regime}.png"))
+            for c in report["concurrencies"]:  # multi-turn replays: what each turn found cached
+                stats.plot_turns(report["runs"], name, regime, c, f"{title}, concurrency {c}",
+                                 path.with_name(f"{path.stem}-{name}-{regime}-c{c}-turns.png"))
 
 
 def workload_info(load: wl.Workload, concurrency: int) -> dict:

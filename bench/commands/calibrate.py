@@ -10,6 +10,10 @@ calibration text no evaluation reads, and the allocation of widths that meets --
 the model (the allocation's own KL is then predicted, the single-layer KLs summed, not measured):
 
     sgl-kvq calibrate --from-json bench/results/calibration/smollm2.json --bits 2.875 --recipe-dir sgl_kvq/recipes
+
+An allocation from fewer widths than 1,2,3,4 is named for them, <model>-<bits>-w<widths>.json: --widths 2,3,4 keeps
+every tensor at 2 bits or more, so a pooled fp16 frame spans 8 pages, not the 16 a 1-bit code row needs
+(sgl_kvq/pool_shape.py pages_per_frame).
 """
 
 from __future__ import annotations
@@ -19,12 +23,15 @@ import sys
 import time
 from pathlib import Path
 
+ALL_WIDTHS = (1, 2, 3, 4)
+
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="smollm2", help="smollm2 | gemma3 | tiny | a model folder (default smollm2)")
     p.add_argument("--bits", type=float, action="append",
                    help="mean code width of the allocation (repeat for several; default 3.0)")
-    p.add_argument("--widths", default="1,2,3,4", help="code widths a tensor may get (default 1,2,3,4)")
+    p.add_argument("--widths", default=",".join(map(str, ALL_WIDTHS)),
+                   help="code widths a tensor may get (default 1,2,3,4)")
     p.add_argument("--tokens", type=int, default=1024, help="calibration tokens (default 1024)")
     p.add_argument("--group-size", type=int, default=64, help="G: page / key group (default 64)")
     p.add_argument("--residual", type=int, default=64, help="R: fp16 window, a multiple of G (default 64)")
@@ -44,15 +51,29 @@ def recipes_from(result: dict, out_dir: Path) -> list[Path]:
     binding = ModelBinding(m["layers"], m["kv_heads"], m["head_dim"], m["config_sha256"])
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
-    for target, r in result["recipes"].items():
+    for key, r in result["recipes"].items():
         made = {"command": r.get("command", result["command"]), "text": result["calibration"]["text"],
                 "tokens": result["calibration"]["tokens"], "mean_bits": r["mean_bits"],
                 "bytes_per_token": r["bytes_per_token"], "kl": r["kl"], "predicted_kl": r["predicted_kl"]}
+        target, _, widths = key.partition("-")
         t = float(target)
-        path = out_dir / f"{m['name']}-{t:.1f}.json" if round(t, 1) == t else out_dir / f"{m['name']}-{t:g}.json"
+        name = f"{t:.1f}" if round(t, 1) == t else f"{t:g}"
+        path = out_dir / f"{m['name']}-{name}{'-' + widths if widths else ''}.json"
         path.write_text(Recipe(binding, tuple(r["k_bits"]), tuple(r["v_bits"])).to_json(made))
         paths.append(path)
     return paths
+
+
+def parse_widths(text: str) -> list[int]:
+    widths = sorted({int(w) for w in text.split(",") if w})
+    if not widths or any(w not in ALL_WIDTHS for w in widths):
+        raise SystemExit(f"sgl-kvq calibrate: --widths {text}: choose among 1,2,3,4")
+    return widths
+
+
+def recipe_key(target: float, widths: list[int]) -> str:
+    """A result's name for an allocation: its mean width, and the widths it drew from where not all of them."""
+    return f"{target:g}" + ("" if tuple(widths) == ALL_WIDTHS else "-w" + "".join(map(str, widths)))
 
 
 def allocation(sens: dict, target: float, layers: int) -> tuple[dict, dict]:
@@ -70,12 +91,17 @@ def reallocate(args) -> int:
     from bench import calibrate as cal
 
     result = json.loads(args.from_json.read_text())
-    sens = {(int(key[1:]), key[0]): {int(b): kl for b, kl in s.items()} for key, s in result["sensitivity_kl"].items()}
+    asked = parse_widths(args.widths)
+    sens = {(int(key[1:]), key[0]): {int(b): kl for b, kl in s.items() if int(b) in asked}
+            for key, s in result["sensitivity_kl"].items()}
+    widths = sorted({b for s in sens.values() for b in s})  # those asked that the file measured
+    if not widths:
+        raise SystemExit(f"sgl-kvq calibrate: --widths {args.widths}: {args.from_json} measured none of them")
     m, c = result["model"], result["calibration"]
     reader = cal.Reader({}, group_size=c["group_size"], residual=c["residual"])
     for target in args.bits or [3.0]:
         w, entry = allocation(sens, target, m["layers"])
-        result["recipes"][f"{target:g}"] = {
+        result["recipes"][recipe_key(target, widths)] = {
             "command": "sgl-kvq calibrate " + " ".join(sys.argv[2:]), "mean_bits": sum(w.values()) / len(w),
             "bytes_per_token": cal.bytes_per_token(w, m["kv_heads"], m["head_dim"], reader), "kl": None, **entry}
     args.from_json.write_text(json.dumps(result, indent=1) + "\n")
@@ -96,9 +122,7 @@ def run(args) -> int:
     from sgl_kvq.recipe import config_sha256
 
     torch.manual_seed(0)
-    widths = sorted({int(w) for w in args.widths.split(",")})
-    if not widths or any(w not in (1, 2, 3, 4) for w in widths):
-        raise SystemExit(f"sgl-kvq calibrate: --widths {args.widths}: choose among 1,2,3,4")
+    widths = parse_widths(args.widths)
     targets = args.bits or [3.0]
     if args.residual % args.group_size:
         raise SystemExit(f"sgl-kvq calibrate: --residual {args.residual} must be a multiple of G={args.group_size}")
@@ -139,7 +163,7 @@ def run(args) -> int:
     recipes = {}
     for target in targets:
         w, entry = allocation(sens, target, L)
-        recipes[f"{target:g}"] = {**measured(w), **entry}
+        recipes[recipe_key(target, widths)] = {**measured(w), **entry}
     result = {
         "command": "sgl-kvq calibrate " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["calibrate"] else None,
         "model": {"name": args.model, "layers": L, "kv_heads": H, "head_dim": D,

@@ -26,6 +26,9 @@ from bench.eval.needles import sentence_boundary
 
 DEFAULT_DTYPES = "auto,kivi4,kivi3,kivi2,specache1,specache2,peer_int4,peer_tq3,peer_tq4,peer_fp8_e4m3"
 INSTRUCTION = "Answer the question using the text above. Question: "
+# SGLang admits at most context_len - 6 prompt tokens (tp_worker.py: max_req_len - 5, max_req_len = context_len - 1):
+# a length at the model's whole context builds its prompts that much shorter.
+SGLANG_INPUT_MARGIN = 6
 POOL_MARGIN = 8192  # tokens beyond the longest prompt, so the previous length's document is evictable, not in the way
 
 
@@ -104,7 +107,8 @@ def run(args) -> int:
     # every dtype reads the same documents: built once
     flush_n = ee.FlushTail(len(tok), not args.no_flush, args.seed).n
     reserve = max(max(len(docs.tail(f)) for f in facts) + args.max_new_tokens, flush_n + 1)
-    documents = [docs.document(length, j, reserve) for j, length in enumerate(args.lengths)]
+    limit = ee.context_length(path) - SGLANG_INPUT_MARGIN
+    documents = [docs.document(min(length, limit), j, reserve) for j, length in enumerate(args.lengths)]
     tails = {fact: docs.tail(fact) for fact in facts}
 
     def evaluate(llm, dt):

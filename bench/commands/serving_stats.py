@@ -182,6 +182,40 @@ def plot_budgets(runs: list[dict], workload: str, concurrency: int, title: str, 
     return _save(plt, fig, title, path)
 
 
+def plot_turns(runs: list[dict], workload: str, regime: str, concurrency: int, title: str, path: Path):
+    """A multi-turn replay at one concurrency: each server's cached share by turn (what the radix cache kept of each
+    conversation), its output throughput and its TTFT p50 / p90; writes `path` and returns the Figure (None, nothing
+    written, where no run has per-turn shares)."""
+    from bench.plots import pyplot
+
+    mine = [r for r in runs if r["workload"] == workload and r["regime"] == regime and r["concurrency"] == concurrency
+            and r.get("loadgen") and r.get("cached_share_by_turn")]
+    if not mine:
+        return None
+    names = [series(r).replace("auto", "bf16", 1) if r["kv_cache_dtype"] == "auto" else series(r) for r in mine]
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.4))
+    for r, name in zip(mine, names):
+        shares = r["cached_share_by_turn"]
+        axes[0].plot(range(1, len(shares) + 1), [100 * x for x in shares], marker="o", label=name)
+    _label(axes[0], "turn", "prompt tokens cached (%)")
+    at = range(len(mine))
+    axes[1].bar(at, [r["loadgen"]["output_throughput"] for r in mine])
+    axes[1].set_ylabel("output throughput (tok/s)")
+    width = 0.4
+    p50, p90 = ([r["loadgen"][key] / 1000 for r in mine] for key in ("median_ttft_ms", "p90_ttft_ms"))
+    axes[2].bar([x - width / 2 for x in at], p50, width, label="p50")
+    axes[2].bar([x + width / 2 for x in at], p90, width, label="p90")
+    axes[2].set_ylabel("TTFT (s, log scale)")
+    axes[2].set_yscale("log")
+    axes[2].set_ylim(bottom=min(p50 + p90) / 2)
+    axes[2].legend(fontsize=8)
+    for ax in axes[1:]:
+        ax.set_xticks(list(at), names, rotation=20, ha="right", fontsize=8)
+        ax.grid(True, axis="y", which="both", alpha=0.3)
+    return _save(plt, fig, title, path)
+
+
 def series(r: dict) -> str:
     """A server's name in tables and plots: its dtype, and "explicit" where --max-running-requests was passed."""
     return r["kv_cache_dtype"] + (" explicit" if r.get("flags", "explicit") == "explicit" else "")

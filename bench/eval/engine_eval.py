@@ -100,6 +100,14 @@ def model_path(name: str) -> Path:
     return p
 
 
+def context_length(path: Path) -> int:
+    """The model's positions (config.json's max_position_embeddings, its text config's for a multimodal one): what
+    SGLang takes as context_len when --context-length is not given."""
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    return (cfg.get("max_position_embeddings") or cfg.get("text_config", {}).get("max_position_embeddings")
+            or 1 << 30)
+
+
 def model_dtype(args) -> str | None:
     return args.dtype or ("float32" if args.model == "tiny" else None)
 
@@ -171,7 +179,21 @@ def per_dtype(args, evaluate, log) -> list[dict]:
         row["startup_s"] = round(startup, 1)
         row["wall_s"] = round(time.time() - t0, 1)
         rows.append(row)
+        save_partial(args, rows)
     return rows
+
+
+def partial_path(args) -> Path | None:
+    """Where the rows measured so far are kept while an evaluation runs (removed by finish): a run cut short keeps
+    every dtype it finished."""
+    return Path(args.json + ".partial") if getattr(args, "json", None) and args.json != "-" else None
+
+
+def save_partial(args, rows: list[dict]) -> None:
+    path = partial_path(args)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"partial": True, "argv": sys.argv[1:], "results": rows}, indent=1) + "\n")
 
 
 class FlushTail:
@@ -211,6 +233,7 @@ def finish(args, name: str, result: dict, table: str, log) -> None:
         else:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(text + "\n")
+            partial_path(args).unlink(missing_ok=True)
 
 
 def argv_after(name: str) -> list[str]:

@@ -71,7 +71,7 @@ def test_the_simulated_read_is_the_model_and_quantizing_moves_it(tmp_path):
                  "--widths", "2,4", "--bits", "3", "--stride", "2", "--json", str(out),
                  "--recipe-dir", str(tmp_path / "recipes")]) == 0
     res = json.loads(out.read_text())
-    recipe = res["recipes"]["3"]
+    recipe = res["recipes"]["3-w24"]  # named for the widths it drew from
     L = res["model"]["layers"]
     assert len(recipe["k_bits"]) == len(recipe["v_bits"]) == L
     assert sum(recipe["k_bits"] + recipe["v_bits"]) / (2 * L) <= 3
@@ -80,11 +80,15 @@ def test_the_simulated_read_is_the_model_and_quantizing_moves_it(tmp_path):
     # the recipe kivimix serves, bound to the model it was made on
     from sgl_kvq.recipe import load_recipe
 
-    served = load_recipe(str(tmp_path / "recipes" / "tiny-3.0.json"))
+    served = load_recipe(str(tmp_path / "recipes" / "tiny-3.0-w24.json"))
     assert (list(served.key_bits), list(served.value_bits)) == (recipe["k_bits"], recipe["v_bits"])
     assert served.model.layers == L and served.model.config_sha256 == res["model"]["config_sha256"]
     # another target from the same measurements, without the model: its KL predicted, not measured
     assert main(["calibrate", "--from-json", str(out), "--bits", "2.5", "--recipe-dir", str(tmp_path / "recipes")]) == 0
-    again = json.loads(out.read_text())["recipes"]["2.5"]
+    again = json.loads(out.read_text())["recipes"]["2.5-w24"]
     assert again["kl"] is None and again["mean_bits"] <= 2.5 and again["predicted_kl"] >= recipe["predicted_kl"]
-    assert load_recipe(str(tmp_path / "recipes" / "tiny-2.5.json")).mean_bits == again["mean_bits"]
+    assert load_recipe(str(tmp_path / "recipes" / "tiny-2.5-w24.json")).mean_bits == again["mean_bits"]
+    # --widths narrows the measured widths: 2 only is every tensor at 2 bits
+    assert main(["calibrate", "--from-json", str(out), "--widths", "2", "--bits", "3"]) == 0
+    floor = json.loads(out.read_text())["recipes"]["3-w2"]
+    assert set(floor["k_bits"] + floor["v_bits"]) == {2}
