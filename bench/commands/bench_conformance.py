@@ -94,6 +94,20 @@ def server_args(model, dtype: str) -> list[str]:
     return args + ["--page-size", str(baseline_page_size())]
 
 
+def dtype_knobs(entries: list[str]) -> dict[str, tuple[str, dict[str, str]]]:
+    """Each --dtypes entry -> (its dtype, the KVQ_ knobs its server runs with: `kivimix:KVQ_RECIPE=smollm2-2.5`);
+    an entry that is neither bf16 nor a kvq dtype is refused (served as bf16 it would be measured under its name)."""
+    from sgl_kvq.config import is_kvq_dtype
+    from bench.eval.engine_eval import split_knobs
+
+    out = {e: split_knobs(e) for e in entries}
+    unknown = [e for e, (dt, _) in out.items() if dt != "bf16" and not is_kvq_dtype(dt)]
+    if unknown:
+        raise SystemExit(f"sgl-kvq bench conformance: --dtypes {','.join(unknown)}: not bf16 or a kvq dtype "
+                         "(a dtype, then its knobs: kivimix:KVQ_RECIPE=NAME)")
+    return out
+
+
 def prepare_offline_data(model, workdir: Path) -> dict:
     """Write the files the kits would download: LongBench-v2 substitute token ids (the KL kit's cache file, under
     workdir) and a ShareGPT JSON (the cache-hit kit's dataset_path). Returns their paths."""
@@ -390,11 +404,13 @@ def run(args) -> int:
         return 0
     import tempfile
 
+    from bench.eval.engine_eval import knob_env
     from bench.launch import ServerProcess
     from bench.models import BUILDERS
 
     model = BUILDERS[args.model]() if args.model in BUILDERS else Path(args.model)
     dtypes = ["bf16"] + [d for d in args.dtypes.split(",") if d and d != "bf16"]
+    knobs = dtype_knobs(dtypes)  # entry -> (dtype, its server's KVQ_ knobs), checked before any server starts
     groups = [g for g in args.groups.split(",") if g]
     unknown = set(groups) - set(GROUPS)
     if unknown:
@@ -435,7 +451,8 @@ def run(args) -> int:
                 Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
 
         try:
-            with ServerProcess(server_args(model, dtype), log_path=logs / f"{dtype}.log") as server:
+            with knob_env(knobs[dtype][1]), \
+                    ServerProcess(server_args(model, knobs[dtype][0]), log_path=logs / f"{dtype}.log") as server:
                 run_groups(server, model, files, todo, skip, keep)
         except (RuntimeError, TimeoutError) as e:
             for g in todo:

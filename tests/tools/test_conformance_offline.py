@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import conformance
+import pytest
 from bench.commands import bench_conformance as bc
 from bench.commands import conformance_clients as cc
 from bench.commands import conformance_table
@@ -351,3 +352,13 @@ def test_a_greedy_program_runs_once(monkeypatch):
 
 def test_every_sampling_program_is_a_program():
     assert cc.SAMPLED_PROGRAMS <= set(cc.PROGRAMS) and "test_regex" not in cc.SAMPLED_PROGRAMS
+
+
+def test_a_dtype_entry_carries_its_knobs_and_an_unknown_one_is_refused():
+    """`kivimix:KVQ_RECIPE=NAME` starts a kivimix server with that recipe (not bf16 under the entry's name); an entry
+    that is no dtype stops the run before any server starts."""
+    knobs = bc.dtype_knobs(["bf16", "kivimix:KVQ_RECIPE=smollm2-2.5"])
+    assert knobs["kivimix:KVQ_RECIPE=smollm2-2.5"] == ("kivimix", {"KVQ_RECIPE": "smollm2-2.5"})
+    assert bc.server_args("M", knobs["kivimix:KVQ_RECIPE=smollm2-2.5"][0])[-2:] == ["--kv-cache-dtype", "kivimix"]
+    with pytest.raises(SystemExit, match="kivi9"):
+        bc.dtype_knobs(["bf16", "kivi9"])
