@@ -22,8 +22,9 @@ EXPECTED = {"fp16", "per-token-2", "kivi4", "kivi2", "kivi1", "kivi1-plain", "ge
 EXPECTED |= {f"{m}-hadv" for m in ("kivi4", "kivi2", "kivi1", "kivi1-plain", "gear-l-2", "gear-2", "zipcache",
                                    "zipcache-0.6", "logquant-2", "logquant-2-w21", "kivi3", "specache1", "specache2")}
 # ... and each shipped recipe's per-layer widths (kivimix:KVQ_RECIPE=NAME), plain and values-rotated
-EXPECTED |= {f"kivimix-{n}{r}" for n in ("smollm2-2.5", "smollm2-2.875", "smollm2-3.0", "smollm2-3.25", "gemma3-2.4",
-                                         "gemma3-2.6", "gemma3-2.7", "gemma3-3.0") for r in ("", "-hadv")}
+EXPECTED |= {f"kivimix-{n}{r}" for n in ("smollm2-2.5", "smollm2-2.875", "smollm2-2.875-w234", "smollm2-3.0",
+                                         "smollm2-3.25", "gemma3-2.4", "gemma3-2.6", "gemma3-2.7", "gemma3-3.0")
+             for r in ("", "-hadv")}
 
 
 def _args(tmp_path, model, *extra):
