@@ -131,7 +131,7 @@ def plot(runs: list[dict], workload: str, regime: str, title: str, path: Path):
     concurrencies = sorted({r["concurrency"] for r in mine})
     for ax, (ylabel, lines) in zip(axes[0], panels):
         for name, pts in lines.items():
-            ax.plot(*zip(*pts), marker="o", label=name.replace("auto", "bf16", 1) if name.startswith("auto") else name)
+            ax.plot(*zip(*pts), marker="o", label=legend_name(name))
         ax.set_xscale("log", base=2)
         ticks_at(ax, concurrencies)
         _label(ax, "load generator's max concurrency (requests)", ylabel)
@@ -174,8 +174,7 @@ def plot_budgets(runs: list[dict], workload: str, concurrency: int, title: str, 
         for name in names:
             pts = sorted(finite((round(r["kv_cache_gb"], 3), value(r)) for r in mine if series(r) == name))
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=name.replace("auto", "bf16", 1) if name.startswith("auto")
-                        else name)
+                ax.plot(*zip(*pts), marker="o", label=legend_name(name))
         ax.set_xscale("log", base=2)
         ticks_at(ax, budgets)
         _label(ax, "KV budget per server (GiB)", ylabel)
@@ -192,7 +191,7 @@ def plot_turns(runs: list[dict], workload: str, regime: str, concurrency: int, t
             and r.get("loadgen") and r.get("cached_share_by_turn")]
     if not mine:
         return None
-    names = [series(r).replace("auto", "bf16", 1) if r["kv_cache_dtype"] == "auto" else series(r) for r in mine]
+    names = [legend_name(series(r)) for r in mine]
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.4))
     for r, name in zip(mine, names):
@@ -214,6 +213,11 @@ def plot_turns(runs: list[dict], workload: str, regime: str, concurrency: int, t
         ax.set_xticks(list(at), names, rotation=20, ha="right", fontsize=8)
         ax.grid(True, axis="y", which="both", alpha=0.3)
     return _save(plt, fig, title, path)
+
+
+def legend_name(name: str) -> str:
+    """A server's name as plots show it: bf16 for the baseline ("auto")."""
+    return name.replace("auto", "bf16", 1) if name.startswith("auto") else name
 
 
 def series(r: dict) -> str:
