@@ -14,11 +14,17 @@ the model (the allocation's own KL is then predicted, the single-layer KLs summe
 An allocation from fewer widths than 1,2,3,4 is named for them, <model>-<bits>-w<widths>.json: --widths 2,3,4 keeps
 every tensor at 2 bits or more, so a pooled fp16 frame spans 8 pages, not the 16 a 1-bit code row needs
 (sgl_kvq/pool_shape.py pages_per_frame).
+
+--splits K4V2,K2V4 adds fixed key/value widths, every layer alike, beside the calibrated allocations (measured with
+the model; predicted from the single-layer KLs with --from-json), to ask whether a plain split is on the front:
+
+    sgl-kvq calibrate --from-json bench/results/calibration/smollm2.json --splits K4V2,K2V4,K4V3,K3V2
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -39,6 +45,8 @@ def add_arguments(p) -> None:
                    help="score every N-th position (default 1; Gemma 3's 262k-entry softmax makes 4 worth it)")
     p.add_argument("--json", type=Path, help="write the result to PATH")
     p.add_argument("--recipe-dir", type=Path, help="write each allocation as a recipe file (KVQ_RECIPE) into DIR")
+    p.add_argument("--splits", default="",
+                   help="fixed key/value widths to report beside the allocations, e.g. K4V2,K2V4")
     p.add_argument("--from-json", type=Path,
                    help="allocate from this result file's sensitivities instead of measuring (adds to its recipes)")
 
@@ -71,6 +79,35 @@ def parse_widths(text: str) -> list[int]:
     return widths
 
 
+def parse_splits(text: str) -> dict[str, tuple[int, int]]:
+    """"K4V2,K2V4" -> {"K4V2": (4, 2), ...}: every layer's keys at the first width, values at the second."""
+    out = {}
+    for name in filter(None, text.upper().split(",")):
+        m = re.fullmatch(r"K([1-4])V([1-4])", name)
+        if not m:
+            raise SystemExit(f"sgl-kvq calibrate: --splits {text}: {name} is not K<bits>V<bits> with bits in 1-4 "
+                             "(e.g. K4V2)")
+        out[name] = (int(m[1]), int(m[2]))
+    return out
+
+
+def split_widths(split: tuple[int, int], layers: int) -> dict[tuple[int, str], int]:
+    return {(layer, kind): b for layer in range(layers) for kind, b in zip(("k", "v"), split)}
+
+
+def split_entries(sens: dict, splits: dict[str, tuple[int, int]], layers: int, bytes_of, kl_of=None) -> dict:
+    """Each fixed split's mean width, bytes, summed single-layer KLs and (with kl_of) its measured KL."""
+    out = {}
+    for name, split in splits.items():
+        w = split_widths(split, layers)
+        missing = sorted({b for key, b in w.items() if b not in sens[key]})
+        if missing:
+            raise SystemExit(f"sgl-kvq calibrate: --splits {name}: no sensitivity measured at {missing} bits")
+        out[name] = {"mean_bits": sum(w.values()) / len(w), "bytes_per_token": bytes_of(w),
+                     "kl": kl_of(w) if kl_of else None, "predicted_kl": sum(sens[key][b] for key, b in w.items())}
+    return out
+
+
 def recipe_key(target: float, widths: list[int]) -> str:
     """A result's name for an allocation: its mean width, and the widths it drew from where not all of them."""
     return f"{target:g}" + ("" if tuple(widths) == ALL_WIDTHS else "-w" + "".join(map(str, widths)))
@@ -99,11 +136,17 @@ def reallocate(args) -> int:
         raise SystemExit(f"sgl-kvq calibrate: --widths {args.widths}: {args.from_json} measured none of them")
     m, c = result["model"], result["calibration"]
     reader = cal.Reader({}, group_size=c["group_size"], residual=c["residual"])
-    for target in args.bits or [3.0]:
+    splits = parse_splits(args.splits)
+    for target in args.bits or ([] if splits else [3.0]):
         w, entry = allocation(sens, target, m["layers"])
         result["recipes"][recipe_key(target, widths)] = {
             "command": "sgl-kvq calibrate " + " ".join(sys.argv[2:]), "mean_bits": sum(w.values()) / len(w),
             "bytes_per_token": cal.bytes_per_token(w, m["kv_heads"], m["head_dim"], reader), "kl": None, **entry}
+    if splits:
+        full = {(int(key[1:]), key[0]): {int(b): kl for b, kl in s.items()}
+                for key, s in result["sensitivity_kl"].items()}
+        result.setdefault("splits", {}).update(split_entries(
+            full, splits, m["layers"], lambda w: cal.bytes_per_token(w, m["kv_heads"], m["head_dim"], reader)))
     args.from_json.write_text(json.dumps(result, indent=1) + "\n")
     if args.recipe_dir:
         for path in recipes_from(result, args.recipe_dir):
@@ -123,6 +166,11 @@ def run(args) -> int:
 
     torch.manual_seed(0)
     widths = parse_widths(args.widths)
+    splits = parse_splits(args.splits)
+    unmeasured = sorted({b for split in splits.values() for b in split} - set(widths))
+    if unmeasured:
+        raise SystemExit(f"sgl-kvq calibrate: --splits {args.splits} needs widths {unmeasured}, not in --widths "
+                         f"{args.widths}")
     targets = args.bits or [3.0]
     if args.residual % args.group_size:
         raise SystemExit(f"sgl-kvq calibrate: --residual {args.residual} must be a multiple of G={args.group_size}")
@@ -164,6 +212,8 @@ def run(args) -> int:
     for target in targets:
         w, entry = allocation(sens, target, L)
         recipes[recipe_key(target, widths)] = {**measured(w), **entry}
+    fixed = split_entries(sens, splits, L, lambda w: cal.bytes_per_token(w, H, D, reader(w)),
+                          lambda w: cal.model_kl(model, ids, reader(w), reference))
     result = {
         "command": "sgl-kvq calibrate " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["calibrate"] else None,
         "model": {"name": args.model, "layers": L, "kv_heads": H, "head_dim": D,
@@ -174,6 +224,7 @@ def run(args) -> int:
         "sensitivity_kl": {f"{k}{layer}": {str(b): v for b, v in s.items()} for (layer, k), s in sens.items()},
         "uniform": uniform,
         "recipes": recipes,
+        **({"splits": fixed} if fixed else {}),
     }
     text = json.dumps(result, indent=1)
     if args.json:
@@ -182,6 +233,6 @@ def run(args) -> int:
     if args.recipe_dir:
         for path in recipes_from(result, args.recipe_dir):
             print(f"recipe: {path}", file=sys.stderr)
-    for name, r in {**uniform, **{f"recipe {t}": r for t, r in recipes.items()}}.items():
+    for name, r in {**uniform, **{f"recipe {t}": r for t, r in recipes.items()}, **fixed}.items():
         print(f"{name:12s} {r['mean_bits']:.2f} bits  {r['bytes_per_token']:8.0f} B/token  KL {r['kl']:.4f}")
     return 0

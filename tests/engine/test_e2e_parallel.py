@@ -6,8 +6,9 @@ The tiny fp32 Llama (2 KV heads, so tp 2 gives one head per rank) makes greedy t
 tp 1 gives with the same dtype (SGLang all-reduces the row-parallel outputs over gloo on CPU). The tp-1 tokens come
 from a `--dp-size 2` server, whose replicas are tp 1: one DP server and one TP server per dtype serve both tests.
 CI covers kivi2 (the KIVI pool; specache2, its host tier and two lanes split by rank, took 236 s of a CI worker and
-runs in the matrix); KVQ_TEST_PARALLEL_DTYPES=all runs every name in sgl_kvq.config.DTYPE_NAMES, so a dtype added
-there is covered, and a comma list runs those (docs/deployment.md, "Tensor and data parallel")."""
+runs in the matrix); KVQ_TEST_PARALLEL_DTYPES=all runs every name in sgl_kvq.config.ALL_DTYPE_NAMES (kivimix with a
+recipe whose layers differ in width), so a dtype added there is covered, and a comma list runs those
+(docs/deployment.md, "Tensor and data parallel")."""
 
 from __future__ import annotations
 
@@ -16,15 +17,16 @@ import random
 
 import pytest
 
-from sgl_kvq.config import DTYPE_NAMES
+from sgl_kvq.config import ALL_DTYPE_NAMES
 from bench.launch import ServerProcess
 from bench.models import tiny_llama
+from recipes import serve_recipe_if_asked
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 CI_DTYPES = ["kivi2"]
 _CHOSEN = os.environ.get("KVQ_TEST_PARALLEL_DTYPES", "")
-TP_DTYPES = list(DTYPE_NAMES) if _CHOSEN == "all" else [d for d in _CHOSEN.split(",") if d] or CI_DTYPES
+TP_DTYPES = list(ALL_DTYPE_NAMES) if _CHOSEN == "all" else [d for d in _CHOSEN.split(",") if d] or CI_DTYPES
 GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
 BUDGET_GB = "0.01"  # pinned per rank: capacity is then a known function of the per-rank shape
 
@@ -85,6 +87,7 @@ def dp2(request, tiny, prompts, tmp_path_factory):
     dtype = request.param
     with pytest.MonkeyPatch.context() as mp:
         new_user_env(mp)
+        serve_recipe_if_asked(mp, dtype, tmp_path_factory.mktemp("recipe"))
         args = ["--model-path", str(tiny), "--kv-cache-dtype", dtype, "--dtype", "float32", "--dp-size", "2"]
         with ServerProcess(args, log_path=tmp_path_factory.mktemp("dp2") / "server.log") as server:
             def gen(text, rank, n=GREEDY["max_new_tokens"]):
@@ -111,7 +114,8 @@ def new_user_env(mp):
     mp.setenv("KVQ_KV_CACHE_GB", BUDGET_GB)
 
 
-def test_dp2_replicas_each_serve_from_their_own_pool_and_radix_tree(dp2, tiny):
+def test_dp2_replicas_each_serve_from_their_own_pool_and_radix_tree(dp2, tiny, monkeypatch, tmp_path):
+    serve_recipe_if_asked(monkeypatch, dp2["dtype"], tmp_path)  # check_capacity parses the dtype
     tokens = [[o["output_ids"] for o in outs] for outs in dp2["replica_outputs"]]
     assert tokens[0] == tokens[1], "two replicas of the same model gave different greedy tokens"
     assert dp2["first_cached"] == 0
@@ -128,6 +132,7 @@ def test_dp2_replicas_each_serve_from_their_own_pool_and_radix_tree(dp2, tiny):
 def test_tp2_gives_tp1_tokens_with_half_the_kv_per_rank(dp2, tiny, prompts, monkeypatch, tmp_path):
     new_user_env(monkeypatch)
     dtype = dp2["dtype"]
+    serve_recipe_if_asked(monkeypatch, dtype, tmp_path)
     args = ["--model-path", str(tiny), "--kv-cache-dtype", dtype, "--dtype", "float32", "--tp-size", "2"]
     with ServerProcess(args, log_path=tmp_path / "server.log") as server:
         outs = server.post("/generate", {"text": prompts, "sampling_params": GREEDY})

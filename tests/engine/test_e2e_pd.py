@@ -6,7 +6,8 @@ complete pages from the prefill server's radix tree, so its window page is a rad
 from the base; both go again through SGLang's PD router (sglang-router, which make setup installs). The bytes
 mooncake wrote for each request (counted in the prefill server: patches/pd.py) are what the pool's descriptions
 say: its pages packed plus one request slot's frames. CI runs kivi2; KVQ_TEST_PD_DTYPES=all adds bf16 (SGLang's own
-pool, the byte baseline) and the other non-SpeCache dtypes."""
+pool, the byte baseline), the other non-SpeCache dtypes and kivimix (a recipe whose layers differ in width: each
+layer's codes are transfer entries of their own); a comma list runs those."""
 
 from __future__ import annotations
 
@@ -24,12 +25,14 @@ from bench.launch import ServerProcess, baseline_page_size
 from sgl_kvq.pool_shape import PoolShape
 from bench.models import tiny_llama
 from bench.pd_launch import PDPair, Router, mooncake_available, router_available
+from recipes import serve_recipe_if_asked
 from slices import matrix_only
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
-DTYPES = ["bf16", "kivi1", "kivi2", "kivi4", "gear2", "gearl2", "logquant2", "zipcache2"] \
-    if os.environ.get("KVQ_TEST_PD_DTYPES") == "all" else ["kivi2"]
+_CHOSEN = os.environ.get("KVQ_TEST_PD_DTYPES", "")
+DTYPES = ["bf16", "kivi1", "kivi2", "kivi4", "gear2", "gearl2", "logquant2", "zipcache2", "kivimix"] \
+    if _CHOSEN == "all" else [d for d in _CHOSEN.split(",") if d] or ["kivi2"]
 L, H, D, MODEL_BYTES = 2, 2, 16, 4  # the tiny fp32 Llama: 2 layers, 2 KV heads, head_dim 16; frames in fp32
 NEW_TOKENS = 12
 
@@ -79,7 +82,8 @@ def page_bytes(dtype: str, prompt_tokens: int) -> int:
     if not is_kvq_dtype(dtype):
         return pages * G * 2 * L * H * D * 2
     shape = PoolShape(L, H, D, 64, parse_kv_cache_dtype(dtype))
-    assert (len(shape.base_shapes()) * L) % 2 == 0  # no repeated entry at 2 layers
+    if shape.uniform:  # a recipe's layers are entries of their own (pd_transfer.py)
+        assert (len(shape.base_shapes()) * L) % 2 == 0  # no repeated entry at 2 layers
     return round(shape.base_bytes_per_token() * G * pages)
 
 
@@ -105,6 +109,7 @@ def test_pd_continues_exactly_as_one_server(dtype, tmp_path, monkeypatch):
     missing = mooncake_available()
     if missing:
         pytest.skip(missing)
+    serve_recipe_if_asked(monkeypatch, dtype, tmp_path)
     single: dict = {}
 
     def run_single():  # started beside the PD pair: the machine's cores wait on the same imports

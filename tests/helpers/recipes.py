@@ -20,3 +20,11 @@ def tiny_recipe(folder: Path, key_bits=tuple(k for k, _ in MIXED), value_bits=tu
     path = Path(folder) / "recipe.json"
     path.write_text(Recipe(ModelBinding(**binding), tuple(key_bits), tuple(value_bits)).to_json())
     return str(path)
+
+
+def serve_recipe_if_asked(mp, dtype: str, folder: Path) -> None:
+    """A recipe dtype (kivimix) serves the tiny Llama's mixed recipe: KVQ_RECIPE set through `mp` (a MonkeyPatch)."""
+    from sgl_kvq.config import RECIPE_DTYPE_NAMES
+
+    if dtype in RECIPE_DTYPE_NAMES:
+        mp.setenv("KVQ_RECIPE", tiny_recipe(folder))

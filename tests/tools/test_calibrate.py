@@ -68,7 +68,7 @@ def test_the_simulated_read_is_the_model_and_quantizing_moves_it(tmp_path):
     assert cal.model_kl(model, ids, half, native[:, cal.scored_positions(half, 96)]) == pytest.approx(kl, rel=0.5)
     out = tmp_path / "cal.json"
     assert main(["calibrate", "--model", "tiny", "--tokens", "128", "--group-size", "16", "--residual", "16",
-                 "--widths", "2,4", "--bits", "3", "--stride", "2", "--json", str(out),
+                 "--widths", "2,4", "--bits", "3", "--stride", "2", "--splits", "K4V2", "--json", str(out),
                  "--recipe-dir", str(tmp_path / "recipes")]) == 0
     res = json.loads(out.read_text())
     recipe = res["recipes"]["3-w24"]  # named for the widths it drew from
@@ -77,6 +77,10 @@ def test_the_simulated_read_is_the_model_and_quantizing_moves_it(tmp_path):
     assert sum(recipe["k_bits"] + recipe["v_bits"]) / (2 * L) <= 3
     assert res["calibration"]["read_check_max_abs_logit_diff"] < 1e-3
     assert set(res["uniform"]) == {"kivi2", "kivi4"}
+    split = res["splits"]["K4V2"]  # every layer's keys at 4 bits, values at 2: measured, and between the uniforms
+    assert split["mean_bits"] == 3 and split["kl"] > 0
+    assert res["uniform"]["kivi2"]["bytes_per_token"] < split["bytes_per_token"] < \
+        res["uniform"]["kivi4"]["bytes_per_token"]
     # the recipe kivimix serves, bound to the model it was made on
     from sgl_kvq.recipe import load_recipe
 
@@ -92,3 +96,15 @@ def test_the_simulated_read_is_the_model_and_quantizing_moves_it(tmp_path):
     assert main(["calibrate", "--from-json", str(out), "--widths", "2", "--bits", "3"]) == 0
     floor = json.loads(out.read_text())["recipes"]["3-w2"]
     assert set(floor["k_bits"] + floor["v_bits"]) == {2}
+    # a fixed split from the same file, predicted; alone it allocates nothing; a width the file lacks is refused
+    before = json.loads(out.read_text())["recipes"]
+    assert main(["calibrate", "--from-json", str(out), "--splits", "k2v4"]) == 0
+    after = json.loads(out.read_text())
+    assert after["recipes"] == before and after["splits"]["K2V4"]["kl"] is None
+    assert after["splits"]["K2V4"]["predicted_kl"] == pytest.approx(
+        sum(s["2"] for key, s in after["sensitivity_kl"].items() if key[0] == "k")
+        + sum(s["4"] for key, s in after["sensitivity_kl"].items() if key[0] == "v"))
+    with pytest.raises(SystemExit, match="K3V2.*3"):
+        main(["calibrate", "--from-json", str(out), "--splits", "K3V2"])
+    with pytest.raises(SystemExit, match="K5V2 is not"):
+        main(["calibrate", "--from-json", str(out), "--splits", "K5V2"])
