@@ -428,6 +428,7 @@ def run(args) -> int:
             doc[group] = {dt: {t: r for t, r in e["tests"].items() if t != "server"} for dt, e in by_dtype.items()}
         command = old["command"] + " ; " + command
     report = report_from_tests({g: d for g, d in doc.items() if d}, command)
+    inherited = env.run_record()["kvq_env"]  # before any entry's own knobs (knob_env) are set
     for dtype in dtypes:
         t0 = time.perf_counter()
         skip = set() if dtype == "bf16" or args.all_tests else set().union(*(baseline_failures(doc[g]) for g in groups))
@@ -446,7 +447,7 @@ def run(args) -> int:
             report = report_from_tests({g: d for g, d in doc.items() if d}, command)
             report["kv_cache_gb"] = args.kv_cache_gb
             report["model"] = str(args.model)  # which model's table may read it (bench/decision/sources.py)
-            report.update(env.run_record())  # when, and the KVQ_ knobs every server of the run inherited
+            report.update({**env.run_record(), "kvq_env": inherited})  # when; the knobs every server inherited
             if args.json:
                 Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
 

@@ -4,6 +4,7 @@ test is collected, and the bf16-baseline rule flags exactly the tests bf16 passe
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import conformance
@@ -362,3 +363,36 @@ def test_a_dtype_entry_carries_its_knobs_and_an_unknown_one_is_refused():
     assert bc.server_args("M", knobs["kivimix:KVQ_RECIPE=smollm2-2.5"][0])[-2:] == ["--kv-cache-dtype", "kivimix"]
     with pytest.raises(SystemExit, match="kivi9"):
         bc.dtype_knobs(["bf16", "kivi9"])
+
+
+def test_a_run_records_the_knobs_every_server_inherited_not_an_entrys_own(tmp_path, monkeypatch):
+    """An entry's knobs (kivimix:KVQ_RECIPE=NAME) are its server's alone: the report's kvq_env, which the decision
+    table reads as knobs the whole run changed, is the environment before them."""
+    import argparse
+    import contextlib
+
+    import bench.launch
+
+    seen = []
+
+    @contextlib.contextmanager
+    def server(args, log_path):
+        seen.append(os.environ.get("KVQ_RECIPE"))
+        yield "server"
+
+    def groups(server, model, files, todo, skip, keep):
+        keep("kits", {"kl_divergence.t": {"outcome": "pass"}})
+
+    monkeypatch.delenv("KVQ_RECIPE", raising=False)
+    monkeypatch.setattr(bench.launch, "ServerProcess", server)
+    monkeypatch.setattr(bc, "prepare_offline_data", lambda model, workdir: {})
+    monkeypatch.setattr(bc, "run_groups", groups)
+    out = tmp_path / "kl.json"
+    args = argparse.Namespace(table=False, from_tests=None, model=str(tmp_path), dtypes="kivimix:KVQ_RECIPE=r1",
+                              groups="kits", kits="", logs=str(tmp_path / "logs"), kv_cache_gb=1.0, resume=False,
+                              json=str(out), all_tests=False)
+    bc.run(args)
+    assert seen == [None, "r1"]  # bf16, then the entry's server with its recipe
+    report = json.loads(out.read_text())
+    assert "KVQ_RECIPE" not in report["kvq_env"] and report["kvq_env"]["KVQ_KV_CACHE_GB"] == "1.0"
+    assert set(report["groups"]["kits"]) == {"bf16", "kivimix:KVQ_RECIPE=r1"}

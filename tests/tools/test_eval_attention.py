@@ -23,7 +23,8 @@ EXPECTED |= {f"{m}-hadv" for m in ("kivi4", "kivi2", "kivi1", "kivi1-plain", "ge
                                    "zipcache-0.6", "logquant-2", "logquant-2-w21", "kivi3", "specache1", "specache2")}
 # ... and each shipped recipe's per-layer widths (kivimix:KVQ_RECIPE=NAME), plain and values-rotated
 EXPECTED |= {f"kivimix-{n}{r}" for n in ("smollm2-2.5", "smollm2-2.875", "smollm2-2.875-w234", "smollm2-3.0",
-                                         "smollm2-3.25", "gemma3-2.4", "gemma3-2.6", "gemma3-2.7", "gemma3-3.0")
+                                         "smollm2-3.25", "gemma3-2.4", "gemma3-2.6", "gemma3-2.6-w234", "gemma3-2.7",
+                                         "gemma3-3.0")
              for r in ("", "-hadv")}
 
 
