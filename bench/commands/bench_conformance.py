@@ -404,7 +404,6 @@ def run(args) -> int:
         return 0
     import tempfile
 
-    from bench.eval.engine_eval import knob_env
     from bench.launch import ServerProcess
     from bench.models import BUILDERS
 
@@ -428,7 +427,6 @@ def run(args) -> int:
             doc[group] = {dt: {t: r for t, r in e["tests"].items() if t != "server"} for dt, e in by_dtype.items()}
         command = old["command"] + " ; " + command
     report = report_from_tests({g: d for g, d in doc.items() if d}, command)
-    inherited = env.run_record()["kvq_env"]  # before any entry's own knobs (knob_env) are set
     for dtype in dtypes:
         t0 = time.perf_counter()
         skip = set() if dtype == "bf16" or args.all_tests else set().union(*(baseline_failures(doc[g]) for g in groups))
@@ -447,13 +445,14 @@ def run(args) -> int:
             report = report_from_tests({g: d for g, d in doc.items() if d}, command)
             report["kv_cache_gb"] = args.kv_cache_gb
             report["model"] = str(args.model)  # which model's table may read it (bench/decision/sources.py)
-            report.update({**env.run_record(), "kvq_env": inherited})  # when; the knobs every server inherited
+            report.update(env.run_record())  # when, and the KVQ_ knobs every server of the run inherited
             if args.json:
                 Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
 
         try:
-            with knob_env(knobs[dtype][1]), \
-                    ServerProcess(server_args(model, knobs[dtype][0]), log_path=logs / f"{dtype}.log") as server:
+            # an entry's knobs go to its server alone, not to this process (whose KVQ_ knobs the report records)
+            with ServerProcess(server_args(model, knobs[dtype][0]), log_path=logs / f"{dtype}.log",
+                               env=knobs[dtype][1]) as server:
                 run_groups(server, model, files, todo, skip, keep)
         except (RuntimeError, TimeoutError) as e:
             for g in todo:

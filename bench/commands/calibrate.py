@@ -129,24 +129,26 @@ def reallocate(args) -> int:
 
     result = json.loads(args.from_json.read_text())
     asked = parse_widths(args.widths)
-    sens = {(int(key[1:]), key[0]): {int(b): kl for b, kl in s.items() if int(b) in asked}
-            for key, s in result["sensitivity_kl"].items()}
+    measured = {(int(key[1:]), key[0]): {int(b): kl for b, kl in s.items()}
+                for key, s in result["sensitivity_kl"].items()}
+    sens = {key: {b: kl for b, kl in s.items() if b in asked} for key, s in measured.items()}
     widths = sorted({b for s in sens.values() for b in s})  # those asked that the file measured
     if not widths:
         raise SystemExit(f"sgl-kvq calibrate: --widths {args.widths}: {args.from_json} measured none of them")
     m, c = result["model"], result["calibration"]
     reader = cal.Reader({}, group_size=c["group_size"], residual=c["residual"])
+
+    def bytes_of(w):
+        return cal.bytes_per_token(w, m["kv_heads"], m["head_dim"], reader)
+
     splits = parse_splits(args.splits)
     for target in args.bits or ([] if splits else [3.0]):
         w, entry = allocation(sens, target, m["layers"])
         result["recipes"][recipe_key(target, widths)] = {
             "command": "sgl-kvq calibrate " + " ".join(sys.argv[2:]), "mean_bits": sum(w.values()) / len(w),
-            "bytes_per_token": cal.bytes_per_token(w, m["kv_heads"], m["head_dim"], reader), "kl": None, **entry}
-    if splits:
-        full = {(int(key[1:]), key[0]): {int(b): kl for b, kl in s.items()}
-                for key, s in result["sensitivity_kl"].items()}
-        result.setdefault("splits", {}).update(split_entries(
-            full, splits, m["layers"], lambda w: cal.bytes_per_token(w, m["kv_heads"], m["head_dim"], reader)))
+            "bytes_per_token": bytes_of(w), "kl": None, **entry}
+    if splits:  # a split's widths need not be among --widths: every width the file measured
+        result.setdefault("splits", {}).update(split_entries(measured, splits, m["layers"], bytes_of))
     args.from_json.write_text(json.dumps(result, indent=1) + "\n")
     if args.recipe_dir:
         for path in recipes_from(result, args.recipe_dir):

@@ -376,8 +376,8 @@ def test_a_run_records_the_knobs_every_server_inherited_not_an_entrys_own(tmp_pa
     seen = []
 
     @contextlib.contextmanager
-    def server(args, log_path):
-        seen.append(os.environ.get("KVQ_RECIPE"))
+    def server(args, log_path, env=None):
+        seen.append({**os.environ, **(env or {})}.get("KVQ_RECIPE"))  # what the server process would see
         yield "server"
 
     def groups(server, model, files, todo, skip, keep):
