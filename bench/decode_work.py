@@ -24,6 +24,11 @@ kernel: one layer of each kvq_torch decode (the padded layout, page by page, and
 kernels/cpu_decode_attention.c) and of bf16 torch_native's gather + SDPA over the same contexts, alternately in one
 process with torch's own thread count, wall time (median of 40): what a decode step pays per layer. kvq_rotate is
 what KVQ_ROTATE=hadamard adds to it (sgl_kvq/attention_rotation.py: q, k, v rotated and the output rotated back).
+
+    python bench/decode_work.py --widths 3x3 3x2 4x2 --geometry gemma3 --batch 16 --against 0bf5418
+
+widths: one layer of the C kernel per (key bits)x(value bits) pair (a recipe's layers), thread CPU time on one
+thread (median of 40); --against REV: the kernel of that git revision too, alternately, on the same pages.
 """
 
 from __future__ import annotations
@@ -47,10 +52,14 @@ from sgl_kvq.quant.rotation import hadamard
 L, H, HQ, D, G = 30, 3, 9, 64, 64
 
 
-def filled_store(B: int, C: int, bits: int):
-    cfg = KVQConfig("kivi", bits, group_size=G, value_group=64, residual=64)
+def filled_store(B: int, C: int, bits: int, cfg: KVQConfig | None = None, geometry: tuple[int, int, int] = (L, H, D)):
+    """A kivi store (cfg: another config) of `geometry` (layers, KV heads, head_dim) holding B requests of C tokens
+    -> (store, req_to_token, request rows)."""
+    layers, heads, dim = geometry
+    cfg = cfg or KVQConfig("kivi", bits, group_size=G, value_group=64, residual=64)
     pages_per = -(-(C + 64) // G) + 1
-    store = QuantizedKVStore(cfg, PoolShape(L, H, D, B * pages_per + 2, cfg), B + 1, torch.bfloat16, "cpu")
+    store = QuantizedKVStore(cfg, PoolShape(layers, heads, dim, B * pages_per + 2, cfg), B + 1, torch.bfloat16,
+                             "cpu")
     req_to_token = torch.zeros(B + 1, pages_per * G, dtype=torch.int32)
     for b in range(B):
         pages = torch.arange(1 + b * pages_per, 1 + (b + 1) * pages_per)
@@ -60,8 +69,8 @@ def filled_store(B: int, C: int, bits: int):
     loc = req_to_token[1:, :C].reshape(-1).long()
     fp = build_forward_plan(store, req_to_token, reqs, torch.full((B,), C), loc, is_decode=False,
                             extend_prefix_lens=[0] * B, extend_seq_lens=[C] * B)
-    k = torch.randn(B * C, H, D, dtype=torch.bfloat16)
-    for li in range(L):
+    k = torch.randn(B * C, heads, dim, dtype=torch.bfloat16)
+    for li in range(layers):
         for st in fp.steps:
             store.write_layer(li, st.write, k, k)
     return store, req_to_token, reqs
@@ -192,6 +201,68 @@ def kernel(B: int, C: int, bits: int, ragged: bool, reps: int = 40) -> dict:
             "threads": torch.get_num_threads(), **median_ms(runs, reps, time.perf_counter)}
 
 
+GEOMETRIES = {"gemma3": (1, 4, 256), "smollm2": (H, HQ, D)}  # (KV heads, query heads, head_dim)
+
+
+def kernel_at(rev: str):
+    """The C kernel's library built from its source at git revision `rev` (a temporary file)."""
+    import ctypes
+    import subprocess
+    import tempfile
+
+    from sgl_kvq.kernels import cpu_decode_attention as cda
+
+    src = subprocess.run(["git", "show", f"{rev}:kernels/cpu_decode_attention.c"], capture_output=True, text=True,
+                         check=True).stdout
+    d = tempfile.mkdtemp()
+    with open(f"{d}/k.c", "w") as f:
+        f.write(src)
+    subprocess.run([cda.compiler(), *cda.FLAGS, f"{d}/k.c", "-o", f"{d}/k.so", "-lm"], check=True)
+    lib = ctypes.CDLL(f"{d}/k.so")
+    cda.available()
+    lib.kvq_cpu_decode.restype = cda._lib.kvq_cpu_decode.restype
+    lib.kvq_cpu_decode.argtypes = cda._lib.kvq_cpu_decode.argtypes
+    return lib
+
+
+def widths(B: int, C: int, pairs: list[tuple[int, int]], geometry: str, against: str | None = None,
+           reps: int = 40) -> dict:
+    """One layer of the C kernel per (key bits, value bits) pair, the pairs as the layers of one kivimix pool,
+    alternately in one process, thread CPU time on one thread (median): a recipe's layer must cost what its widths
+    cost. against: also the kernel of that git revision, alternately with this tree's, on the same pages."""
+    from sgl_kvq.formats.kivi import RecipeParams
+    from sgl_kvq.kernels import cpu_decode_attention as cda
+    from sgl_kvq.recipe import ModelBinding, Recipe
+
+    heads, q_heads, dim = GEOMETRIES[geometry]
+    recipe = Recipe(ModelBinding(len(pairs), heads, dim, "0" * 16), tuple(k for k, _ in pairs),
+                    tuple(v for _, v in pairs))
+    cfg = KVQConfig("kivimix", 4, group_size=G, value_group=64, residual=64, params=RecipeParams(recipe))
+    store, req_to_token, reqs = filled_store(B, C, 4, cfg, (len(pairs), heads, dim))
+    plan = build_forward_plan(store, req_to_token, reqs, torch.full((B,), C + 1), req_to_token[1:, C].long(),
+                              is_decode=True).steps[0].plan
+    q = torch.randn(B, q_heads, dim, dtype=torch.bfloat16)
+    torch.set_num_threads(1)
+    cda.available()
+    libs = {"": cda._lib, **({f"@{against}": kernel_at(against)} if against else {})}
+
+    def run(li, lib):
+        cda._lib = lib
+        return cda.decode_attention(q, store.layer_view(li), plan, dim ** -0.5, check=False)
+
+    runs = {f"K{k}V{v}{tag}": (lambda li=li, lib=lib: run(li, lib))
+            for li, (k, v) in enumerate(pairs) for tag, lib in libs.items()}
+    try:
+        if against:
+            for li in range(len(pairs)):
+                torch.testing.assert_close(run(li, libs[f"@{against}"]), run(li, libs[""]), rtol=1e-2, atol=1e-2)
+        out = median_ms(runs, reps, time.thread_time)
+    finally:
+        cda._lib = libs[""]
+    return {"batch": B, "context": C, "geometry": geometry, "kv_heads": heads, "q_heads": q_heads, "head_dim": dim,
+            **out}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
@@ -201,8 +272,17 @@ def main() -> None:
     p.add_argument("--paths", action="store_true", help="compare the two decode paths instead (see above)")
     p.add_argument("--kernel", action="store_true", help="the C kernel against both torch paths and bf16 (above)")
     p.add_argument("--ragged", action="store_true", help="--paths, --kernel: contexts drawn from 20..C")
+    p.add_argument("--widths", nargs="+", metavar="KxV",
+                   help="the C kernel at these (key bits)x(value bits) pairs, e.g. 3x3 3x2 2x2 (above)")
+    p.add_argument("--geometry", choices=sorted(GEOMETRIES), default="smollm2", help="--widths: the model's heads")
+    p.add_argument("--against", metavar="REV", help="--widths: also the kernel at git revision REV, alternately")
     args = p.parse_args()
     out = []
+    if args.widths:
+        pairs = [tuple(int(b) for b in w.split("x")) for w in args.widths]
+        for B in args.batch:
+            print(json.dumps(widths(B, args.context, pairs, args.geometry, args.against)), flush=True)
+        return
     if args.kernel:
         for B in args.batch:
             print(json.dumps(kernel(B, args.context, args.bits, args.ragged)), flush=True)

@@ -35,6 +35,10 @@
 
 enum { F32 = 0, F16 = 1, BF16 = 2 };
 
+/* Forced inline, so that each (key, value) width pair's task (kvq_cpu_decode's switch) unpacks with constant widths:
+ * left to itself GCC clones run_task for five constant pairs and runs the others on a generic copy. */
+#define SPECIALIZED static inline __attribute__((always_inline))
+
 static inline float f16_to_f32(uint16_t x) {
     _Float16 h;
     memcpy(&h, &x, 2);
@@ -97,7 +101,7 @@ __attribute__((constructor)) static void init_luts(void) {
 }
 
 /* One row of b-bit codes -> D floats (b: the bit width as a constant, so each case has its own loop). */
-static inline void unpack_row(const uint8_t *restrict p, float *restrict c, int D, const int b) {
+SPECIALIZED void unpack_row(const uint8_t *restrict p, float *restrict c, int D, const int b) {
     if (b == 8) {
         for (int d = 0; d < D; d++) c[d] = (float)p[d];
         return;
@@ -121,7 +125,7 @@ static inline void unpack_row(const uint8_t *restrict p, float *restrict c, int 
     for (int j = 0; j < D / k; j++) memcpy(c + j * k, lut + p[j] * k, sizeof(float) * k);
 }
 
-static inline float dot(const float *restrict a, const float *restrict b, int D) {
+SPECIALIZED float dot(const float *restrict a, const float *restrict b, int D) {
     float s = 0.f;
 #pragma omp simd reduction(+ : s)
     for (int d = 0; d < D; d++) s += a[d] * b[d];
@@ -151,15 +155,15 @@ static inline void softmax_step(float *restrict s, float *restrict m, float *res
     }
 }
 
-static inline void axpy(float *restrict y, const float *restrict x, float a, int D) {
+SPECIALIZED void axpy(float *restrict y, const float *restrict x, float a, int D) {
 #pragma omp simd
     for (int d = 0; d < D; d++) y[d] += a * x[d];
 }
 
 /* A base page's tokens t0 .. n - 1 of KV head h for the g query rows qh (already scaled by sm_scale). */
-static inline void base_page(const Args *a, int page, int t0, int n, int h, const float *restrict qh,
-                             float *restrict m, float *restrict l, float *restrict acc, float *restrict s,
-                             const int kb, const int vb) {
+SPECIALIZED void base_page(const Args *a, int page, int t0, int n, int h, const float *restrict qh,
+                           float *restrict m, float *restrict l, float *restrict acc, float *restrict s,
+                           const int kb, const int vb) {
     const int D = a->D, H = a->H, G = a->G, NG = a->NG, g = a->Hq / a->H, VG = D / NG;
     const int Dpk = D * kb / 8, Dpv = D * vb / 8;
     float qs[g * D], qz[g], c[D], v[D];
@@ -188,9 +192,10 @@ static inline void base_page(const Args *a, int page, int t0, int n, int h, cons
     }
 }
 
-/* An overlay frame's tokens t0 .. n - 1 of KV head h, as stored. */
-static inline void overlay_frame(const Args *a, int frame, int t0, int n, int h, const float *restrict qh,
-                                 float *restrict m, float *restrict l, float *restrict acc, float *restrict s) {
+/* An overlay frame's tokens t0 .. n - 1 of KV head h, as stored. Out of line: it reads no codes, and a copy in
+ * every width pair's task made the uniform widths 3-8% slower (bench/decode_work.py --widths). */
+static void overlay_frame(const Args *a, int frame, int t0, int n, int h, const float *restrict qh,
+                          float *restrict m, float *restrict l, float *restrict acc, float *restrict s) {
     const int D = a->D, H = a->H, G = a->G, g = a->Hq / a->H;
     float c[D];
     for (int t = t0; t < n; t++) {
@@ -227,8 +232,8 @@ static inline void window_start(const Args *a, int b, int *unit, int *tok) {
 }
 
 /* Units [u0, u1) of request b for KV head h into one partial state; unit u0 from token t0 on. */
-static inline void run_task(const Args *a, int b, int h, int u0, int t0, int u1, float *restrict part,
-                            const int kb, const int vb) {
+SPECIALIZED void run_task(const Args *a, int b, int h, int u0, int t0, int u1, float *restrict part,
+                          const int kb, const int vb) {
     const int D = a->D, G = a->G, g = a->Hq / a->H;
     const int np = a->kv_indptr[b + 1] - a->kv_indptr[b], nf = a->ov_indptr[b + 1] - a->ov_indptr[b];
     float qh[g * D], s[g * G];
@@ -289,15 +294,17 @@ int kvq_cpu_decode(const void *q, void *out, const uint8_t *k_codes, const uint8
         const int units = units_of(&a, b), u0 = u_lo[b] + c * chunk, u1 = u0 + chunk < units ? u0 + chunk : units;
         const int t0 = c == 0 ? t_lo[b] : 0;
         float *part = partial + (long)t * stride;
-        /* one width for keys and values: unpacking specialized per width; a recipe's mixed layer: generic */
-        switch (k_bits == v_bits ? k_bits : 0) {
-            case 1: run_task(&a, b, h, u0, t0, u1, part, 1, 1); break;
-            case 2: run_task(&a, b, h, u0, t0, u1, part, 2, 2); break;
-            case 3: run_task(&a, b, h, u0, t0, u1, part, 3, 3); break;
-            case 4: run_task(&a, b, h, u0, t0, u1, part, 4, 4); break;
-            case 8: run_task(&a, b, h, u0, t0, u1, part, 8, 8); break;
+        /* unpacking specialized per (key, value) width pair, a recipe's mixed layers included: on the generic
+         * copy a K4V2 layer took 1.9x K3V3's time, specialized 0.8x (bench/results/decode-widths-cpu-kernel.json) */
+#define PAIR(kb, vb) case (kb) * 16 + (vb): run_task(&a, b, h, u0, t0, u1, part, kb, vb); break;
+#define PAIRS_K(kb) PAIR(kb, 1) PAIR(kb, 2) PAIR(kb, 3) PAIR(kb, 4)
+        switch (k_bits * 16 + v_bits) {
+            PAIRS_K(1) PAIRS_K(2) PAIRS_K(3) PAIRS_K(4)
+            PAIR(8, 8)
             default: run_task(&a, b, h, u0, t0, u1, part, k_bits, v_bits); break;
         }
+#undef PAIRS_K
+#undef PAIR
     }
     /* merge each (request, KV head)'s chunks; a request without units (none in a decode batch) gets zeros */
     for (int b = 0; b < B; b++) {
