@@ -231,9 +231,15 @@ READERS = {"capacity": capacity_cells, "ppl": ppl_cells, "niah": needle_cells, "
 
 
 def attention_layers(sources: list[Source]) -> list[int] | None:
-    """The newest attention file's layers: the set every attention cell is averaged over where it can be."""
-    files = [s for s in sources if s.kind == "attention"]
-    return list(files[-1].data.get("layers") or []) or None if files else None
+    """The set every attention cell is averaged over where it can be: of the attention files' layer sets, the one
+    the most files hold per layer (a file of every layer holds any set), the newest on a tie; so one new file
+    of other layers does not turn every older cell into its own mean (‡)."""
+    sets = [tuple(s.data.get("layers") or ()) for s in sources if s.kind == "attention"]
+    sets = [x for x in sets if x]
+    if not sets:
+        return None
+    covered = [(sum(set(x) <= set(y) for y in sets), i) for i, x in enumerate(sets)]
+    return list(sets[max(covered)[1]])
 
 
 def merge(found: list[tuple[Source, dict[str, dict[str, Cell]]]], dtype: str) -> dict[str, Cell]:

@@ -123,6 +123,14 @@ def methods(group_size: int = 64, value_group: int = 64, residual: int = 64, win
     ours.update({f"specache{b}-hadv": (lambda k, v, q, s, b=b: specache(
         k, v, bits=b, top_k=SPECACHE_TOP_K[b], values_basis=block_hadamard(k.shape[-1]), **kv))
         for b in SPECACHE_TOP_K})
+    # the same with the device copy's keys and values at different widths (K1V2: 1-bit keys, 2-bit values), at the
+    # top-k of its key width, values in either basis: whether a split copy would pay (docs/recipes.md, "SpeCache's
+    # device copy")
+    for kb, vb in ((1, 2), (2, 1)):
+        for tag, basis in (("", None), ("-hadv", block_hadamard)):
+            ours[f"specache-K{kb}V{vb}{tag}"] = (lambda k, v, q, s, kb=kb, vb=vb, basis=basis: specache(
+                k, v, bits=kb, value_bits=vb, top_k=SPECACHE_TOP_K[kb],
+                values_basis=None if basis is None else basis(k.shape[-1]), **kv))
     # each of ours with its values alone in the Hadamard basis (KVQ_ROTATE=values: keys per channel keep their
     # outlier channels apart), named <method>-hadv; SpeCache's read is not one reconstruction, and rotates its own
     values_rotated = {f"{name}-hadv": _values_rotated(fn) for name, fn in ours.items()

@@ -19,6 +19,7 @@ import torch
 
 from sgl_kvq.quant.compressed import fp16
 from bench.quant.kivi import kivi
+from bench.quant.kivi_bits import kivi_bits
 from bench.eval.masks import visible
 
 
@@ -91,12 +92,16 @@ class SpeCacheRead(NamedTuple):
 
 
 def specache(k: torch.Tensor, v: torch.Tensor, *, bits: int, top_k: int, follow: bool = True, group_size: int = 64,
-             value_group: int = 64, residual: int = 64, values_basis: torch.Tensor | None = None) -> SpeCacheRead:
+             value_group: int = 64, residual: int = 64, values_basis: torch.Tensor | None = None,
+             value_bits: int | None = None) -> SpeCacheRead:
     """specache<bits> at top_k: KIVI's low-bit copy (1-bit with SpeCache's zero/scale) and the 16-bit rows.
     values_basis R: the values stored as v @ R, both copies (KVQ_ROTATE=values); the read is linear in them, so
-    their reconstructions rotated back by R^T give its output in the model's basis."""
+    their reconstructions rotated back by R^T give its output in the model's basis. value_bits: the copy's values
+    at their own width (a K/V split of the device copy)."""
     v_in = v.float() if values_basis is None else v.float() @ values_basis
-    c = kivi(k, v_in, bits=bits, group_size=group_size, value_group=value_group, residual=residual)
+    page = dict(group_size=group_size, value_group=value_group, residual=residual)
+    c = (kivi(k, v_in, bits=bits, **page) if value_bits in (None, bits)
+         else kivi_bits(k, v_in, bits=bits, value_bits=value_bits, **page))
     base = int((~c.kept[:, 0]).sum()) if c.kept is not None else k.shape[0]
     v_hat, v16 = c.v_hat, fp16(v_in)
     if values_basis is not None:
