@@ -26,6 +26,8 @@ EXPECTED |= {f"kivimix-{n}{r}" for n in ("smollm2-2.5", "smollm2-2.875", "smollm
                                          "smollm2-3.25", "gemma3-2.4", "gemma3-2.6", "gemma3-2.6-w234", "gemma3-2.7",
                                          "gemma3-3.0")
              for r in ("", "-hadv")}
+# ... and SpeCache's read over a device copy whose keys and values differ in width
+EXPECTED |= {f"specache-{s}{r}" for s in ("K1V2", "K2V1") for r in ("", "-hadv")}
 
 
 def _args(tmp_path, model, *extra):
@@ -94,6 +96,10 @@ def test_tiny_llama_capture_reproduces_the_model_and_reports_every_method(tmp_pa
     assert m["kivi4"]["attn_err"] < m["kivi2"]["attn_err"] < m["kivi1-plain"]["attn_err"]
     assert m["kivi4"]["bits"] > m["kivi2"]["bits"] > m["kivi1"]["bits"]
     assert m["kivi2-hadv"]["bits"] == m["kivi2"]["bits"] and m["kivi2-hadv"]["k_err"] == m["kivi2"]["k_err"]
+    # a split SpeCache copy stores its keys as the narrower dtype does and its values as the wider one
+    split, one, two = m["specache-K1V2"], m["specache1"], m["specache2"]
+    assert (split["bits_k"], split["k_err"]) == (one["bits_k"], one["k_err"])
+    assert (split["bits_v"], split["v_err"]) == (two["bits_v"], two["v_err"])
     assert m["kivi2-hadv"]["v_err"] != m["kivi2"]["v_err"]  # the keys as they are, the values another basis's
     assert "| kivi2 |" in (tmp_path / "out.md").read_text()
 
