@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -22,6 +23,12 @@ import urllib.request
 from pathlib import Path
 
 from sgl_kvq.config import is_kvq_dtype, parse_kv_cache_dtype
+
+
+def run_file(folder, *parts: str, suffix: str = ".log") -> Path:
+    """folder / "<parts joined by -><suffix>", every character a file name cannot hold as "_": a run's log or
+    output named by its dtype entry, which may name a recipe file (kivimix:KVQ_RECIPE=/path/r.json)."""
+    return Path(folder) / (re.sub(r"[^A-Za-z0-9._=:,+-]", "_", "-".join(parts)) + suffix)
 
 
 def has_gpu() -> bool:

@@ -191,6 +191,7 @@ def plot(rows: list[dict], path: str):
 
 
 def run(args) -> int:
+    from bench.launch import run_file
     from bench.commands import bench_multiturn
 
     model = bench_multiturn.resolve_model(args.model)
@@ -204,7 +205,7 @@ def run(args) -> int:
         if dtype in refused:  # a dtype the engine refuses at one budget is refused at every budget
             row = {"refused": refused[dtype], "skipped": True}
         else:
-            row = measure(model, dtype, budget, log_dir / f"{dtype}-{i}.log", args.burst, args.burst_prompt_tokens)
+            row = measure(model, dtype, budget, run_file(log_dir, dtype, str(i)), args.burst, args.burst_prompt_tokens)
             if "refused" in row:
                 refused[dtype] = row["refused"]
         row.update(kv_cache_dtype=dtype, budget=budget, budget_label=label(budget))

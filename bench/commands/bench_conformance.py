@@ -404,7 +404,7 @@ def run(args) -> int:
         return 0
     import tempfile
 
-    from bench.launch import ServerProcess
+    from bench.launch import ServerProcess, run_file
     from bench.models import BUILDERS
 
     model = BUILDERS[args.model]() if args.model in BUILDERS else Path(args.model)
@@ -451,7 +451,7 @@ def run(args) -> int:
 
         try:
             # an entry's knobs go to its server alone, not to this process (whose KVQ_ knobs the report records)
-            with ServerProcess(server_args(model, knobs[dtype][0]), log_path=logs / f"{dtype}.log",
+            with ServerProcess(server_args(model, knobs[dtype][0]), log_path=run_file(logs, dtype),
                                env=knobs[dtype][1]) as server:
                 run_groups(server, model, files, todo, skip, keep)
         except (RuntimeError, TimeoutError) as e:

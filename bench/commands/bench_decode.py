@@ -242,7 +242,7 @@ def time_point(server, batch: int, context: int, steps: int, reps: int, vocab: i
 
 def measure(model: Path, label: str, dtype: str, tree: str | None, points, args, budget_gb: float, geo: dict,
             log_dir: Path) -> list[dict]:
-    from bench.launch import ServerProcess, baseline_page_size
+    from bench.launch import ServerProcess, baseline_page_size, run_file
 
     # A 2-hour watchdog: bf16's torch_native extend computes every request's whole-context attention (its queries
     # padded to the full length), so the re-sent batch's one-page extend at B=8 x 16k tokens is one forward of about
@@ -260,7 +260,7 @@ def measure(model: Path, label: str, dtype: str, tree: str | None, points, args,
         os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(tree).resolve())] + ([env["PYTHONPATH"]]
                                                                                   if env.get("PYTHONPATH") else []))
     rows = []
-    log = log_dir / f"{label.replace('/', '_')}.log"
+    log = run_file(log_dir, label)
     try:
         print(f"[decode] {label}: starting a server (log {log})", flush=True)
         with ServerProcess(server_args, log_path=log) as server:
@@ -393,6 +393,7 @@ def equal_budget(model: Path, dtypes: list[str], points, steps: int) -> int:
 
 
 def run(args) -> int:
+    from bench.launch import run_file
     from bench.commands.bench_multiturn import resolve_model
 
     model = resolve_model(args.model)
@@ -427,7 +428,7 @@ def run(args) -> int:
         try:
             rows += measure(model, label, dtype, tree, points, args, budget_gb, geo, log_dir)
         except (RuntimeError, TimeoutError) as e:  # a server that does not start or dies: its reason, then the next
-            why = startup_error(log_dir / f"{label.replace('/', '_')}.log") or str(e).splitlines()[0]
+            why = startup_error(run_file(log_dir, label)) or str(e).splitlines()[0]
             refused.append({"kv_cache_dtype": label, "refused": why})
             print(f"[decode] {label}: {why}", flush=True)
         ratios(rows)

@@ -33,7 +33,7 @@ def resolve_model(name: str) -> Path:
 
 
 def serve_and_run(model: Path, dtype: str, args, conversations, tokenizer, reference=None, log_dir=None):
-    from bench.launch import ServerProcess
+    from bench.launch import ServerProcess, run_file
     from bench.workload import run_multiturn
 
     server_args = ["--model-path", str(model)]
@@ -46,7 +46,7 @@ def serve_and_run(model: Path, dtype: str, args, conversations, tokenizer, refer
 
         server_args += ["--page-size", str(baseline_page_size())]
     os.environ["KVQ_KV_CACHE_GB"] = str(args.kv_cache_gb)
-    log = Path(log_dir) / f"server-{dtype}.log" if log_dir else None
+    log = run_file(log_dir, "server", dtype) if log_dir else None
     print(f"[multiturn] starting the server with --kv-cache-dtype {dtype} (log: {log})", flush=True)
     with ServerProcess(server_args, log_path=log) as server:
         stats = server.kv_pool_stats()

@@ -173,6 +173,7 @@ def serve_dtype(model: Path, dtype: str, budget: int, max_running: int | None, e
 
 
 def run(args) -> int:
+    from bench.launch import run_file
     from bench.commands.bench_capacity import startup_error
     from bench.commands.bench_multiturn import resolve_model
     from bench.eval.engine_eval import knob_env, split_knobs
@@ -217,7 +218,7 @@ def run(args) -> int:
                 report["servers"].append({**row, "refused": predicted[dtype]["refused"]})
                 print(f"{label}: refused at this budget: {predicted[dtype]['refused']}", flush=True)
                 continue
-            log = tmp / f"server-{regime}-{dtype}-{flags}.log"
+            log = run_file(tmp, "server", regime, dtype, flags)
             print(f"{label}: starting the server (log {log})", flush=True)
             max_running = predicted[dtype]["max_running_requests"] if flags == "explicit" else None
             try:
@@ -229,8 +230,8 @@ def run(args) -> int:
                     for kind in range(len(loads[top])):  # each workload, at every concurrency
                         for c in concurrencies:
                             load = loads[c][kind]
-                            result_file = tmp / f"loadgen-{regime}-{dtype}-{flags}-{load.name}-c{c}.jsonl"
-                            out = measure(server, model, load, c, result_file)
+                            out = measure(server, model, load, c, run_file(tmp, "loadgen", regime, dtype, flags,
+                                                                           load.name, f"c{c}", suffix=".jsonl"))
                             report["runs"].append({**row, "workload": load.name, "concurrency": c, **out})
                             print(f"{label} {load.name} c={c}: {brief(out)}", flush=True)
             except (RuntimeError, TimeoutError) as e:  # a server that does not start: its reason, then the next

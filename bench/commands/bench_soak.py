@@ -203,6 +203,7 @@ def plot(rows: list[dict], path: str):
 
 
 def run(args) -> int:
+    from bench.launch import run_file
     import sys
     import tempfile
 
@@ -225,7 +226,7 @@ def run(args) -> int:
                 print(f"{dtype} {mode}: not run: {refused}", flush=True)
                 continue
             row = soak_one(model, dtype, mode, args.seconds, args.clients, args.max_total_tokens,
-                           logs / f"{dtype}-{mode}.log", args.replay_max, args.test_retract,
+                           run_file(logs, dtype, mode), args.replay_max, args.test_retract,
                            new_tokens_range(args.new_tokens), args.max_conversation,
                            tuple(shlex.split(args.server_args)), args.stop_at_eos)
             row["problems"] = verdict(row)

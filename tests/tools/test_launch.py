@@ -121,3 +121,15 @@ def test_server_process_does_not_take_another_servers_answer_for_its_own(tmp_pat
             assert not group_listens_on(server.proc.pid, taken)
     finally:
         stranger.shutdown()
+
+
+def test_log_path_takes_a_dtype_entry_that_names_a_recipe_file(tmp_path):
+    """A dtype entry may carry a recipe file's path (kivimix:KVQ_RECIPE=/x/r.json): its log is one file in the
+    folder, which the server can open."""
+    from bench.launch import run_file
+
+    p = run_file(tmp_path, "server", "tight", "kivimix:KVQ_RECIPE=/tmp/q/r.json:KVQ_ROTATE=none", "default")
+    assert p.parent == tmp_path
+    assert p.name == "server-tight-kivimix:KVQ_RECIPE=_tmp_q_r.json:KVQ_ROTATE=none-default.log"
+    p.write_text("ok")
+    assert run_file(tmp_path, "kivi2").name == "kivi2.log"
