@@ -193,7 +193,7 @@ SPECIALIZED void base_page(const Args *a, int page, int t0, int n, int h, const 
 }
 
 /* An overlay frame's tokens t0 .. n - 1 of KV head h, as stored. Out of line: it reads no codes, and a copy in
- * every width pair's task made the uniform widths 3-8% slower (bench/decode_work.py --widths). */
+ * every width pair's task made the uniform widths 3-8% slower (bench/decode_work.py --widths, one run, not kept). */
 static void overlay_frame(const Args *a, int frame, int t0, int n, int h, const float *restrict qh,
                           float *restrict m, float *restrict l, float *restrict acc, float *restrict s) {
     const int D = a->D, H = a->H, G = a->G, g = a->Hq / a->H;
