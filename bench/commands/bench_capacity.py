@@ -191,8 +191,8 @@ def plot(rows: list[dict], path: str):
 
 
 def run(args) -> int:
-    from bench.launch import run_file
     from bench.commands import bench_multiturn
+    from bench.launch import run_file
 
     model = bench_multiturn.resolve_model(args.model)
     log_dir = Path(tempfile.mkdtemp(prefix="sgl-kvq-capacity-"))

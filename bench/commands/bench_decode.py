@@ -393,8 +393,8 @@ def equal_budget(model: Path, dtypes: list[str], points, steps: int) -> int:
 
 
 def run(args) -> int:
-    from bench.launch import run_file
     from bench.commands.bench_multiturn import resolve_model
+    from bench.launch import run_file
 
     model = resolve_model(args.model)
     geo = model_geometry(model)

@@ -173,10 +173,10 @@ def serve_dtype(model: Path, dtype: str, budget: int, max_running: int | None, e
 
 
 def run(args) -> int:
-    from bench.launch import run_file
     from bench.commands.bench_capacity import startup_error
     from bench.commands.bench_multiturn import resolve_model
     from bench.eval.engine_eval import knob_env, split_knobs
+    from bench.launch import run_file
 
     apply_quick(args)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -203,10 +203,10 @@ def plot(rows: list[dict], path: str):
 
 
 def run(args) -> int:
-    from bench.launch import run_file
     import sys
     import tempfile
 
+    from bench.launch import run_file
     from bench.models import BUILDERS
 
     model = BUILDERS[args.model]() if args.model in BUILDERS else Path(args.model)
