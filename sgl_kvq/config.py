@@ -37,7 +37,7 @@ ALL_DTYPE_NAMES = DTYPE_NAMES + RECIPE_DTYPE_NAMES
 # (Format.knobs: fields of its params).
 KNOBS = {**env.CORE_KNOBS, **registry.KNOBS}
 
-PREFILL_MODES = ("full", "paged")
+PREFILL_MODES = env.PREFILL_MODES
 FRAME_MODES = ("pooled", "static")
 
 
@@ -218,13 +218,13 @@ def _build(name: str, knobs: dict, family_knobs: dict) -> KVQConfig:
     if name not in registry.BY_NAME:
         raise KVQConfigError(f"sgl_kvq: unknown kv cache dtype {name!r}; choose one of {', '.join(ALL_DTYPE_NAMES)}")
     fmt, bits = registry.BY_NAME[name]
-    knobs = {**fmt.default_knobs(bits), **knobs}
+    params = fmt.default_params(bits)
+    if params is not None:
+        params = dataclasses.replace(params, **family_knobs.get(fmt.family, {}))
+    knobs = {**fmt.default_knobs(bits, params), **knobs}
     group_size = knobs.get("group_size", KVQConfig.group_size)
     for other in registry.ALL_FORMATS:  # every family's knobs are checked: the environment is shared
         if other.params is not None and other is not fmt and family_knobs.get(other.family):
             other.check_params(dataclasses.replace(other.default_params(other.bits[0]),
                                                    **family_knobs[other.family]), group_size)
-    params = fmt.default_params(bits)
-    if params is not None:
-        params = dataclasses.replace(params, **family_knobs.get(fmt.family, {}))
     return KVQConfig(method=fmt.family, bits=bits, params=params, **knobs)

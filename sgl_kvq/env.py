@@ -30,6 +30,8 @@ CORE_KNOBS = {
     "KVQ_FRAMES": ("frames", str),
     "KVQ_ROTATE": ("rotate", str),
 }
+# KVQ_PREFILL's values (KVQConfig.prefill says what each does)
+PREFILL_MODES = ("full", "paged")
 
 
 def run_record() -> dict:

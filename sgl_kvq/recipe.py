@@ -6,7 +6,12 @@ A recipe is a small JSON file:
     {"format": "sgl_kvq recipe 1",
      "model": {"layers": 30, "kv_heads": 3, "head_dim": 64, "config_sha256": "6f1339384eecc10d"},
      "key_bits": [1, 3, ...], "value_bits": [2, 2, ...],
+     "prefill": "paged",
      "calibration": {...what made it: the command, its measured KL and bytes per token}}
+
+"prefill" (optional) is the KVQ_PREFILL the recipe is served with unless that variable is set: the prefill rule of
+docs/knobs.md (KVQ_PREFILL) picks differently for different recipes (docs/recipes.md, "Which prefill a recipe
+takes"). Without it a recipe prefills "full".
 
 The model block is what a server checks before loading (model_check.check_hf_config): the layer count, KV heads and
 head_dim of the Hugging Face config, and the sha256 of the model folder's config.json (its first 16 hex digits) where
@@ -21,6 +26,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from sgl_kvq.env import PREFILL_MODES
 from sgl_kvq.errors import KVQConfigError
 
 FORMAT_TAG = "sgl_kvq recipe 1"
@@ -42,6 +48,7 @@ class Recipe:
     model: ModelBinding
     key_bits: tuple[int, ...]
     value_bits: tuple[int, ...]
+    prefill: str | None = None  # the KVQ_PREFILL this recipe is served with by default; None: the dtype's (full)
     source: str = ""  # where it was read from (a path), for errors
 
     def __post_init__(self):
@@ -52,6 +59,9 @@ class Recipe:
         bad = sorted({b for b in (*self.key_bits, *self.value_bits) if b not in WIDTHS})
         if bad:
             raise KVQConfigError(f"sgl_kvq: recipe {self.source}: widths {bad}; each must be one of {WIDTHS}")
+        if self.prefill is not None and self.prefill not in PREFILL_MODES:
+            raise KVQConfigError(f"sgl_kvq: recipe {self.source}: \"prefill\": {self.prefill!r}; choose one of "
+                                 f"{', '.join(PREFILL_MODES)} or leave it out")
 
     def widths(self, layer: int) -> tuple[int, int]:
         """(key bits, value bits) of layer `layer`."""
@@ -73,7 +83,8 @@ class Recipe:
     def to_json(self, calibration: dict | None = None) -> str:
         """The file's text: one key per line, each list on its line (a layer's widths read down the columns)."""
         body = {"format": FORMAT_TAG, "model": self.model.__dict__, "key_bits": list(self.key_bits),
-                "value_bits": list(self.value_bits), "calibration": calibration or {}}
+                "value_bits": list(self.value_bits), **({"prefill": self.prefill} if self.prefill else {}),
+                "calibration": calibration or {}}
         return "{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in body.items()) + "\n}\n"
 
     def check_model(self, layers: int, kv_heads: int, head_dim: int, config_sha256: str | None, arch: str) -> None:
@@ -116,7 +127,7 @@ def load_recipe(spec: str) -> Recipe:
                                  f"a recipe's is {FORMAT_TAG!r})")
         model = ModelBinding(**{k: raw["model"][k] for k in ("layers", "kv_heads", "head_dim", "config_sha256")})
         return Recipe(model, tuple(int(b) for b in raw["key_bits"]), tuple(int(b) for b in raw["value_bits"]),
-                      source=str(path))
+                      prefill=raw.get("prefill"), source=str(path))
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         if isinstance(e, KVQConfigError):
             raise

@@ -47,6 +47,9 @@ def add_arguments(p) -> None:
     p.add_argument("--recipe-dir", type=Path, help="write each allocation as a recipe file (KVQ_RECIPE) into DIR")
     p.add_argument("--splits", default="",
                    help="fixed key/value widths to report beside the allocations, e.g. K4V2,K2V4")
+    p.add_argument("--prefill", choices=("full", "paged"),
+                   help="the KVQ_PREFILL the recipes made now are served with (default: leave it out, which serves "
+                        "full); choose it by the rule of docs/knobs.md, KVQ_PREFILL")
     p.add_argument("--from-json", type=Path,
                    help="allocate from this result file's sensitivities instead of measuring (adds to its recipes)")
 
@@ -67,9 +70,15 @@ def recipes_from(result: dict, out_dir: Path) -> list[Path]:
         t = float(target)
         name = f"{t:.1f}" if round(t, 1) == t else f"{t:g}"
         path = out_dir / f"{m['name']}-{name}{'-' + widths if widths else ''}.json"
-        path.write_text(Recipe(binding, tuple(r["k_bits"]), tuple(r["v_bits"])).to_json(made))
+        recipe = Recipe(binding, tuple(r["k_bits"]), tuple(r["v_bits"]), prefill=r.get("prefill"))
+        path.write_text(recipe.to_json(made))
         paths.append(path)
     return paths
+
+
+def prefill_entry(args) -> dict:
+    """A recipe entry's "prefill" (--prefill), which recipes_from writes into the recipe file."""
+    return {"prefill": args.prefill} if args.prefill else {}
 
 
 def parse_widths(text: str) -> list[int]:
@@ -146,7 +155,7 @@ def reallocate(args) -> int:
         w, entry = allocation(sens, target, m["layers"])
         result["recipes"][recipe_key(target, widths)] = {
             "command": "sgl-kvq calibrate " + " ".join(sys.argv[2:]), "mean_bits": sum(w.values()) / len(w),
-            "bytes_per_token": bytes_of(w), "kl": None, **entry}
+            "bytes_per_token": bytes_of(w), "kl": None, **entry, **prefill_entry(args)}
     if splits:  # a split's widths need not be among --widths: every width the file measured
         result.setdefault("splits", {}).update(split_entries(measured, splits, m["layers"], bytes_of))
     args.from_json.write_text(json.dumps(result, indent=1) + "\n")
@@ -213,7 +222,7 @@ def run(args) -> int:
     recipes = {}
     for target in targets:
         w, entry = allocation(sens, target, L)
-        recipes[recipe_key(target, widths)] = {**measured(w), **entry}
+        recipes[recipe_key(target, widths)] = {**measured(w), **entry, **prefill_entry(args)}
     fixed = split_entries(sens, splits, L, lambda w: cal.bytes_per_token(w, H, D, reader(w)),
                           lambda w: cal.model_kl(model, ids, reader(w), reference))
     result = {

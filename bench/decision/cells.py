@@ -25,14 +25,13 @@ depend on them.
 
 from __future__ import annotations
 
-from sgl_kvq.strategies import strategy_of
-
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from bench.decision.defaults_history import defaults_changed
+from bench.decision.defaults_history import RECIPE_ROW, defaults_changed, row_config
 from bench.decision.models import SMOLLM2, TableModel
 from bench.decision.sources import Source
+from sgl_kvq.strategies import strategy_of
 
 BF16 = "bf16"
 MISSING = "—"
@@ -84,10 +83,6 @@ class Table:
         return next(r for r in self.rows if r.dtype == dtype)
 
 
-# A shipped recipe's row is named as the evaluations take it: kivimix served with that recipe.
-RECIPE_ROW = "kivimix:KVQ_RECIPE="
-
-
 def served_dtypes(model: TableModel = SMOLLM2) -> list[tuple[str, str]]:
     """(dtype, "ours" | "peer" | "recipe") in the registry's order, bf16 first, then kivimix with each shipped recipe
     made for the model."""
@@ -115,13 +110,11 @@ def _name(raw: str) -> str:
 # --- bytes per token ------------------------------------------------------------------------------------------------
 
 def _pool_shape(dtype: str, model: TableModel):
-    from sgl_kvq.config import default_config
     from sgl_kvq.pool_shape import PoolShape
 
     shape = model.shape
-    recipe = dtype[len(RECIPE_ROW):] if dtype.startswith(RECIPE_ROW) else None
     return PoolShape(layers=shape.layers, heads=shape.kv_heads, head_dim=shape.head_dim, num_pages=0,
-                     cfg=default_config("kivimix" if recipe else dtype, recipe))
+                     cfg=row_config(dtype))
 
 
 def host_bytes(dtype: str, model: TableModel = SMOLLM2) -> int:

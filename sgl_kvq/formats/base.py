@@ -74,8 +74,9 @@ class Format:
     def dtype_names(self) -> tuple[str, ...]:
         return tuple(self.dtype_name(b) for b in self.bits)
 
-    def default_knobs(self, bits: int) -> dict:
-        """Knob values this dtype defaults to where no KVQ_* variable sets them."""
+    def default_knobs(self, bits: int, params=None) -> dict:
+        """Knob values this dtype defaults to where no KVQ_* variable sets them (params: the family's parameters,
+        which may name some, as a recipe names its prefill)."""
         return {"rotate": "values"} if bits in self.values_rotated else {}
 
     def default_params(self, bits: int):

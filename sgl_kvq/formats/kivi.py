@@ -24,9 +24,9 @@ class Kivi(Format):
     family = "kivi"
     bits = (1, 2, 3, 4)
 
-    def default_knobs(self, bits: int) -> dict:
+    def default_knobs(self, bits: int, params=None) -> dict:
         paged = {"prefill": "paged"} if bits in PAGED_PREFILL_BITS else {}
-        return {**super().default_knobs(bits), **paged}
+        return {**super().default_knobs(bits, params), **paged}
 
 
 FORMAT = Kivi()
@@ -50,10 +50,13 @@ class KiviMix(Kivi):
     def dtype_name(self, bits: int) -> str:
         return self.family
 
-    def default_knobs(self, bits: int) -> dict:
+    def default_knobs(self, bits: int, params=None) -> dict:
         # Values are rotated at every width: the recipes put most values at 1-2 bits, where kivi rotates them
-        # (formats/rotation.py); at 3 and 4 bits the rotation changes their error little either way.
-        return {"rotate": "values"}
+        # (formats/rotation.py); at 3 and 4 bits the rotation changes their error little either way. The prefill is
+        # the recipe's where it names one (the rule of docs/knobs.md, KVQ_PREFILL, differs by recipe:
+        # docs/recipes.md, "Which prefill a recipe takes"), else full.
+        recipe = params.recipe if params is not None else None
+        return {"rotate": "values", **({"prefill": recipe.prefill} if recipe and recipe.prefill else {})}
 
     def check(self, cfg) -> None:
         if cfg.params.recipe is None:

@@ -12,13 +12,14 @@ MIXED = ((4, 1), (1, 3))
 
 
 def tiny_recipe(folder: Path, key_bits=tuple(k for k, _ in MIXED), value_bits=tuple(v for _, v in MIXED),
-                **model) -> str:
-    """Write a recipe for the tiny Llama into `folder` -> its path (model: binding fields to override)."""
+                prefill: str | None = None, **model) -> str:
+    """Write a recipe for the tiny Llama into `folder` -> its path (prefill: the one it names; model: binding fields
+    to override)."""
     from bench.models import tiny_llama
 
     binding = {"layers": 2, "kv_heads": 2, "head_dim": 16, "config_sha256": config_sha256(tiny_llama()), **model}
     path = Path(folder) / "recipe.json"
-    path.write_text(Recipe(ModelBinding(**binding), tuple(key_bits), tuple(value_bits)).to_json())
+    path.write_text(Recipe(ModelBinding(**binding), tuple(key_bits), tuple(value_bits), prefill).to_json())
     return str(path)
 
 

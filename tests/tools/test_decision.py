@@ -175,14 +175,17 @@ def test_engine_results_from_before_a_dtypes_defaults_changed_are_not_read_for_i
 
 def test_a_dtypes_defaults_changed_when_its_newest_default_did():
     """kivi4's prefill became paged (formats/kivi.py) and then its values rotated (formats/rotation.py): the table
-    reads its engine runs from the later; kivi3's prefill only; zipcache2's defaults never changed."""
+    reads its engine runs from the later; kivi3's prefill only; zipcache2's defaults never changed. A recipe that
+    names a paged prefill changed when recipes began to name it; one that names none, when rotation did."""
     from bench.decision.defaults_history import CHANGES, defaults_changed
 
-    (paged, *_), (rotated, *_) = CHANGES
-    assert paged < rotated
+    (paged, *_), (rotated, *_), (recipe_paged, *_) = CHANGES
+    assert paged < rotated < recipe_paged
     assert defaults_changed("kivi4") == datetime_of(rotated)
     assert defaults_changed("kivi2") == datetime_of(rotated)
     assert defaults_changed("kivi3") == datetime_of(paged)
+    assert defaults_changed(RECIPE_ROW + "gemma3-2.6-w234") == datetime_of(recipe_paged)
+    assert defaults_changed(RECIPE_ROW + "smollm2-2.5") == datetime_of(rotated)
     assert defaults_changed("zipcache2") is None and defaults_changed(BF16) is None
 
 

@@ -22,11 +22,11 @@ SMOLLM2 = types.SimpleNamespace(architectures=["LlamaForCausalLM"], num_hidden_l
                                 num_key_value_heads=3, hidden_size=576, head_dim=64)
 
 
-def _write(tmp_path, key_bits, value_bits, layers=None, name="r.json"):
+def _write(tmp_path, key_bits, value_bits, layers=None, name="r.json", prefill=None):
     layers = layers or len(key_bits)
     path = tmp_path / name
     path.write_text(Recipe(ModelBinding(layers, 2, 64, "0123456789abcdef"), tuple(key_bits),
-                           tuple(value_bits)).to_json())
+                           tuple(value_bits), prefill=prefill).to_json())
     return str(path)
 
 
@@ -70,6 +70,31 @@ def test_the_fingerprint_names_the_recipe(tmp_path, monkeypatch):
     assert a.layer_bits(0) == (4, 1) and a.layer_bits(1) == (1, 3)
     monkeypatch.setenv("KVQ_RECIPE", _write(tmp_path, (4, 2), (1, 3), name="other.json"))
     assert parse_kv_cache_dtype("kivimix").fingerprint != a.fingerprint
+
+
+def test_a_recipe_names_its_prefill_and_kvq_prefill_overrides_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("KVQ_PREFILL", raising=False)
+    monkeypatch.setenv("KVQ_RECIPE", _write(tmp_path, (4, 1), (1, 3)))
+    unnamed = parse_kv_cache_dtype("kivimix")
+    assert unnamed.prefill == "full"
+    monkeypatch.setenv("KVQ_RECIPE", _write(tmp_path, (4, 1), (1, 3), name="paged.json", prefill="paged"))
+    paged = parse_kv_cache_dtype("kivimix")
+    assert paged.prefill == "paged" and paged.params.recipe.prefill == "paged"
+    assert paged.fingerprint == unnamed.fingerprint  # the prefill does not change the stored pages
+    assert json.loads(open(paged.params.recipe.source).read())["prefill"] == "paged"
+    monkeypatch.setenv("KVQ_PREFILL", "full")
+    assert parse_kv_cache_dtype("kivimix").prefill == "full"
+    assert [load_recipe(n).prefill for n in ("gemma3-2.6-w234", "smollm2-2.875-w234", "smollm2-2.5")] == \
+        ["paged", "paged", None]  # docs/recipes.md, "Which prefill a recipe takes"
+
+
+def test_a_recipe_naming_an_unknown_prefill_is_refused(tmp_path, monkeypatch):
+    path = tmp_path / "r.json"
+    raw = json.loads(Recipe(ModelBinding(1, 2, 64, ""), (2,), (2,)).to_json())
+    path.write_text(json.dumps({**raw, "prefill": "chunked"}))
+    monkeypatch.setenv("KVQ_RECIPE", str(path))
+    with pytest.raises(KVQConfigError, match="\"prefill\": 'chunked'; choose one of full, paged or leave it out"):
+        parse_kv_cache_dtype("kivimix")
 
 
 def test_a_recipe_for_another_model_is_refused(monkeypatch):

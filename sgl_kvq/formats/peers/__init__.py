@@ -90,8 +90,8 @@ class PeerFormat(Format):
     def dtype_name(self, bits: int) -> str:
         return self.family
 
-    def default_knobs(self, bits: int) -> dict:
-        return {**super().default_knobs(bits), "residual": 0}  # the engines keep no fp16 window
+    def default_knobs(self, bits: int, params=None) -> dict:
+        return {**super().default_knobs(bits, params), "residual": 0}  # the engines keep no fp16 window
 
     def check(self, cfg) -> None:
         if cfg.rotate != "none":
