@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+from sgl_kvq.env import PREFILL_MODES
+
 ALL_WIDTHS = (1, 2, 3, 4)
 
 
@@ -47,7 +49,7 @@ def add_arguments(p) -> None:
     p.add_argument("--recipe-dir", type=Path, help="write each allocation as a recipe file (KVQ_RECIPE) into DIR")
     p.add_argument("--splits", default="",
                    help="fixed key/value widths to report beside the allocations, e.g. K4V2,K2V4")
-    p.add_argument("--prefill", choices=("full", "paged"),
+    p.add_argument("--prefill", choices=PREFILL_MODES,
                    help="the KVQ_PREFILL the recipes made now are served with (default: leave it out, which serves "
                         "full); choose it by the rule of docs/knobs.md, KVQ_PREFILL")
     p.add_argument("--from-json", type=Path,
