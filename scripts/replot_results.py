@@ -115,6 +115,8 @@ PLOTS = {  # PNG under bench/results/: how it is drawn
         "serving-recipes-smollm2.json", "shared-prefix-multiturn", "tight"),
     "serving-agentic-smollm2-agentic-tight-c4-turns.png": serving_turns("serving-agentic-smollm2.json", "agentic",
                                                                          "tight", 4),
+    "serving-agentic-gemma3-agentic-tight-c4-turns.png": serving_turns("serving-agentic-gemma3.json", "agentic",
+                                                                        "tight", 4),
     "serving-default-budgets-smollm2.png": serving_budgets("serving-default-0.12-2-smollm2.json",
                                                            "serving-default-0.25-0.5-smollm2.json"),
     "serving-default-1-smollm2.png": serving("serving-default-1-smollm2.json", "shared-prefix-multiturn", "generous"),
