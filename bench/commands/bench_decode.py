@@ -73,7 +73,11 @@ def grid(args, limit: int) -> list[tuple[int, int]]:
     top = limit - args.steps - 8
     ctxs = [top if c == "max" else min(int(c), top) for c in args.context.split(",") if c]
     skip = {s.replace("max", str(top)) for s in args.skip.split(",") if s}
-    return [(b, c) for b in map(int, args.batch.split(",")) for c in ctxs if f"{b}x{c}" not in skip]
+    points = [(b, c) for b in map(int, args.batch.split(",")) for c in ctxs if f"{b}x{c}" not in skip]
+    if not points:
+        raise SystemExit(f"sgl-kvq bench decode: --batch {args.batch} x --context {args.context} leaves no point "
+                         f"after --skip {args.skip}; pass --skip '' (or other points) to run them")
+    return points
 
 
 def model_geometry(model: Path) -> dict:

@@ -27,6 +27,9 @@ def test_grid_respects_the_model_limit_and_skips():
     assert (1, 8192 - 16 - 8) in pts and (8, 1024) in pts
     assert (8, 4096) not in pts and (8, 8192 - 16 - 8) not in pts  # the default skips
     assert bench_decode.grid(args("--quick"), 8192) == [(1, 1024), (1, 4096), (8, 1024)]
+    with pytest.raises(SystemExit, match="leaves no point after --skip 8x4096,8xmax; pass --skip ''"):
+        bench_decode.grid(args("--context", "max", "--batch", "8"), GEO["max_positions"])
+    assert bench_decode.grid(args("--context", "max", "--batch", "8", "--skip", ""), 8192) == [(8, 8192 - 16 - 8)]
 
 
 def test_read_bytes():
