@@ -155,7 +155,8 @@ def run(args) -> int:
         [[r["kv_cache_dtype"], *[f"{r['hits_by_length'][str(n)]}/{per}" for n in args.lengths],
           *[vs(r, n) for n in args.lengths], r["min_cached_share"], *[p["prefill_s"] for p in r["prefills"]],
           *ee.pool_columns(r), r["wall_s"]] for r in rows])
-    settings = {"fact_set": args.fact_set, "lengths": args.lengths, "max_new_tokens": args.max_new_tokens}
+    settings = {"fact_set": args.fact_set, "facts_planted": len(ld.FACTS), "lengths": args.lengths,
+                "max_new_tokens": args.max_new_tokens}
     result = {"eval": "longdoc", "model": str(path), "settings": ee.settings(args, **settings), "results": rows,
               "seconds": round(time.time() - t0, 1)}
     ee.finish(args, "longdoc", result, table, log)

@@ -1,15 +1,16 @@
 """The facts of `sgl-kvq eval longdoc`: one long document per length with every fact planted at its own depth, then one
 question per fact, each reading the document from the radix cache.
 
-Five kinds, two facts each (RULER's needle kinds, at a size a small model can copy back): a digit code with
+Five kinds, four facts each (RULER's needle kinds, at a size a small model can copy back): a digit code with
 separators, a name, a multi-word phrase, a key among similar keys (the document also holds two distractor sentences
 that differ from it in the key only), and a value split over two places (both halves must appear in the answer, in
 order). The assistant turn starts with the fact's own words up to the answer (`answer_prefix`), as the needles of
 `eval niah` do (bench/eval/needles.py), so a hit is read from the cache, not recalled. None of the facts is true.
 
-The halves are the even and odd positions of FACTS (one fact of each kind per half): `choose` is the half a default is
-chosen on, `report` the half results are read from. The document is the same for both halves (every fact and
-distractor is planted); only the questions differ.
+The halves are the even and odd positions of FACTS (two facts of each kind per half, so one question is 10 points of
+a half): `choose` is the half a default is chosen on, `report` the half results are read from. The document is the
+same for both halves (every fact and distractor is planted); only the questions differ. A result records how many facts
+its document planted (`settings.facts_planted`); one without it planted the first ten.
 """
 
 from __future__ import annotations
@@ -57,6 +58,29 @@ FACTS = (
                    "The second clue on the treasure map points to the willow tree."),
          "Where do the first and the second clue on the treasure map point?", ("mill", "willow"),
          "The first clue on the treasure map points to the"),
+    _fact("code", "The combination of the lighthouse strongbox is 62-08-57.",
+          "What is the combination of the lighthouse strongbox?", "62-08-57"),
+    _fact("code", "The permit number painted on the fishing boat is 3917-4420.",
+          "What is the permit number painted on the fishing boat?", "3917-4420"),
+    _fact("name", "The founder of the village library was Margit Okonkwo.",
+          "Who was the founder of the village library?", "Okonkwo"),
+    _fact("name", "The pilot of the mail plane is named Ruben Castellano.",
+          "What is the name of the pilot of the mail plane?", "Castellano"),
+    _fact("phrase", "The inscription on the old bell says listen before the tide turns.",
+          "What does the inscription on the old bell say?", "before the tide"),
+    _fact("phrase", "The sign at the bakery counter says bread waits for no one.",
+          "What does the sign at the bakery counter say?", "waits for no one"),
+    _fact("multikey", "The badge number of Oliver Grant is 356.", "What is the badge number of Oliver Grant?", "356",
+          "The badge number of Oliver Granton is 583.", "The badge number of Olivia Grant is 635."),
+    _fact("multikey", "The shelf code for box 283 is 7140.", "What is the shelf code for box 283?", "7140",
+          "The shelf code for box 238 is 4071.", "The shelf code for box 832 is 1704."),
+    Fact("split", ("The first word of the gate phrase is AMBER.", "The second word of the gate phrase is FALCON."),
+         "What is the gate phrase? Give its first word and then its second word.", ("amber", "falcon"),
+         "The first word of the gate phrase is"),
+    Fact("split", ("The first stop of the night train is at Linden.",
+                   "The second stop of the night train is at Marlow."),
+         "What are the first and the second stop of the night train?", ("linden", "marlow"),
+         "The first stop of the night train is at"),
 )
 HALVES = {"choose": FACTS[0::2], "report": FACTS[1::2]}
 FACT_SETS = ("all", *HALVES)

@@ -22,11 +22,11 @@ def _documents(length: int):
     return tok, eval_longdoc.Documents(tok, length)
 
 
-def test_halves_hold_one_fact_of_every_kind_and_share_none():
+def test_halves_hold_two_facts_of_every_kind_and_share_none():
     choose, report = ld.HALVES["choose"], ld.HALVES["report"]
     assert not set(choose) & set(report) and set(choose) | set(report) == set(ld.FACTS)
     kinds = {"code", "name", "phrase", "multikey", "split"}
-    assert Counter(f.kind for f in choose) == Counter(f.kind for f in report) == {k: 1 for k in kinds}
+    assert Counter(f.kind for f in choose) == Counter(f.kind for f in report) == {k: 2 for k in kinds}
     for f in ld.FACTS:  # the answer follows the prefix the assistant turn starts with, in the fact's first sentence
         first = f.sentences[0]
         assert first.startswith(f.answer_prefix) and f.answers[0].lower() in first[len(f.answer_prefix):].lower()
