@@ -13,28 +13,38 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sgl_kvq.attention_ref import gather_context, read_base, visible_from, window_mask
+from sgl_kvq.attention_ref import gather_context, hidden_pages, read_base, visible_from, window_mask
 from sgl_kvq.plan import LayerKV, PagedPlan, PagedReread
 
 
 def extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, qo_indptr: torch.Tensor, kv: LayerKV,
            plan: PagedPlan, sm_scale: float,
-           contexts: list[tuple[torch.Tensor, torch.Tensor]] | None = None, window: int = -1) -> torch.Tensor:
+           contexts: list[tuple[torch.Tensor, torch.Tensor]] | None = None, window: int = -1,
+           context_at: list[int] | None = None) -> torch.Tensor:
     """q [N, Hq, D], k_new/v_new [N, H, D]: request b's new tokens are rows qo_indptr[b]:qo_indptr[b+1] -> [N, Hq, Dv]
     in q's dtype, computed in fp32 as the reference is. The prefix is the plan's pages and frames, or contexts[b] (its
-    K/V [T, H, D] from elsewhere, e.g. SpeCache's 16-bit host tier); a sliding `window` (attention_ref) hides what
-    lies before it."""
+    K/V [T, H, D] from elsewhere, e.g. SpeCache's 16-bit host tier, from position context_at[b] (0 where None) to the
+    prefix's end: a reader may leave out what the window hides); a sliding `window` (attention_ref) hides what lies
+    before it."""
     out = _output(q, v_new)
     for b, lo, hi in _requests(qo_indptr):
         k, v = k_new[lo:hi].float(), v_new[lo:hi].float()
-        kp, vp = gather_context(kv, plan, b) if contexts is None else (contexts[b][0].float(), contexts[b][1].float())
-        n, p = hi - lo, kp.shape[0]
+        n = hi - lo
+        # the prefix before the first query's window is never seen: its whole pages are not even dequantized
+        if contexts is None:
+            p = plan.seq_len(b, kv.G)
+            first = int(visible_from(p, window))
+            skip = hidden_pages(plan, b, kv.G, first)
+            (kp, vp), at = gather_context(kv, plan, b, skip_pages=skip), skip * kv.G
+        else:
+            (kp, vp), at = (contexts[b][0].float(), contexts[b][1].float()), context_at[b] if context_at else 0
+            p = at + kp.shape[0]
+            first = int(visible_from(p, window))
+            assert first >= at, (first, at)  # the window reaches no further back than the context given
         mask = None  # no cached prefix and nothing out of the window: the fused causal path
         if p or 0 <= window < n - 1:
-            # the prefix before the first query's window is never seen: not read into the attention at all
-            first = int(visible_from(p, window))
-            mask = window_mask(n, p, window, q.device)[:, first:]
-            k, v = torch.cat([kp[first:], k]), torch.cat([vp[first:], v])
+            mask = window_mask(n, p, window, q.device, first)
+            k, v = torch.cat([kp[first - at:], k]), torch.cat([vp[first - at:], v])
         out[lo:hi] = _sdpa(q[lo:hi], k, v, mask, sm_scale)
     return out
 
@@ -72,22 +82,25 @@ def extend_paged(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, qo_i
     G, ring = kv.G, reread.ring
     out = _output(q, v_new)
     for b, lo, hi in _requests(qo_indptr):
-        kp, vp = gather_context(kv, plan, b, frames=frames[b])
-        p, f0 = kp.shape[0], reread.first_page[b] * G
+        p, f0 = plan.seq_len(b, G), int(reread.first_page[b]) * G
+        # whole pages before every query's window are not read; the context starts at position `at`
+        skip = min(hidden_pages(plan, b, G, int(visible_from(p, window))), f0 // G)
+        kp, vp = gather_context(kv, plan, b, frames=frames[b], skip_pages=skip)
+        at = skip * G
         kq, vq = read_base(kv, reread.pages[b]) if reread.pages[b].numel() else (kp[:0], vp[:0])
-        # every position's quantized reading (positions 0 .. f0 + len(kq)) and its fp16 one (positions f0 .. s)
-        k_quant, v_quant = torch.cat([kp[:f0], kq]), torch.cat([vp[:f0], vq])
-        k_fp, v_fp = torch.cat([kp[f0:], k_new[lo:hi].float()]), torch.cat([vp[f0:], v_new[lo:hi].float()])
+        # every position's quantized reading (positions at .. f0 + len(kq)) and its fp16 one (positions f0 .. s)
+        k_quant, v_quant = torch.cat([kp[:f0 - at], kq]), torch.cat([vp[:f0 - at], vq])
+        k_fp, v_fp = torch.cat([kp[f0 - at:], k_new[lo:hi].float()]), torch.cat([vp[f0 - at:], v_new[lo:hi].float()])
         s = p + hi - lo
         start = p
         while start < s:
             end = min((start // G + 1) * G, s)
             cut = max(f0, (start // G - ring + 1) * G)  # the page's queries read positions >= cut in fp16
             first = int(visible_from(start, window))
-            k = torch.cat([k_quant[first:cut], k_fp[max(first, cut) - f0:end - f0]])
-            v = torch.cat([v_quant[first:cut], v_fp[max(first, cut) - f0:end - f0]])
+            k = torch.cat([k_quant[first - at:cut - at], k_fp[max(first, cut) - f0:end - f0]])
+            v = torch.cat([v_quant[first - at:cut - at], v_fp[max(first, cut) - f0:end - f0]])
             rows = slice(lo + start - p, lo + end - p)
-            mask = window_mask(end - start, start, window, q.device)[:, first:]
+            mask = window_mask(end - start, start, window, q.device, first)
             out[rows] = _sdpa(q[rows], k, v, mask, sm_scale)
             start = end
     return out

@@ -37,21 +37,38 @@ def frame_rows(kv: LayerKV, plan: PagedPlan, b: int) -> tuple[torch.Tensor, torc
 
 
 def gather_context(kv: LayerKV, plan: PagedPlan, b: int, base: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   frames: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   frames: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   skip_pages: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Request b's keys and values, [T, H, D] fp32, dequantized from its own pages only (as its format reads
     them: PageCodec.read_pages; its overlay tokens through PageCodec.read_overlay). `base`: its base pages already read
     (read_base of plan_pages(plan, b)); `frames`: its frames already read (frame_rows), e.g. before a write that
-    reuses them."""
+    reuses them. `skip_pages`: that many leading base pages are not read (a sliding window hides them; at most
+    full_base_pages): the context starts at position skip_pages * G."""
     G = kv.G
     H, D = kv.ov_k.shape[2], kv.ov_k.shape[3]
     fmt = of_extras(kv.extras)
-    k_base, v_base = base if base is not None else read_base(kv, plan_pages(plan, b))
+    assert 0 <= skip_pages <= full_base_pages(plan, b, G), (skip_pages, plan.base_len(b, G))
+    if base is None:
+        k_base, v_base = read_base(kv, plan_pages(plan, b)[skip_pages:])
+    else:
+        k_base, v_base = base[0][skip_pages * G:], base[1][skip_pages * G:]
     k_fr, v_fr = frames if frames is not None else frame_rows(kv, plan, b)
     k_ov, v_ov = fmt.codec.read_overlay(k_fr.reshape(-1, H, D), v_fr.reshape(-1, H, D))
-    nb, no = plan.base_len(b, G), plan.overlay_len(b, G)
+    nb, no = plan.base_len(b, G) - skip_pages * G, plan.overlay_len(b, G)
     k = torch.cat([k_base[:nb], k_ov[:no]])
     v = torch.cat([v_base[:nb], v_ov[:no]])
     return k, v
+
+
+def full_base_pages(plan: PagedPlan, b: int, G: int) -> int:
+    """Request b's base pages that are full (every one but a partly filled last)."""
+    return plan.base_len(b, G) // G
+
+
+def hidden_pages(plan: PagedPlan, b: int, G: int, first: int) -> int:
+    """Request b's leading base pages wholly before context position `first` (visible_from of its earliest query):
+    what a sliding window lets a reader skip."""
+    return min(first // G, full_base_pages(plan, b, G))
 
 
 def visible_from(query_pos, window: int):
@@ -61,10 +78,10 @@ def visible_from(query_pos, window: int):
     return (query_pos - window).clamp(min=0) if isinstance(query_pos, torch.Tensor) else max(query_pos - window, 0)
 
 
-def window_mask(n: int, p: int, window: int, device: torch.device) -> torch.Tensor:
-    """[n, p + n] bool: new token i (at position p + i, after a prefix of p tokens) sees positions
-    visible_from(p + i) .. p + i."""
-    t = torch.arange(p + n, device=device)[None, :]
+def window_mask(n: int, p: int, window: int, device: torch.device, first: int = 0) -> torch.Tensor:
+    """[n, p + n - first] bool: new token i (at position p + i, after a prefix of p tokens) sees positions
+    visible_from(p + i) .. p + i, of the columns for positions first .. p + n - 1."""
+    t = torch.arange(first, p + n, device=device)[None, :]
     i = torch.arange(p, p + n, device=device)[:, None]
     return (t <= i) & (t >= visible_from(i, window))
 

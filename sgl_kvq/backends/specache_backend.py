@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from sgl_kvq import attention_extend
+from sgl_kvq.attention_ref import visible_from
 from sgl_kvq.backends.base import sliding_window
 from sgl_kvq.backends.torch_backend import KVQTorchBackend
 from sgl_kvq.metadata.forward import build_forward_plan, read_plan
@@ -72,11 +73,13 @@ class KVQSpeCacheBackend(KVQTorchBackend):
     def attend_extend(self, q, k, v, layer, forward_batch, save_kv_cache):
         q, k, v, li = self._views(q, k, v, layer)
         step = self.forward_plan.steps[0]  # specache extends are "full" (config.py): one step
-        contexts = None
+        contexts, at, window = None, None, sliding_window(layer)
         if self.store.cfg.params.prefix == "host":
-            contexts = [self.sc.host.rows(li, s) for s in self.prefix_slots]
+            # a sliding layer reads from the host only the rows its window reaches
+            at = [int(visible_from(s.numel(), window)) for s in self.prefix_slots]
+            contexts = [self.sc.host.rows(li, s[a:]) for s, a in zip(self.prefix_slots, at)]
         out = attention_extend.extend(q, k, v, step.qo_indptr, self.store.layer_view(li), step.plan, layer.scaling,
-                                      contexts=contexts, window=sliding_window(layer))
+                                      contexts=contexts, window=window, context_at=at)
         if save_kv_cache:
             self.store.write_layer(li, step.write, k, v, kernels=self.write_kernels)
             self.sc.host.write(li, step.write.slots, k, v)

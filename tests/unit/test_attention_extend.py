@@ -71,6 +71,13 @@ def test_contexts_from_elsewhere():
     out = attention_extend.extend(q, k, v, qo, kv, plan, scale, contexts=contexts)
     torch.testing.assert_close(out, ref_extend(q, k, v, qo, kv, plan, scale, contexts=contexts),
                                rtol=1e-5, atol=1e-5)
+    # under a window, a context may start where the window does: the rows before it are not needed
+    for window in (0, 9, 40):
+        want = ref_extend(q, k, v, qo, kv, plan, scale, contexts=contexts, window=window)
+        at = [max(c[0].shape[0] - window, 0) for c in contexts]
+        cut = [(ck[a:], cv[a:]) for (ck, cv), a in zip(contexts, at)]
+        out = attention_extend.extend(q, k, v, qo, kv, plan, scale, contexts=cut, window=window, context_at=at)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from paged_pool import SHAPES, make_pool, random_requests
-from sgl_kvq import attention_batched, attention_extend, attention_pages, padded
+from sgl_kvq import attention_batched, attention_extend, attention_pages, attention_ref, padded
 from sgl_kvq.attention_ref import gather_context, ref_decode, ref_extend, window_mask
 from sgl_kvq.kernels import cpu_decode_attention
 
@@ -105,3 +105,33 @@ def test_extend_matches_the_reference_under_windows(bits, B):
             ref = ref_extend(q, k, v, qo, kv, plan, D ** -0.5, window=window)
             out = attention_extend.extend(q, k, v, qo, kv, plan, D ** -0.5, window=window)
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"W={window}: {m}")
+
+
+@pytest.mark.parametrize("n,p,window,first", [(4, 9, 3, 6), (1, 40, 0, 40), (5, 20, -1, 0), (3, 70, 16, 32)])
+def test_window_mask_from_a_column_is_the_whole_mask_cut_there(n, p, window, first):
+    cpu = torch.device("cpu")
+    assert torch.equal(window_mask(n, p, window, cpu, first), window_mask(n, p, window, cpu)[:, first:])
+
+
+@pytest.mark.parametrize("fmt", ["kivi", "gear"])
+@pytest.mark.parametrize("window", [0, 5, 16, 40])
+def test_extend_under_a_window_does_not_dequantize_the_pages_it_hides(monkeypatch, fmt, window):
+    """A short extend after a long prefix (a question after a long document) reads only the base pages its window
+    reaches, and still equals the reference, which reads every page."""
+    G, H, D = 16, 2, 64
+    reqs = [(10 * G, 7)]  # ten base pages, then an overlay frame
+    kv, plan = make_pool(G, H, D, D, 2, reqs, torch.float32, seed=window, fmt=fmt)
+    gen = torch.Generator().manual_seed(window)
+    n = 3
+    q, k, v = (torch.randn(n, h, D, generator=gen) for h in (2 * H, H, H))
+    qo = torch.tensor([0, n])
+    read = []
+    real_read_base = attention_ref.read_base
+    monkeypatch.setattr(attention_ref, "read_base", lambda kv_, pages: read.append(pages.numel()) or
+                        real_read_base(kv_, pages))
+    out = attention_extend.extend(q, k, v, qo, kv, plan, D ** -0.5, window=window)
+    first = 10 * G + 7 - window  # the first position the first new token sees
+    assert read == [10 - first // G], read  # the page holding `first` and every base page after it
+    monkeypatch.setattr(attention_ref, "read_base", real_read_base)
+    torch.testing.assert_close(out, ref_extend(q, k, v, qo, kv, plan, D ** -0.5, window=window), rtol=1e-5,
+                               atol=1e-5)
