@@ -74,8 +74,12 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    rows = [measure(c, args.bits, args.new, args.reps) for c in args.context]
+    try:
+        rows = [measure(c, args.bits, args.new, args.reps) for c in args.context]
+    finally:
+        torch.set_num_threads(threads)
     for r in rows:
         print(r["context"], r["ms"], f"{r['sliding_speedup']}x")
     if args.json:
