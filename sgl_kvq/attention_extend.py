@@ -1,8 +1,9 @@
 """Extend attention over the packed paged base plus the fp16 overlay: the compute of `kvq_torch` extend.
 
 Same result as attention_ref.ref_extend (its oracle; tests/unit/test_attention_extend.py) through torch's fused
-scaled-dot-product attention: each request's cached prefix is dequantized once from its own pages
-(attention_ref.gather_context) and its new tokens attend to it and causally to themselves, GQA inside the fused op.
+scaled-dot-product attention: each request's cached prefix is dequantized once from its own pages, from the first
+page its window reaches (attention_ref.gather_context), and its new tokens attend to it and causally to themselves,
+GQA inside the fused op.
 A paged prefill in one step (extend_paged) reads each page once and attends one query page at a time.
 Why: 16 single-request ShareGPT prefills through the engine (SmolLM2, 2-core CPU) took 4.8 s with the reference's
 einsums, 2.6 s with this; bf16's torch_native 2.9 s.
